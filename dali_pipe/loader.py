@@ -1,0 +1,36 @@
+"""A thin, epoch-exact wrapper over DALIGenericIterator that yields `(images, labels)`.
+
+Lightning may stop iterating before an epoch ends (sanity-check validation, `max_steps`,
+`limit_*_batches`). A DALI iterator abandoned mid-epoch would hand the rest of that epoch to the
+next `iter()`, giving a short or doubled epoch (DALI issue #3865). This wrapper finishes an
+abandoned epoch before starting the next one, so every `iter()` yields exactly `len()` batches.
+"""
+from __future__ import annotations
+
+from .pipeline import READER_NAME
+
+
+class DaliLoader:
+    def __init__(self, pipe, *, training: bool):
+        from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
+
+        # Training drops each rank's last partial batch; validation keeps every sample exactly
+        # once (PARTIAL trims the reader's padding). reader_name sizes the epoch and shard.
+        self._it = DALIGenericIterator(
+            [pipe], ["images", "labels"], reader_name=READER_NAME, auto_reset=True,
+            last_batch_policy=LastBatchPolicy.DROP if training else LastBatchPolicy.PARTIAL)
+        self._open = False  # an epoch was started and not run to its end
+        self.batch_size = pipe.max_batch_size
+
+    def __len__(self) -> int:
+        return len(self._it)
+
+    def __iter__(self):
+        if self._open:
+            for _ in self._it:  # finish the abandoned epoch; auto_reset rewinds at its end
+                pass
+        self._open = True
+        for batch in self._it:
+            out = batch[0]
+            yield out["images"], out["labels"].view(-1).long()
+        self._open = False

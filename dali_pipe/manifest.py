@@ -1,0 +1,214 @@
+"""Read `dataset.tsv` into a checked list of (file, label) samples and a train/val split.
+
+The manifest is the single source of truth for what a run trains on: the S3 sync downloads only
+the files it lists, the scan checks only those, and the pipelines read only those.
+
+Columns: `image_path` (required, relative to the dataset root), `label` (optional; else the
+parent folder name), `split` (optional, train/val; else a deterministic stratified split).
+"""
+from __future__ import annotations
+
+import csv
+import os
+import posixpath
+import random
+import warnings
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+MANIFEST_NAME = "dataset.tsv"
+SPLITS = {"train": "train", "val": "val", "validation": "val"}
+
+
+class ManifestError(ValueError):
+    """The manifest cannot be used as it is; the message says which row or column and the fix."""
+
+
+@dataclass(frozen=True)
+class Sample:
+    path: str  # absolute path of the image on local disk
+    label: int  # index into Manifest.classes
+    line: int  # line number in dataset.tsv (header is line 1), for error messages
+
+
+@dataclass
+class Manifest:
+    root: Path
+    classes: list[str]
+    train: list[Sample]
+    val: list[Sample]
+    missing: list[str] = field(default_factory=list)  # image_path values skipped (--skip-missing)
+    duplicates: int = 0  # duplicate rows dropped
+
+    @property
+    def id2label(self) -> dict[int, str]:
+        return dict(enumerate(self.classes))
+
+    def without(self, bad: set[str]) -> "Manifest":
+        """The same manifest with the files in `bad` (absolute paths) left out."""
+        return Manifest(self.root, self.classes, [s for s in self.train if s.path not in bad],
+                        [s for s in self.val if s.path not in bad], self.missing, self.duplicates)
+
+
+def _preview(items: list[str], n: int = 5) -> str:
+    shown = ", ".join(repr(i) for i in items[:n])
+    return f"{shown}{f' ... and {len(items) - n} more' if len(items) > n else ''} ({len(items)} in all)"
+
+
+def safe_relpath(image_path: str, root: Path) -> str:
+    """Normalise a manifest path to a POSIX path relative to `root`, refusing any that escapes it.
+
+    Purely lexical: nothing is opened, so a hostile row never touches the file system.
+    Raises ValueError with the reason.
+    """
+    p = image_path.replace("\\", "/")
+    if not p:
+        raise ValueError("empty image_path")
+    if "\x00" in p:
+        raise ValueError("image_path contains a NUL byte")
+    if posixpath.isabs(p) or (len(p) > 1 and p[1] == ":"):
+        root_s = str(root.resolve()).replace("\\", "/").rstrip("/") + "/"
+        norm = posixpath.normpath(p)
+        if not norm.startswith(root_s):
+            raise ValueError(f"absolute path {image_path!r} is outside the dataset root {str(root)!r}")
+        p = norm[len(root_s):]
+    norm = posixpath.normpath(p)
+    if norm == "." or norm.startswith("../") or norm == ".." or posixpath.isabs(norm):
+        raise ValueError(f"path {image_path!r} escapes the dataset root (uses '..')")
+    return norm
+
+
+def read_table(tsv: Path | str) -> "pandas.DataFrame":  # noqa: F821
+    """Load the TSV as strings, tolerating a BOM, CRLF, padding spaces and blank lines.
+
+    The returned frame keeps a `_line` column with each row's line number in the file.
+    """
+    import pandas as pd
+
+    try:
+        df = pd.read_csv(tsv, sep="\t", dtype=str, keep_default_na=False, encoding="utf-8-sig",
+                         quoting=csv.QUOTE_NONE, skip_blank_lines=False, engine="python")
+    except FileNotFoundError:
+        raise ManifestError(f"{tsv}: no such manifest. Put a {MANIFEST_NAME} with an 'image_path' "
+                            "column at the dataset root, or pass the right --data.") from None
+    except UnicodeDecodeError as e:
+        raise ManifestError(f"{tsv}: not UTF-8 text ({e.reason} at byte {e.start}); save it as UTF-8.") from None
+    except pd.errors.EmptyDataError:
+        raise ManifestError(f"{tsv}: the file is empty; it needs a header line with 'image_path'.") from None
+    except pd.errors.ParserError as e:
+        raise ManifestError(f"{tsv}: not a tab-separated table ({e}). Each line needs the same "
+                            "number of tab-separated fields as the header.") from None
+    df.columns = [str(c).strip() for c in df.columns]
+    df = df.fillna("")  # short lines leave missing fields
+    df["_line"] = range(2, len(df) + 2)
+    for c in df.columns.drop("_line"):
+        df[c] = df[c].str.strip()
+    blank = (df.drop(columns="_line") == "").all(axis=1)
+    return df[~blank].reset_index(drop=True)
+
+
+def read_manifest(root: Path | str, *, val_fraction: float = 0.1, seed: int = 0,
+                  skip_missing: bool = False, tsv: Path | str | None = None) -> Manifest:
+    """Parse and check `root/dataset.tsv`. Raises ManifestError naming the row/column and the fix."""
+    root = Path(root)
+    tsv = Path(tsv) if tsv else root / MANIFEST_NAME
+    df = read_table(tsv)
+    if "image_path" not in df.columns:
+        cols = [c for c in df.columns if c != "_line"]
+        raise ManifestError(f"{tsv}: no 'image_path' column (found {cols}). Add a header line whose "
+                            "first field is image_path, tab-separated.")
+    if df.empty:
+        raise ManifestError(f"{tsv}: no rows. List at least two classes of images under 'image_path'.")
+
+    problems: list[str] = []
+    rows: dict[str, tuple[int, str, str | None]] = {}  # rel path -> (line, label, split)
+    duplicates = 0
+    has_label = "label" in df.columns
+    has_split = "split" in df.columns
+    for rec in df.to_dict("records"):
+        line = rec["_line"]
+        try:
+            rel = safe_relpath(rec["image_path"], root)
+        except ValueError as e:
+            problems.append(f"line {line}: {e}; refused. Paths must stay inside the dataset root.")
+            continue
+        label = rec["label"] if has_label and rec["label"] else None
+        if label is None:
+            parent = posixpath.basename(posixpath.dirname(rel))
+            if not parent:
+                problems.append(f"line {line}: {rel!r} has no 'label' and no class folder; "
+                                "fill the label column or move it into a class folder.")
+                continue
+            label = parent
+        split = None
+        if has_split and rec["split"]:
+            split = SPLITS.get(rec["split"].lower())
+            if split is None:
+                problems.append(f"line {line}: split {rec['split']!r} is not one of train/val.")
+                continue
+        if rel in rows:
+            first_line, first_label, first_split = rows[rel]
+            if (first_label, first_split) != (label, split):
+                problems.append(f"line {line}: {rel!r} repeats line {first_line} with another "
+                                f"label or split ({label!r} vs {first_label!r}); keep one row.")
+            duplicates += 1
+            continue
+        rows[rel] = (line, label, split)
+    if problems:
+        raise ManifestError(f"{tsv}: {len(problems)} bad row(s):\n  " + "\n  ".join(problems[:20])
+                            + (f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""))
+    if duplicates:
+        warnings.warn(f"{tsv}: dropped {duplicates} duplicate row(s) (same image_path, label and split).")
+
+    missing = [rel for rel in rows if not os.path.isfile(root / rel)]
+    if missing and not skip_missing:
+        raise ManifestError(f"{tsv}: {len(missing)} listed file(s) missing under {root}: "
+                            f"{_preview(missing)}. Sync the data again, fix the paths, or pass "
+                            "--skip-missing to train without them.")
+    for rel in missing:
+        del rows[rel]
+
+    classes = sorted({label for _, label, _ in rows.values()})
+    if len(classes) < 2:
+        raise ManifestError(f"{tsv}: found {len(classes)} class(es) {classes}; a classifier needs "
+                            "at least two. Check the 'label' column or the class folders.")
+    index = {c: i for i, c in enumerate(classes)}
+    samples = {rel: Sample(str((root / rel).resolve()), index[label], line)
+               for rel, (line, label, _) in rows.items()}
+
+    if has_split and any(split for _, _, split in rows.values()):
+        unsplit = [rel for rel, (_, _, s) in rows.items() if s is None]
+        if unsplit:
+            raise ManifestError(f"{tsv}: the 'split' column is empty for {_preview(unsplit)}; "
+                                "give every row train or val, or drop the column.")
+        train = [samples[r] for r, (_, _, s) in rows.items() if s == "train"]
+        val = [samples[r] for r, (_, _, s) in rows.items() if s == "val"]
+    else:
+        train, val = stratified_split(list(samples.values()), val_fraction, seed)
+    if not train:
+        raise ManifestError(f"{tsv}: no training rows after the split; lower --val-fraction "
+                            "or mark some rows split=train.")
+    return Manifest(root, classes, train, val, missing, duplicates)
+
+
+def stratified_split(samples: list[Sample], val_fraction: float, seed: int) -> tuple[list[Sample], list[Sample]]:
+    """Per class, a seeded shuffle of the sorted paths; the first round(n*fraction) go to val.
+
+    Each class with at least two images keeps at least one in train and, when the fraction is
+    positive, gives at least one to val. The result depends only on the file list and the seed.
+    """
+    by_class: dict[int, list[Sample]] = defaultdict(list)
+    for s in sorted(samples, key=lambda s: s.path):
+        by_class[s.label].append(s)
+    rng = random.Random(seed)
+    train, val = [], []
+    for label in sorted(by_class):
+        group = by_class[label]
+        rng.shuffle(group)
+        n_val = round(len(group) * val_fraction)
+        if val_fraction > 0 and len(group) >= 2:
+            n_val = min(max(n_val, 1), len(group) - 1)
+        val += group[:n_val]
+        train += group[n_val:]
+    return train, val

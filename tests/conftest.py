@@ -1,0 +1,50 @@
+"""Shared fixtures: small real-photo datasets in the seed's layout, and the GPU marker."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+
+def _has_gpu() -> tuple[bool, str]:
+    try:
+        import torch
+    except ImportError:
+        return False, "torch is not installed"
+    if not torch.cuda.is_available():
+        return False, "no CUDA GPU visible (these tests run on the GPU check machine)"
+    try:
+        import nvidia.dali  # noqa: F401
+    except ImportError:
+        return False, "DALI is not installed"
+    return True, ""
+
+
+def pytest_collection_modifyitems(config, items):
+    ok, why = _has_gpu()
+    if ok:
+        return
+    skip = pytest.mark.skip(reason=f"GPU test skipped: {why}")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def photo_root(tmp_path_factory) -> Path:
+    """4 classes x 12 real-photo JPEGs (96-160 px), manifest without a label column."""
+    from dali_pipe.demo import make_photo_dataset
+
+    return make_photo_dataset(tmp_path_factory.mktemp("photos"), classes=4, per_class=12)
+
+
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch) -> Path:
+    d = tmp_path / "cache"
+    monkeypatch.setenv("DALI_PIPE_CACHE", str(d))
+    return d

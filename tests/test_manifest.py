@@ -1,0 +1,135 @@
+"""dataset.tsv parsing: labels, splits, and an error naming the row/column for each bad case."""
+from __future__ import annotations
+
+import pytest
+
+from dali_pipe.manifest import ManifestError, read_manifest, stratified_split
+
+
+def _write(root, text: str, files=(), raw: bytes | None = None):
+    root.mkdir(parents=True, exist_ok=True)
+    for f in files:
+        (root / f).parent.mkdir(parents=True, exist_ok=True)
+        (root / f).write_bytes(b"x")
+    (root / "dataset.tsv").write_bytes(raw if raw is not None else text.encode())
+    return root
+
+
+FILES = ["cat/a.jpg", "cat/b.jpg", "cat/c.jpg", "dog/a.jpg", "dog/b.jpg", "dog/c.jpg"]
+
+
+def test_label_from_parent_folder_and_sorted_classes(tmp_path):
+    """Without a label column the class is the parent folder; classes are sorted."""
+    root = _write(tmp_path / "d", "image_path\n" + "\n".join(reversed(FILES)) + "\n", FILES)
+    m = read_manifest(root, val_fraction=0.0)
+    assert m.classes == ["cat", "dog"]
+    assert sorted((s.path.split("/")[-2], s.label) for s in m.train) == sorted(
+        [("cat", 0)] * 3 + [("dog", 1)] * 3)
+    assert m.val == []
+
+
+def test_label_column_overrides_folder(tmp_path):
+    """An explicit label wins over the folder name."""
+    text = "image_path\tlabel\n" + "".join(f"{f}\t{'x' if i % 2 else 'y'}\n" for i, f in enumerate(FILES))
+    m = read_manifest(_write(tmp_path / "d", text, FILES), val_fraction=0.0)
+    assert m.classes == ["x", "y"]
+
+
+def test_split_column_is_used(tmp_path):
+    text = "image_path\tsplit\n" + "".join(f"{f}\t{'val' if f.endswith('a.jpg') else 'train'}\n" for f in FILES)
+    m = read_manifest(_write(tmp_path / "d", text, FILES))
+    assert sorted(s.path.split("/")[-1] for s in m.val) == ["a.jpg", "a.jpg"]
+    assert len(m.train) == 4
+
+
+def test_stratified_split_is_deterministic_and_per_class(tmp_path):
+    """Same seed, same split; every class gets val rows; a different seed changes it."""
+    files = [f"c{c}/{i}.jpg" for c in range(3) for i in range(20)]
+    root = _write(tmp_path / "d", "image_path\n" + "\n".join(files), files)
+    a = read_manifest(root, val_fraction=0.2, seed=1)
+    b = read_manifest(root, val_fraction=0.2, seed=1)
+    c = read_manifest(root, val_fraction=0.2, seed=2)
+    assert [s.path for s in a.val] == [s.path for s in b.val]
+    assert [s.path for s in a.val] != [s.path for s in c.val]
+    assert sorted({s.label for s in a.val}) == [0, 1, 2]
+    assert len(a.val) == 12 and len(a.train) == 48
+    assert not {s.path for s in a.val} & {s.path for s in a.train}
+
+
+def test_stratified_split_keeps_small_classes_in_train():
+    from dali_pipe.manifest import Sample
+
+    samples = [Sample(f"/x/{c}{i}", c, 2) for c in range(2) for i in range(2)]
+    train, val = stratified_split(samples, 0.9, 0)
+    assert len(train) == 2 and len(val) == 2
+
+
+@pytest.mark.parametrize("text,files,needle", [
+    ("path\tlabel\ncat/a.jpg\tcat\n", ["cat/a.jpg"], "no 'image_path' column"),
+    ("image_path\n", [], "no rows"),
+    ("image_path\ncat/a.jpg\ncat/b.jpg\n", ["cat/a.jpg", "cat/b.jpg"], "at least two"),
+    ("image_path\ncat/a.jpg\ndog/zzz.jpg\n", ["cat/a.jpg"], "missing"),
+    ("image_path\ncat/a.jpg\n../escape.jpg\n", ["cat/a.jpg"], "line 3"),
+    ("image_path\ncat/a.jpg\n/etc/passwd\n", ["cat/a.jpg"], "outside the dataset root"),
+    ("image_path\ncat/a.jpg\nloose.jpg\n", ["cat/a.jpg", "loose.jpg"], "no class folder"),
+    ("image_path\tsplit\ncat/a.jpg\ttrain\ndog/a.jpg\ttest\n", ["cat/a.jpg", "dog/a.jpg"], "not one of train/val"),
+])
+def test_errors_name_the_problem(tmp_path, text, files, needle):
+    """Each bad manifest gets a ManifestError that says what is wrong and where."""
+    with pytest.raises(ManifestError, match=needle):
+        read_manifest(_write(tmp_path / "d", text, files))
+
+
+def test_missing_files_listed_with_count_and_skippable(tmp_path):
+    files = ["cat/a.jpg", "dog/a.jpg"]
+    listed = files + [f"dog/m{i}.jpg" for i in range(7)]
+    root = _write(tmp_path / "d", "image_path\n" + "\n".join(listed), files)
+    with pytest.raises(ManifestError) as e:
+        read_manifest(root)
+    assert "7 listed file(s) missing" in str(e.value) and "2 more" in str(e.value) and "--skip-missing" in str(e.value)
+    m = read_manifest(root, skip_missing=True, val_fraction=0)
+    assert len(m.train) == 2 and len(m.missing) == 7
+
+
+def test_hostile_formatting_is_tolerated(tmp_path):
+    """BOM, CRLF, padding spaces, blank lines, extra columns, unicode and spaces in paths."""
+    files = ["chat noir/été 1.jpg", "chat noir/b.jpg", "dog/a.jpg", "dog/b.jpg"]
+    text = ("\ufeffimage_path \t extra\r\n"
+            " chat noir/été 1.jpg \tfoo\r\n\r\n"
+            "chat noir/b.jpg\tbar\r\n"
+            "   \t  \r\n"
+            "dog/a.jpg\t\r\n"
+            "dog/b.jpg\tbaz\r\n")
+    m = read_manifest(_write(tmp_path / "d", "", files, raw=text.encode("utf-8")), val_fraction=0)
+    assert m.classes == ["chat noir", "dog"]
+    assert any(s.path.endswith("été 1.jpg") for s in m.train)
+
+
+def test_duplicate_rows_warn_and_dedupe(tmp_path):
+    files = ["cat/a.jpg", "dog/a.jpg"]
+    root = _write(tmp_path / "d", "image_path\ncat/a.jpg\ncat/a.jpg\ndog/a.jpg\n", files)
+    with pytest.warns(UserWarning, match="1 duplicate"):
+        m = read_manifest(root, val_fraction=0)
+    assert len(m.train) == 2 and m.duplicates == 1
+
+
+def test_conflicting_duplicate_is_refused(tmp_path):
+    files = ["cat/a.jpg", "dog/a.jpg"]
+    root = _write(tmp_path / "d", "image_path\tlabel\ncat/a.jpg\tcat\ncat/a.jpg\tdog\ndog/a.jpg\tdog\n", files)
+    with pytest.raises(ManifestError, match="line 3.*repeats line 2"):
+        read_manifest(root)
+
+
+def test_absolute_path_inside_root_is_allowed(tmp_path):
+    root = _write(tmp_path / "d", "", ["cat/a.jpg", "dog/a.jpg"])
+    (root / "dataset.tsv").write_text(f"image_path\n{root.resolve()}/cat/a.jpg\ndog/a.jpg\n")
+    assert len(read_manifest(root, val_fraction=0).train) == 2
+
+
+def test_escape_is_refused_without_opening(tmp_path):
+    """A '../' row is refused lexically: the file outside the root is never looked at."""
+    outside = tmp_path / "secret.jpg"
+    outside.write_bytes(b"x")
+    root = _write(tmp_path / "d", "image_path\ncat/a.jpg\ndog/a.jpg\n../secret.jpg\n", ["cat/a.jpg", "dog/a.jpg"])
+    with pytest.raises(ManifestError, match="escapes the dataset root"):
+        read_manifest(root)

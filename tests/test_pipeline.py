@@ -1,0 +1,107 @@
+"""The DALI pipeline on the CPU (everywhere) and the GPU (when present), against a PIL + numpy reference."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from dali_pipe.pipeline import PipelineOptions, build_pipeline
+from dali_pipe.spec import ImageSpec
+
+SPEC = ImageSpec(64, 48, mean=(0.5, 0.4, 0.3), std=(0.2, 0.25, 0.3))
+# Tolerance of the validation output against PIL's bilinear (antialiased) resize, in normalised
+# units: DALI and PIL both decode with libjpeg(-turbo) but resample with slightly different filters.
+MEAN_TOL, P99_TOL, MAX_TOL = 0.01, 0.06, 0.35  # measured: 0.003, 0.031, 0.25
+
+
+def _files(root, n=None):
+    from dali_pipe.manifest import read_manifest
+
+    m = read_manifest(root, val_fraction=0)
+    s = m.train[:n] if n else m.train
+    return [x.path for x in s], [x.label for x in s]
+
+
+def _reference(path: str, spec: ImageSpec) -> np.ndarray:
+    from PIL import Image
+
+    im = Image.open(path).convert("RGB").resize((spec.width, spec.height), Image.BILINEAR)
+    x = np.asarray(im, dtype=np.float32) / 255.0
+    x = (x - np.array(spec.mean, np.float32)) / np.array(spec.std, np.float32)
+    return x.transpose(2, 0, 1)
+
+
+def _run(pipe):
+    pipe.build()
+    images, labels = pipe.run()
+    if hasattr(images, "as_cpu"):
+        images, labels = images.as_cpu(), labels.as_cpu()
+    return np.stack([np.asarray(t) for t in images]), np.asarray(labels.as_array()).reshape(-1)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("gpu", marks=pytest.mark.gpu)])
+def test_validation_matches_pil_reference(photo_root, device):
+    """Decode + resize + normalise equals PIL + numpy within the stated mean/p99/max tolerances."""
+    files, labels = _files(photo_root, 8)
+    opts = PipelineOptions(batch_size=8, device=device, device_id=0 if device == "gpu" else None)
+    out, out_labels = _run(build_pipeline(files, labels, SPEC, opts, training=False))
+    ref = np.stack([_reference(f, SPEC) for f in files])
+    assert out.shape == (8, 3, 64, 48) and out.dtype == np.float32
+    err = np.abs(out - ref)
+    assert err.mean() < MEAN_TOL, err.mean()
+    assert np.percentile(err, 99) < P99_TOL, np.percentile(err, 99)
+    assert err.max() < MAX_TOL, err.max()
+    assert list(out_labels) == labels
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("gpu", marks=pytest.mark.gpu)])
+def test_training_output_shape_dtype_and_range(photo_root, device):
+    """Random crop + flip stay inside the normalised [0,1] pixel range; batches differ per run."""
+    files, labels = _files(photo_root)
+    opts = PipelineOptions(batch_size=16, device=device, device_id=0 if device == "gpu" else None, num_threads=2)
+    pipe = build_pipeline(files, labels, SPEC, opts, training=True)
+    a, la = _run(pipe)
+    b, _ = (lambda o: (np.stack([np.asarray(t) for t in (o[0].as_cpu() if device == "gpu" else o[0])]), None))(pipe.run())
+    assert a.shape == (16, 3, 64, 48) and a.dtype == np.float32
+    lo = (0 - np.array(SPEC.mean)) / np.array(SPEC.std)
+    hi = (1 - np.array(SPEC.mean)) / np.array(SPEC.std)
+    for c in range(3):
+        assert a[:, c].min() >= lo[c] - 1e-4 and a[:, c].max() <= hi[c] + 1e-4
+    assert set(la) <= set(labels)
+    assert not np.allclose(a, b)
+
+
+def test_training_crop_is_a_crop_of_the_image(tmp_path):
+    """On a left-dark/right-bright image, a crop + resize + flip keeps that 2-valued content."""
+    from PIL import Image
+
+    from dali_pipe.pipeline import PipelineOptions
+
+    x = np.zeros((200, 300, 3), np.uint8)
+    x[:, 150:] = 255
+    files = []
+    for i in range(4):
+        p = tmp_path / f"{i}.png"
+        Image.fromarray(x).save(p)
+        files.append(str(p))
+    spec = ImageSpec(32, 32, (0.5,) * 3, (0.5,) * 3)
+    out, _ = _run(build_pipeline(files, [0, 1, 0, 1], spec, PipelineOptions(batch_size=4, device="cpu", device_id=None),
+                                 training=True))
+    # every output pixel is black (-1), white (+1) or an interpolated edge; never outside [-1, 1]
+    assert out.min() >= -1 - 1e-5 and out.max() <= 1 + 1e-5
+    assert ((np.abs(np.abs(out) - 1) < 1e-3).mean()) > 0.8
+
+
+def test_resize_shorter_then_center_crop(photo_root):
+    """Processors with shortest_edge + crop_size get resize-shorter then a center crop."""
+    files, labels = _files(photo_root, 4)
+    spec = ImageSpec(32, 32, (0.5,) * 3, (0.5,) * 3, resize_shorter=40)
+    out, _ = _run(build_pipeline(files, labels, spec, PipelineOptions(batch_size=4, device="cpu", device_id=None),
+                                 training=False))
+    assert out.shape == (4, 3, 32, 32)
+
+
+def test_spec_from_vit_processor():
+    from model.vit import load_processor
+
+    s = ImageSpec.from_processor(load_processor("vit-b16-random"))
+    assert (s.height, s.width, s.mean, s.std) == (224, 224, (0.5,) * 3, (0.5,) * 3)

@@ -1,0 +1,113 @@
+"""train.py end to end on the CPU with the tiny ViT and the DALI CPU pipeline (real Trainer, no mocks)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import train
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_fit_learns_and_saved_model_reloads(photo_root, tmp_path, cache_dir):
+    """Loss goes down over a short fit; the saved model reloads with from_pretrained and gives the same logits."""
+    out = tmp_path / "out"
+    res = train.main(["--data", str(photo_root), "--model", "tiny", "--epochs", "4", "--batch-size", "8",
+                      "--device", "cpu", "--output", str(out), "--val-fraction", "0.25", "--num-threads", "1"])
+    assert res["global_step"] == 4 * (36 // 8)
+    events = list((out / "tensorboard").glob("events.*"))
+    assert events, "TensorBoard events written"
+    assert res["train_loss"] < 1.2  # starts near ln(4) = 1.39
+
+    import torch
+    from transformers import AutoImageProcessor, ViTForImageClassification
+
+    model = ViTForImageClassification.from_pretrained(out).eval()
+    assert model.config.id2label == {0: "astronaut", 1: "chelsea", 2: "coffee", 3: "rocket"}
+    assert json.loads((out / "label_map.json").read_text())["0"] == "astronaut"
+    proc = AutoImageProcessor.from_pretrained(out)
+    assert proc.size["height"] == 64
+    ckpt = torch.load(out / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
+    state = {k[len("model."):]: v for k, v in ckpt["state_dict"].items()}
+    twin = ViTForImageClassification(model.config)
+    twin.load_state_dict(state)
+    x = torch.randn(2, 3, 64, 64)
+    with torch.no_grad():
+        np.testing.assert_allclose(model(pixel_values=x).logits, twin.eval()(pixel_values=x).logits, atol=1e-5)
+
+
+def test_loss_goes_down_epoch_over_epoch(photo_root, tmp_path, cache_dir, capsys):
+    train.main(["--data", str(photo_root), "--model", "tiny", "--epochs", "6", "--batch-size", "8",
+                "--device", "cpu", "--output", str(tmp_path / "o"), "--num-threads", "1", "--lr", "2e-3"])
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("METRIC ")]
+    assert len(lines) == 6
+    losses = [float(ln.split("train_loss=")[1].split()[0]) for ln in lines]
+    assert losses[-1] < losses[0] * 0.8, losses
+
+
+def test_invalid_flags_listed_together(tmp_path):
+    """One error names every bad flag with its value and what is allowed."""
+    with pytest.raises(train.UsageError) as e:
+        train.main(["--epochs", "banana", "--batch-size", "0", "--precision", "fp8", "--device", "tpu",
+                    "--val-fraction", "1.5", "--data", str(tmp_path / "nope"), "--scan", "deep"])
+    msg = str(e.value)
+    for needle in ["--epochs: 'banana' is not an integer", "--batch-size: 0", "--precision: 'fp8'",
+                   "--device: 'tpu'", "--val-fraction: 1.5", "--data:", "--scan: 'deep'"]:
+        assert needle in msg, (needle, msg)
+
+
+def test_precision_auto():
+    assert train.resolve_precision("auto", "cpu") == "32-true"
+    assert train.resolve_precision("16-mixed", "cpu") == "16-mixed"
+
+
+def test_cli_documented_form_and_clean_errors(photo_root, tmp_path, cache_dir):
+    """`python train.py --data DIR --model tiny --epochs 2 --device cpu --output OUT` works as written;
+    a bad manifest is one clear line on stderr and exit 2, not a traceback."""
+    out = tmp_path / "OUT"
+    env = {**__import__("os").environ, "DALI_PIPE_CACHE": str(cache_dir)}
+    r = subprocess.run([sys.executable, str(ROOT / "train.py"), "--data", str(photo_root), "--model", "tiny",
+                        "--epochs", "2", "--device", "cpu", "--output", str(out)],
+                       capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.count("METRIC epoch=") == 2 and (out / "config.json").is_file()
+    assert "model, image processor and label map written to" in r.stdout
+
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "dataset.tsv").write_text("image_path\nonly/a.jpg\n")
+    r = subprocess.run([sys.executable, str(ROOT / "train.py"), "--data", str(bad), "--model", "tiny",
+                        "--device", "cpu", "--output", str(tmp_path / "o2")], capture_output=True, text=True,
+                       env=env, timeout=300)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "error:" in r.stderr and "missing" in r.stderr
+
+
+@pytest.mark.gpu
+def test_gpu_fit_with_autocast(photo_root, tmp_path, cache_dir):
+    """On a GPU: mixed decode, outputs on the GPU, and auto precision (bf16 on sm80+, fp16 before)."""
+    import torch
+
+    res = train.main(["--data", str(photo_root), "--model", "tiny", "--epochs", "2", "--batch-size", "8",
+                      "--device", "gpu", "--output", str(tmp_path / "g")])
+    assert res["global_step"] == 2 * (44 // 8)
+    expected = "bf16-mixed" if torch.cuda.get_device_capability()[0] >= 8 else "16-mixed"
+    assert train.resolve_precision("auto", "gpu") == expected
+
+
+@pytest.mark.gpu
+def test_gpu_loader_outputs_on_device(photo_root, tmp_path, cache_dir):
+    from dali_pipe.datamodule import DaliDataModule, DataConfig
+    from dali_pipe.spec import ImageSpec
+
+    dm = DaliDataModule(DataConfig(str(photo_root), tmp_path / "o", batch_size=8, device="gpu", cache_dir=cache_dir),
+                        ImageSpec(64, 64, (0.5,) * 3, (0.5,) * 3))
+    dm.prepare_data()
+    dm.setup("fit")
+    x, y = next(iter(dm.train_dataloader()))
+    assert x.is_cuda and y.is_cuda and y.dtype.is_floating_point is False

@@ -74,7 +74,7 @@ def get_args_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto", help="auto|gpu|cpu; auto picks the GPU when CUDA is available")
     p.add_argument("--devices", type=_typed(_devices, "an integer or 'auto'"), default=1, help="GPUs (or CPU processes) per node; 'auto': all local GPUs")
     p.add_argument("--num-nodes", type=_typed(int, "an integer"), default=1, help="nodes in a multi-node run")
-    p.add_argument("--num-threads", type=_typed(int, "an integer"), default=max(1, _cores() - 1), help="DALI CPU threads per process (cores available minus one)")
+    p.add_argument("--num-threads", type=_typed(int, "an integer"), default=None, help="DALI CPU threads per process; default: cores available minus one (benchmark: all --cpus cores, as many as the baseline's workers)")
     p.add_argument("--val-fraction", type=_typed(float, "a number"), default=0.1, help="validation share per class when the manifest has no split column")
     p.add_argument("--seed", type=_typed(int, "an integer"), default=0, help="seed for split, shuffle, augmentation and init")
     p.add_argument("--output", default="runs/train", help="output dir: model (save_pretrained form), bad_images.tsv, logs, benchmark files")
@@ -115,7 +115,7 @@ def validate_args(args: argparse.Namespace) -> list[str]:
     need("device", args.device in DEVICES, f"is not one of {', '.join(DEVICES)}")
     need("devices", "devices" in bad or args.devices == "auto" or args.devices >= 1, "must be at least 1 or 'auto'")
     need("num_nodes", "num_nodes" in bad or args.num_nodes >= 1, "must be at least 1")
-    need("num_threads", "num_threads" in bad or args.num_threads >= 1, "must be at least 1")
+    need("num_threads", "num_threads" in bad or args.num_threads is None or args.num_threads >= 1, "must be at least 1")
     need("val_fraction", "val_fraction" in bad or 0 <= args.val_fraction < 1, "must be in [0, 1)")
     need("scan", args.scan in MODES, f"is not one of {', '.join(MODES)}")
     need("max_pixels", "max_pixels" in bad or args.max_pixels >= 1, "must be at least 1")
@@ -176,6 +176,8 @@ def resolve_defaults(args: argparse.Namespace) -> argparse.Namespace:
     args.model = args.model or DEFAULT_MODEL
     if args.lr is None:
         args.lr = DEMO_LR if args.model in BUILTIN else FINETUNE_LR
+    if not args.benchmark:  # the benchmark sizes threads after pinning --cpus
+        args.num_threads = args.num_threads or max(1, _cores() - 1)
     args.device = resolve_device(args.device)
     args.precision = resolve_precision(args.precision, args.device)
     args.output = Path(args.output)

@@ -1,0 +1,244 @@
+"""Measure where the time goes: a background sampler (GPU via NVML, CPU and RSS via psutil),
+per-step timings, and a diagnosis in plain words. Used by the benchmark mode and, as a Lightning
+callback (`--monitor`), during normal training.
+
+Diagnosis rules (also in the README):
+- input-bound: data-wait >= 10% of the time. Says whether the CPU is saturated (>= 80%: decoding
+  cannot keep up) or not (I/O or too few workers/threads).
+- compute-bound: data-wait < 10% and, on a GPU, utilization >= 90% (on the CPU: the step dominates).
+- host-bound: data-wait < 10% but the GPU is under 90% busy (launch overhead, syncs, small batch).
+- swings: GPU utilization p5 < 50% while the mean is >= 70%.
+- stalls: steps over 3x the median; named as checkpoint saves or validation when at least half
+  of them coincide with those events.
+"""
+from __future__ import annotations
+
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import pytorch_lightning as pl
+
+INPUT_BOUND_WAIT = 0.10
+GPU_BUSY = 90.0
+CPU_SATURATED = 80.0
+STALL_FACTOR = 3.0
+
+
+class Sampler:
+    """Samples GPU utilization/memory (NVML), CPU utilization of the pinned cores and the RSS of
+    this process and its children, at `hz` in a daemon thread. No GPU sync: NVML reads counters."""
+
+    def __init__(self, hz: float = 20.0, gpu_index: int | None = None):
+        import psutil
+
+        self.period = 1.0 / hz
+        self.proc = psutil.Process()
+        self.cores = sorted(os.sched_getaffinity(0))
+        self.samples: list[tuple[float, float | None, float | None, float, float]] = []  # t, gpu%, gpu MB, cpu%, rss MB
+        self.gpu_note = None
+        self._nvml = self._handle = None
+        if gpu_index is not None:
+            try:
+                import pynvml
+
+                pynvml.nvmlInit()
+                self._nvml = pynvml
+                self._handle = pynvml.nvmlDeviceGetHandleByIndex(gpu_index)
+            except Exception as e:  # no driver, no NVML: GPU fields stay null with this note
+                self.gpu_note = f"NVML unavailable ({type(e).__name__}); GPU fields are null"
+        else:
+            self.gpu_note = "no GPU in use; GPU fields are null (data-wait per step is plotted instead)"
+        self._stop = threading.Event()
+        self._thread = None
+
+    def _rss_mb(self) -> float:
+        rss = self.proc.memory_info().rss
+        for c in self.proc.children(recursive=True):
+            try:
+                rss += c.memory_info().rss
+            except Exception:
+                pass
+        return rss / 2**20
+
+    def _run(self):
+        import psutil
+
+        psutil.cpu_percent(percpu=True)
+        while not self._stop.wait(self.period):
+            per = psutil.cpu_percent(percpu=True)
+            cpu = float(np.mean([per[c] for c in self.cores if c < len(per)]))
+            gpu = mem = None
+            if self._handle is not None:
+                try:
+                    gpu = float(self._nvml.nvmlDeviceGetUtilizationRates(self._handle).gpu)
+                    mem = self._nvml.nvmlDeviceGetMemoryInfo(self._handle).used / 2**20
+                except Exception:
+                    pass
+            self.samples.append((time.perf_counter(), gpu, mem, cpu, self._rss_mb()))
+
+    def start(self):
+        self._thread = threading.Thread(target=self._run, daemon=True, name="monitor-sampler")
+        self._thread.start()
+        return self
+
+    def stop(self):
+        self._stop.set()
+        if self._thread:
+            self._thread.join()
+
+    def window(self, t0: float, t1: float) -> dict:
+        """Summary of the samples taken between t0 and t1 (the timed part, after warm-up)."""
+        s = [x for x in self.samples if t0 <= x[0] <= t1] or self.samples[-1:]
+        gpu = [x[1] for x in s if x[1] is not None]
+        mem = [x[2] for x in s if x[2] is not None]
+        return {
+            "cpu_util_mean": float(np.mean([x[3] for x in s])) if s else None,
+            "rss_peak_mb": float(max(x[4] for x in s)) if s else None,
+            "gpu_util_mean": float(np.mean(gpu)) if gpu else None,
+            "gpu_util_p5": float(np.percentile(gpu, 5)) if gpu else None,
+            "gpu_mem_peak_mb": float(max(mem)) if mem else None,
+            "gpu_timeline": [[round(x[0] - t0, 3), x[1]] for x in s if x[1] is not None],
+        }
+
+
+@dataclass
+class StepLog:
+    """Per-step wall time and time blocked waiting for the batch, plus marked events."""
+    step_s: list[float] = field(default_factory=list)
+    wait_s: list[float] = field(default_factory=list)
+    events: dict[int, str] = field(default_factory=dict)  # step index -> "checkpoint" | "validation"
+
+    def summary(self, batch_size: int) -> dict:
+        st = np.array(self.step_s) if self.step_s else np.zeros(1)
+        total = float(st.sum())
+        return {
+            "steps": len(self.step_s),
+            "images_per_sec": batch_size * len(self.step_s) / total if total > 0 else None,
+            "step_ms_p50": float(np.percentile(st, 50) * 1e3),
+            "step_ms_p95": float(np.percentile(st, 95) * 1e3),
+            "step_ms_max": float(st.max() * 1e3),
+            "data_wait_fraction": float(sum(self.wait_s) / total) if total > 0 else None,
+        }
+
+    def stalls(self) -> dict:
+        if len(self.step_s) < 4:
+            return {"count": 0}
+        st = np.array(self.step_s)
+        med = float(np.median(st))
+        idx = [i for i, s in enumerate(st) if s > STALL_FACTOR * med]
+        kinds = [self.events.get(i) for i in idx]
+        return {"count": len(idx), "median_ms": med * 1e3,
+                "max_ms": float(st.max() * 1e3),
+                "checkpoint": sum(k == "checkpoint" for k in kinds),
+                "validation": sum(k == "validation" for k in kinds)}
+
+
+def diagnose(name: str, m: dict, *, cores: int, model: bool = True) -> list[str]:
+    """Plain-words verdicts with the numbers behind them, for one loader's measurements."""
+    out = []
+    wait = m.get("data_wait_fraction") or 0.0
+    cpu = m.get("cpu_util_mean") or 0.0
+    gpu, p5 = m.get("gpu_util_mean"), m.get("gpu_util_p5")
+    if not model and name == "synthetic":
+        return [f"{name}: tensors already on the device, no input work at all; a reference point only."]
+    if not model:
+        out.append(f"{name}: loader ceiling (no model) is {m.get('images_per_sec', 0):.0f} images/s on {cores} "
+                   f"core(s), with the CPU {cpu:.0f}% busy.")
+    elif wait >= INPUT_BOUND_WAIT:
+        why = (f"decoding on {cores} core(s) cannot keep up with the model" if cpu >= CPU_SATURATED else
+               "the CPU is not saturated, so the loader is starved by I/O or too few workers/threads")
+        gpu_part = f", the GPU only {gpu:.0f}% busy" if gpu is not None else ""
+        out.append(f"{name}: input-bound, {wait:.0%} of each step waits for data while the CPU is {cpu:.0f}% "
+                   f"busy{gpu_part}; {why}.")
+    elif gpu is None:
+        out.append(f"{name}: compute-bound (CPU), the model step dominates and data-wait is {wait:.1%}.")
+    elif gpu >= GPU_BUSY:
+        out.append(f"{name}: compute-bound, the GPU is {gpu:.0f}% busy and data-wait is {wait:.1%}.")
+    else:
+        out.append(f"{name}: host-bound, the GPU is only {gpu:.0f}% busy although data-wait is {wait:.1%}; "
+                   "kernel-launch overhead, syncs or a small batch leave it idle.")
+    if gpu is not None and p5 is not None and p5 < 50 and gpu >= 70:
+        out.append(f"{name}: GPU utilization swings: p5 {p5:.0f}% against a mean of {gpu:.0f}%.")
+    st = m.get("stalls") or {}
+    if st.get("count") and model:
+        cause = ""
+        if st.get("checkpoint", 0) * 2 >= st["count"]:
+            cause = f"; {st['checkpoint']} of them line up with checkpoint saves (save less often or asynchronously)"
+        elif st.get("validation", 0) * 2 >= st["count"]:
+            cause = f"; {st['validation']} of them line up with validation runs"
+        out.append(f"{name}: periodic stalls, {st['count']} step(s) took over {STALL_FACTOR:.0f}x the median "
+                   f"({st['median_ms']:.0f} ms, worst {st['max_ms']:.0f} ms){cause}.")
+    return out
+
+
+class MonitorCallback(pl.Callback):
+    """Lightning callback (`--monitor`): step time, data-wait and GPU utilization during training.
+
+    Data-wait is the host time between the end of one training batch and the start of the next
+    (the fetch); nothing here calls `.item()` or synchronises the GPU. Logs `monitor/*` to the
+    logger each epoch and prints the diagnosis at the end; `self.report` keeps it.
+    """
+
+    def __init__(self, output=None, hz: float = 20.0):
+        self.output, self.hz = output, hz
+        self.steps = StepLog()
+        self.report: dict | None = None
+        self._t_end = self._t_start = None
+        self._pending: str | None = None
+
+    def on_train_start(self, trainer, pl_module):
+        gpu = (pl_module.device.index or 0) if pl_module.device.type == "cuda" else None
+        self.sampler = Sampler(self.hz, gpu).start()
+        self._t0 = time.perf_counter()
+        self._t_end = None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        now = time.perf_counter()
+        self._t_start = now
+        self._wait = (now - self._t_end) if self._t_end is not None else 0.0
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self._t_end = time.perf_counter()
+        if self._t_start is not None:
+            self.steps.step_s.append(self._t_end - self._t_start + self._wait)
+            self.steps.wait_s.append(self._wait)
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint):
+        in_step = self._t_start is not None and (self._t_end is None or self._t_end < self._t_start)
+        self.steps.events[len(self.steps.step_s) - (0 if in_step else 1)] = "checkpoint"
+
+    def on_validation_start(self, trainer, pl_module):
+        if not trainer.sanity_checking and self.steps.step_s:
+            self._val_t = time.perf_counter()
+
+    def on_validation_end(self, trainer, pl_module):
+        if not trainer.sanity_checking and self.steps.step_s and getattr(self, "_val_t", None):
+            self.steps.step_s[-1] += time.perf_counter() - self._val_t
+            self.steps.events.setdefault(len(self.steps.step_s) - 1, "validation")
+            self._val_t = None
+            self._t_end = time.perf_counter()
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        if self.steps.step_s and trainer.logger is not None:
+            w = self.sampler.window(self._t0, time.perf_counter())
+            s = self.steps.summary(1)
+            metrics = {"monitor/data_wait_fraction": s["data_wait_fraction"], "monitor/step_ms_p50": s["step_ms_p50"],
+                       "monitor/cpu_util_mean": w["cpu_util_mean"]}
+            if w["gpu_util_mean"] is not None:
+                metrics["monitor/gpu_util_mean"] = w["gpu_util_mean"]
+            trainer.logger.log_metrics({k: v for k, v in metrics.items() if v is not None}, step=trainer.global_step)
+
+    def on_train_end(self, trainer, pl_module):
+        self.sampler.stop()
+        batch = getattr(trainer.train_dataloader, "batch_size", 1) or 1
+        m = {**self.steps.summary(batch), **self.sampler.window(self._t0, time.perf_counter()),
+             "stalls": self.steps.stalls()}
+        m.pop("gpu_timeline", None)
+        m["diagnosis"] = diagnose("training", m, cores=len(self.sampler.cores))
+        self.report = m
+        if trainer.is_global_zero:
+            for line in m["diagnosis"]:
+                print(f"MONITOR {line}", flush=True)

@@ -236,6 +236,7 @@ def train(args: argparse.Namespace) -> dict:
         save_model(module, processor, args.output)
         print(f"model, image processor and label map written to {args.output}")
         print(f"TensorBoard logs in {args.log_dir}")
+        print(f"TRAINED global_step={trainer.global_step}")
     last = module.epoch_metrics[-1] if module.epoch_metrics else {}
     return {**last, "global_step": trainer.global_step}
 

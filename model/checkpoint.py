@@ -20,6 +20,8 @@ LAST = "last.ckpt"
 def resume_path(checkpoint_dir: Path) -> str | None:
     """The checkpoint to resume from, if a previous run left one."""
     last = Path(checkpoint_dir) / LAST
+    for stale in Path(checkpoint_dir).glob(f".{LAST}.tmp-*"):  # a save killed mid-write
+        stale.unlink(missing_ok=True)
     if last.is_file():
         print(f"resuming from {last}")
         return str(last)

@@ -1,0 +1,154 @@
+"""SageMaker contract (fake /opt/ml in tmp_path), spot-safe checkpoints, SIGTERM and kill -9."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from dali_pipe.sagemaker import build_argv
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _opt_ml(tmp_path, photo_root, hp: dict, resources=None):
+    base = tmp_path / "opt_ml"
+    cfg = base / "input" / "config"
+    cfg.mkdir(parents=True)
+    (cfg / "hyperparameters.json").write_text(json.dumps(hp))
+    (cfg / "inputdataconfig.json").write_text(json.dumps({"training": {"TrainingInputMode": "File"}}))
+    (cfg / "resourceconfig.json").write_text(json.dumps(resources or {"current_host": "algo-1", "hosts": ["algo-1"]}))
+    (base / "input" / "data").mkdir(parents=True)
+    os.symlink(photo_root, base / "input" / "data" / "training")
+    return base
+
+
+def _run(base, cache_dir, *args, timeout=600):
+    env = {**os.environ, "SAGEMAKER_BASE_DIR": str(base), "DALI_PIPE_CACHE": str(cache_dir)}
+    return subprocess.run([sys.executable, str(ROOT / "train.py"), "train", *args], capture_output=True, text=True,
+                          env=env, timeout=timeout)
+
+
+def test_train_writes_model_logs_and_metrics(tmp_path, photo_root, cache_dir):
+    base = _opt_ml(tmp_path, photo_root, {"epochs": "2", "batch-size": "8", "model": "tiny", "device": "cpu",
+                                          "num-threads": "1"})
+    r = _run(base, cache_dir)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert (base / "model" / "config.json").is_file() and (base / "model" / "label_map.json").is_file()
+    assert list((base / "output" / "tensorboard").glob("events.*"))
+    assert (base / "checkpoints" / "last.ckpt").is_file()
+    assert not (base / "output" / "failure").exists()
+    import re
+
+    # the README's metric_definitions regexes
+    assert re.search(r"METRIC epoch=2 .*train_loss=([0-9.]+)", r.stdout)
+    assert re.search(r"val_acc=([0-9.]+)", r.stdout)
+
+
+def test_bad_hyperparameter_writes_failure(tmp_path, photo_root, cache_dir):
+    base = _opt_ml(tmp_path, photo_root, {"epochs": "banana", "model": "tiny", "device": "cpu"})
+    r = _run(base, cache_dir, timeout=120)
+    assert r.returncode != 0
+    failure = (base / "output" / "failure").read_text()
+    assert "epochs" in failure and "banana" in failure and len(failure) <= 1024
+    assert "Traceback" not in r.stderr
+
+
+def test_two_host_resourceconfig_sets_rank_and_master(tmp_path):
+    base = tmp_path / "opt_ml"
+    (base / "input" / "config").mkdir(parents=True)
+    (base / "input" / "config" / "resourceconfig.json").write_text(
+        json.dumps({"current_host": "algo-2", "hosts": ["algo-1", "algo-2"]}))
+    argv, env = build_argv(base, [], {})
+    assert env["MASTER_ADDR"] == "algo-1" and env["NODE_RANK"] == "1" and env["MASTER_PORT"] == "29500"
+    assert argv[argv.index("--num-nodes") + 1] == "2" and argv[argv.index("--devices") + 1] == "auto"
+    assert argv[argv.index("--data") + 1] == str(base / "input" / "data" / "training")
+    assert argv[argv.index("--output") + 1] == str(base / "model")
+
+
+def test_sm_env_and_s3_data_hyperparameter(tmp_path):
+    base = tmp_path / "opt_ml"
+    (base / "input" / "config").mkdir(parents=True)
+    (base / "input" / "config" / "hyperparameters.json").write_text(json.dumps({"data": "s3://b/p"}))
+    argv, env = build_argv(base, [], {"SM_MODEL_DIR": "/m", "SM_NUM_GPUS": "4", "SM_HOSTS": '["h1"]',
+                                      "SM_CURRENT_HOST": "h1"})
+    assert argv[argv.index("--data") + 1] == "s3://b/p" and "--num-nodes" not in argv
+    assert argv[argv.index("--output") + 1] == "/m" and argv[argv.index("--devices") + 1] == "4"
+
+
+def test_failure_text_is_redacted_and_bounded(tmp_path):
+    from dali_pipe.sagemaker import write_failure
+
+    write_failure(tmp_path, "boom AKIAABCDEFGHIJKLMNOP secret_key=hunter2 " + "x" * 3000)
+    text = (tmp_path / "failure").read_text()
+    assert "AKIA" not in text and "hunter2" not in text and len(text) <= 1024
+
+
+def _train_cmd(photo_root, out, steps):
+    return [sys.executable, str(ROOT / "train.py"), "--data", str(photo_root), "--model", "tiny", "--device", "cpu",
+            "--batch-size", "4", "--epochs", "50", "--max-steps", str(steps), "--num-threads", "1",
+            "--output", str(out), "--checkpoint-every-steps", "5", "--val-fraction", "0.1"]
+
+
+def test_sigterm_saves_and_rerun_resumes_to_the_same_step(tmp_path, photo_root, cache_dir):
+    """SIGTERM mid-training: checkpoint saved, exit 0; the rerun resumes and ends at --max-steps."""
+    out = tmp_path / "run"
+    env = {**os.environ, "DALI_PIPE_CACHE": str(cache_dir), "PYTHONUNBUFFERED": "1"}
+    p = subprocess.Popen(_train_cmd(photo_root, out, 60), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                         text=True, env=env)
+    ckpt = out / "checkpoints" / "last.ckpt"
+    deadline = time.time() + 300
+    while not ckpt.exists() and time.time() < deadline and p.poll() is None:
+        time.sleep(0.2)
+    assert ckpt.exists(), "a periodic checkpoint appeared"
+    p.send_signal(signal.SIGTERM)
+    log, _ = p.communicate(timeout=300)
+    assert p.returncode == 0, log[-3000:]
+    assert "stopped by SIGTERM" in log
+    import torch
+
+    step = torch.load(ckpt, map_location="cpu", weights_only=False)["global_step"]
+    assert 0 < step < 60
+    r = subprocess.run(_train_cmd(photo_root, out, 60), capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "resuming from" in r.stdout and "TRAINED global_step=60" in r.stdout
+
+
+def test_kill_9_during_save_keeps_previous_checkpoint(tmp_path):
+    """A save killed mid-write leaves the previous last.ckpt whole; the stale temp file is cleaned on resume."""
+    ckdir = tmp_path / "ck"
+    script = f"""
+import sys, time, torch
+sys.path.insert(0, {str(ROOT)!r})
+from model.checkpoint import SpotSafeCheckpoint
+class T:
+    global_step = 1
+    is_global_zero = True
+    def __init__(self, slow): self.slow = slow
+    def save_checkpoint(self, path):
+        if not self.slow:
+            torch.save({{"global_step": 1, "w": torch.arange(10)}}, path); return
+        with open(path, "wb") as f:
+            f.write(b"PARTIAL" * 1000); f.flush()
+            print("writing", flush=True); time.sleep(60)
+cb = SpotSafeCheckpoint({str(ckdir)!r})
+cb.save(T(False))
+cb.save(T(True))
+"""
+    p = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip() == "writing"
+    p.kill()
+    p.wait()
+    import torch
+
+    from model.checkpoint import resume_path
+
+    assert torch.load(ckdir / "last.ckpt", weights_only=False)["global_step"] == 1
+    assert list(ckdir.glob(".last.ckpt.tmp-*"))
+    assert resume_path(ckdir) == str(ckdir / "last.ckpt")
+    assert not list(ckdir.glob(".last.ckpt.tmp-*"))

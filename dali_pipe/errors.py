@@ -7,7 +7,8 @@ def user_errors() -> tuple[type[BaseException], ...]:
     from model.vit import ModelLoadError
 
     from .datamodule import ScanError
+    from .loader import PipelineDecodeError
     from .manifest import ManifestError
     from .sync import SyncError
 
-    return (ManifestError, ScanError, ModelLoadError, SyncError)
+    return (ManifestError, ScanError, ModelLoadError, SyncError, PipelineDecodeError)

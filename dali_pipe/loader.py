@@ -7,7 +7,13 @@ abandoned epoch before starting the next one, so every `iter()` yields exactly `
 """
 from __future__ import annotations
 
+import re
+
 from .pipeline import READER_NAME
+
+
+class PipelineDecodeError(RuntimeError):
+    """DALI failed on a file mid-epoch (it does not say which); the message says how to find it."""
 
 
 class DaliLoader:
@@ -17,7 +23,7 @@ class DaliLoader:
         # Training drops each rank's last partial batch; validation keeps every sample exactly
         # once (PARTIAL trims the reader's padding). reader_name sizes the epoch and shard.
         self._it = DALIGenericIterator(
-            [pipe], ["images", "labels"], reader_name=READER_NAME, auto_reset=True,
+            [pipe], ["images", "labels"], reader_name=READER_NAME, auto_reset=True, prepare_first_batch=False,
             last_batch_policy=LastBatchPolicy.DROP if training else LastBatchPolicy.PARTIAL)
         self._open = False  # an epoch was started and not run to its end
         self.batch_size = pipe.max_batch_size
@@ -30,7 +36,16 @@ class DaliLoader:
             for _ in self._it:  # finish the abandoned epoch; auto_reset rewinds at its end
                 pass
         self._open = True
-        for batch in self._it:
-            out = batch[0]
-            yield out["images"], out["labels"].view(-1).long()
+        try:
+            for batch in self._it:
+                out = batch[0]
+                yield out["images"], out["labels"].view(-1).long()
+        except RuntimeError as e:
+            if "Critical error in pipeline" not in str(e):
+                raise
+            m = re.search(r"Failed to decode sample #\d+ : (.+)", str(e))
+            what = f"could not decode {m.group(1).strip()}" if m else "failed on a file of the current batch"
+            raise PipelineDecodeError(
+                f"DALI {what}. Rerun with --scan full: it decodes every file once before training, "
+                "excludes the bad ones and lists them in OUTPUT/bad_images.tsv.") from None
         self._open = False

@@ -98,12 +98,21 @@ def check_header(path: str, max_pixels: int) -> str | None:
     return None
 
 
-def _decode_reason(err: Exception, path: str) -> str:
-    msg = str(err)
-    if "Premature end" in msg or "truncated" in msg.lower():
-        return "truncated image data"
-    first = next((ln.strip() for ln in msg.splitlines() if "rror" in ln and "pipeline" not in ln), "")
-    return f"cannot decode ({first[:100] or type(err).__name__})"
+def _decode_reason(path: str) -> str:
+    """DALI names neither the file nor the cause; PIL's decoder usually says what is wrong."""
+    from PIL import Image
+
+    with open(path, "rb") as f:
+        fmt = sniff(f.read(64)) or "image"
+    try:
+        with Image.open(path) as im:
+            im.load()
+    except Exception as e:
+        msg = str(e).strip() or type(e).__name__
+        if "truncated" in msg.lower():
+            return f"truncated {fmt}"
+        return f"corrupt {fmt} data ({msg[:100]})"
+    return f"corrupt {fmt} data (DALI's decoder rejects it, although PIL reads it)"
 
 
 class _DaliDecoder:
@@ -146,9 +155,9 @@ class _DaliDecoder:
         for p in paths:  # find the culprit(s) one by one
             try:
                 self._run([p])
-            except Exception as e:
+            except Exception:
                 self._pipe = None
-                bad[p] = _decode_reason(e, p)
+                bad[p] = _decode_reason(p)
         return bad
 
 

@@ -1,0 +1,128 @@
+"""Pre-flight scan: bad files are excluded with a reason a person understands, odd ones train."""
+from __future__ import annotations
+
+import pytest
+
+import train
+from dali_pipe.scan import check_header, scan
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    from corpus import make_corpus
+
+    root = tmp_path_factory.mktemp("corpus")
+    return root, make_corpus(root)
+
+
+def _report(out):
+    lines = (out / "bad_images.tsv").read_text().splitlines()
+    assert lines[0] == "image_path\treason"
+    return dict(line.split("\t", 1) for line in lines[1:])
+
+
+def test_full_scan_epoch_exits_0_and_names_every_bad_file(corpus, tmp_path, cache_dir):
+    """One epoch with --scan full: every bad file reported with its reason, no good or odd file listed."""
+    root, expected = corpus
+    out = tmp_path / "out"
+    res = train.main(["--data", str(root), "--model", "tiny", "--epochs", "1", "--batch-size", "4",
+                      "--device", "cpu", "--output", str(out), "--scan", "full", "--max-bad-fraction", "0.3",
+                      "--num-threads", "2"])
+    assert res["global_step"] > 0
+    report = _report(out)
+    bad = {p: r for p, r in expected.items() if r}
+    assert set(report) == set(bad), report
+    for p, reason in bad.items():
+        assert reason in report[p], (p, report[p])
+
+
+def test_odd_formats_come_out_as_3_channel_model_size(corpus, tmp_path):
+    """CMYK, gray, progressive, EXIF-rotated, PNG variants, BMP, TIFF and 1x1 all decode to 3xHxW."""
+    import numpy as np
+
+    from dali_pipe.pipeline import PipelineOptions, build_pipeline
+    from dali_pipe.spec import ImageSpec
+
+    root, expected = corpus
+    odd = [str(root / p) for p, r in expected.items() if r is None]
+    spec = ImageSpec(64, 64, (0.5,) * 3, (0.5,) * 3)
+    for training in (False, True):
+        pipe = build_pipeline(odd, list(range(len(odd))), spec,
+                              PipelineOptions(batch_size=len(odd), device="cpu", device_id=None), training=training)
+        pipe.build()
+        images, labels = pipe.run()
+        arr = np.stack([np.asarray(t) for t in images])
+        assert arr.shape == (len(odd), 3, 64, 64) and np.isfinite(arr).all()
+
+
+def test_exif_orientation_is_honoured(corpus):
+    """A 160x96 image tagged 'rotate 90' decodes as 96 wide, 160 high."""
+    import numpy as np
+    from nvidia.dali import fn, pipeline_def, types
+
+    root, _ = corpus
+
+    @pipeline_def
+    def p():
+        j, _ = fn.readers.file(files=[str(root / "odd/exif_rot.jpg")], labels=[0])
+        return fn.decoders.image(j, device="cpu", output_type=types.RGB)
+
+    pipe = p(batch_size=1, num_threads=1, device_id=None)
+    pipe.build()
+    (out,) = pipe.run()
+    assert np.asarray(out[0]).shape == (160, 96, 3)
+
+
+def test_fast_scan_catches_header_problems(corpus):
+    root, expected = corpus
+    assert check_header(str(root / "bad/bomb.jpg"), 89_478_485) == "30000x30000 exceeds --max-pixels (89478485)"
+    assert check_header(str(root / "bad/text.jpg"), 10**8) == "not an image (text)"
+    assert check_header(str(root / "odd/png_named.jpg"), 10**8) is None
+    assert check_header(str(root / "odd/tiny1x1.jpg"), 10**8) is None
+
+
+def test_scan_cache_rescans_only_what_changed(corpus, tmp_path):
+    """An unchanged rerun decodes nothing; a touched file is the only one re-checked."""
+    import os
+    import shutil
+
+    root, expected = corpus
+    work = tmp_path / "copy"
+    shutil.copytree(root, work)
+    files = [str(work / p) for p in expected]
+    cache = tmp_path / "scan.json"
+    first = scan(files, "full", cache_path=cache, progress=False)
+    assert first.checked == len(files) and first.decoded > 0
+    again = scan(files, "full", cache_path=cache, progress=False)
+    assert again.checked == 0 and again.decoded == 0 and again.bad == first.bad
+    st = os.stat(files[-1])
+    os.utime(files[-1], ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    third = scan(files, "full", cache_path=cache, progress=False)
+    assert third.checked == 1
+    # a fast verdict does not satisfy a later full scan
+    fast_cache = tmp_path / "fast.json"
+    scan(files, "fast", cache_path=fast_cache, progress=False)
+    assert scan(files, "full", cache_path=fast_cache, progress=False).decoded > 0
+
+
+def test_too_many_bad_files_abort_with_pointer_to_report(corpus, tmp_path, cache_dir):
+    from dali_pipe.datamodule import ScanError
+
+    root, _ = corpus
+    with pytest.raises(ScanError, match=r"--max-bad-fraction 0.01.*bad_images.tsv"):
+        train.main(["--data", str(root), "--model", "tiny", "--epochs", "1", "--device", "cpu",
+                    "--output", str(tmp_path / "o"), "--scan", "fast", "--max-bad-fraction", "0.01"])
+
+
+def test_undetected_bad_file_gets_a_clear_error_pointing_to_full_scan(corpus, tmp_path):
+    """With the scan off, a corrupt JPEG still ends the epoch, but with a message that says what to do."""
+    from dali_pipe.loader import DaliLoader, PipelineDecodeError
+    from dali_pipe.pipeline import PipelineOptions, build_pipeline
+    from dali_pipe.spec import ImageSpec
+
+    root, _ = corpus
+    files = [str(root / "odd/gray.jpg"), str(root / "bad/bad_huffman.jpg")]
+    pipe = build_pipeline(files, [0, 1], ImageSpec(32, 32, (0.5,) * 3, (0.5,) * 3),
+                          PipelineOptions(batch_size=2, device="cpu", device_id=None), training=False)
+    with pytest.raises(PipelineDecodeError, match="could not decode .*bad_huffman.jpg.*--scan full"):
+        list(DaliLoader(pipe, training=False))

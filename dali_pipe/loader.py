@@ -1,5 +1,11 @@
 """A thin, epoch-exact wrapper over DALIGenericIterator that yields `(images, labels)`.
 
+The reader pads every shard to the same multiple of the batch size. DALI's DROP policy does not
+consume that padded batch at the epoch end (the next epoch then starts with it), so both modes
+use PARTIAL, which trims the padding exactly, and training keeps only the first
+`(epoch_size // num_shards) // batch_size` full batches: the same count on every rank, each
+rank dropping at most its one partial batch.
+
 Lightning may stop iterating before an epoch ends (sanity-check validation, `max_steps`,
 `limit_*_batches`). A DALI iterator abandoned mid-epoch would hand the rest of that epoch to the
 next `iter()`, giving a short or doubled epoch (DALI issue #3865). This wrapper finishes an
@@ -13,23 +19,24 @@ from .pipeline import READER_NAME
 
 
 class PipelineDecodeError(RuntimeError):
-    """DALI failed on a file mid-epoch (it does not say which); the message says how to find it."""
+    """DALI failed on a file mid-epoch; the message names it when DALI does, and how to avoid it."""
 
 
 class DaliLoader:
     def __init__(self, pipe, *, training: bool):
         from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
 
-        # Training drops each rank's last partial batch; validation keeps every sample exactly
-        # once (PARTIAL trims the reader's padding). reader_name sizes the epoch and shard.
         self._it = DALIGenericIterator(
             [pipe], ["images", "labels"], reader_name=READER_NAME, auto_reset=True, prepare_first_batch=False,
-            last_batch_policy=LastBatchPolicy.DROP if training else LastBatchPolicy.PARTIAL)
+            last_batch_policy=LastBatchPolicy.PARTIAL)
         self._open = False  # an epoch was started and not run to its end
         self.batch_size = pipe.max_batch_size
+        meta = pipe.reader_meta(READER_NAME)
+        self._len = ((meta["epoch_size"] // meta["number_of_shards"]) // self.batch_size if training
+                     else len(self._it))
 
     def __len__(self) -> int:
-        return len(self._it)
+        return self._len
 
     def __iter__(self):
         if self._open:
@@ -37,9 +44,10 @@ class DaliLoader:
                 pass
         self._open = True
         try:
-            for batch in self._it:
-                out = batch[0]
-                yield out["images"], out["labels"].view(-1).long()
+            for i, batch in enumerate(self._it):
+                if i < self._len:
+                    out = batch[0]
+                    yield out["images"], out["labels"].view(-1).long()
         except RuntimeError as e:
             if "Critical error in pipeline" not in str(e):
                 raise

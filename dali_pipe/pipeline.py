@@ -8,7 +8,6 @@ machines use it.
 from __future__ import annotations
 
 import os
-import random
 from dataclasses import dataclass
 
 from .spec import ImageSpec
@@ -27,11 +26,10 @@ class PipelineOptions:
     device: str = "gpu"  # "gpu": mixed decode + GPU ops, outputs on the GPU; "cpu": all on CPU
     device_id: int | None = 0  # CUDA device (local rank); None for CPU pipelines
     num_threads: int = 1  # DALI CPU worker threads (file reads; decoding too on "cpu")
-    seed: int = 0  # seeds the file-list shuffle (same on all ranks) and augmentation (+shard_id)
+    seed: int = 0  # augmentation seed (+ shard_id); the epoch shuffle uses DALI's fixed reader seed
     shard_id: int = 0  # global rank
     num_shards: int = 1  # world size
     prefetch_queue_depth: int = 2  # batches DALI prepares ahead of the training step
-    initial_fill: int = 1024  # reader shuffle buffer (samples), per shard
     hw_decoder_load: float = 0.65  # share of JPEGs sent to the A100/H100 hardware decoder, if any
     # Pre-allocation hints for the mixed decoder (bytes); they avoid re-allocations in the first
     # iterations. DALI's ResNet-50 example uses these values for ImageNet-size JPEGs.
@@ -43,27 +41,24 @@ def build_pipeline(files: list[str], labels: list[int], spec: ImageSpec, opts: P
                    *, training: bool):
     """Build (not yet run) a DALI pipeline over `files` with integer `labels`.
 
-    The file list is shuffled once with `opts.seed` (identically on every rank) so that the
-    contiguous shards DALI cuts are class-balanced; the reader then shuffles within its shard.
-    Shards are padded (`pad_last_batch`) so epochs have clean boundaries; the iterator drops or
-    trims the padding (see loader.py).
+    Training reads with `shuffle_after_epoch`: DALI permutes the whole list before every epoch,
+    with a fixed seed that is the same on every rank, and each rank reads its slice, so the ranks'
+    shards are disjoint and cover the data. (A `random_shuffle` buffer would mix the shard padding
+    into the epoch.) Shards are padded (`pad_last_batch`) so epochs have clean boundaries; the
+    loader trims the padding and, for training, the partial batch (see loader.py).
     """
     if opts.device not in ("gpu", "cpu"):
         raise ValueError(f"device must be 'gpu' or 'cpu', got {opts.device!r}")
     from nvidia.dali import fn, pipeline_def, types
 
-    order = list(range(len(files)))
-    if training:
-        random.Random(opts.seed).shuffle(order)
-    files = [files[i] for i in order]
-    labels = [int(labels[i]) for i in order]
+    labels = [int(x) for x in labels]
 
     @pipeline_def
     def image_pipeline():
         jpegs, lab = fn.readers.file(
             files=files, labels=labels, name=READER_NAME,
             shard_id=opts.shard_id, num_shards=opts.num_shards, pad_last_batch=True,
-            random_shuffle=training, initial_fill=opts.initial_fill)
+            shuffle_after_epoch=training)
         decoder = "mixed" if opts.device == "gpu" else "cpu"
         hints = dict(device_memory_padding=opts.device_memory_padding,
                      host_memory_padding=opts.host_memory_padding,

@@ -68,12 +68,12 @@ class ViTClassifier(pl.LightningModule):
         loss, correct, n = vals.tolist()
         if n == 0:
             return None
-        return {f"{prefix}_loss": loss / n, f"{prefix}_acc": correct / n}
+        return {f"{prefix}_loss": loss / n, f"{prefix}_acc": correct / n, f"{prefix}_samples": int(n)}
 
     def on_validation_epoch_end(self) -> None:
         m = self._reduce("val")
         if m is not None:
-            self.log_dict(m, sync_dist=False, rank_zero_only=False)
+            self.log_dict({k: float(v) for k, v in m.items()}, sync_dist=False)
             if not self.trainer.sanity_checking:
                 self._last_val = m
 
@@ -82,7 +82,7 @@ class ViTClassifier(pl.LightningModule):
 
     def on_train_epoch_end(self) -> None:
         m = self._reduce("train") or {}
-        self.log_dict(m, sync_dist=False)
+        self.log_dict({k: float(v) for k, v in m.items()}, sync_dist=False)
         row = {"epoch": self.current_epoch + 1, **m, **(self._last_val or {})}
         self.epoch_metrics.append(row)
         if self.trainer.is_global_zero:

@@ -27,7 +27,7 @@ def _loader(files, labels, batch, training, shard=0, shards=1):
     return DaliLoader(build_pipeline(files, labels, SPEC, opts, training=training), training=training)
 
 
-@pytest.mark.parametrize("batch", [5, 7, 48])
+@pytest.mark.parametrize("batch", [5, 7, 48, 64])
 def test_validation_sees_every_sample_once_per_epoch(photo_root, batch):
     files, labels = _indexed(photo_root)  # 48 files
     loader = _loader(files, labels, batch, training=False)
@@ -69,9 +69,10 @@ def test_shards_partition_the_data(photo_root):
     loaders = [_loader(files, labels, 5, training=True, shard=r, shards=2) for r in range(2)]
     for _ in range(2):
         per_rank = [[int(x) for _, y in ld for x in y] for ld in loaders]
-        assert len(per_rank[0]) == len(per_rank[1])
-        assert not set(per_rank[0]) & set(per_rank[1])
-        assert 48 - sum(map(len, per_rank)) < 2 * 5
+        assert len(per_rank[0]) == len(per_rank[1]) == len(loaders[0]) * 5
+        both = per_rank[0] + per_rank[1]
+        assert max(Counter(both).values()) == 1
+        assert 48 - len(both) < 2 * 5
 
 
 def test_datamodule_batches_and_labels(photo_root, tmp_path, cache_dir):
@@ -91,3 +92,20 @@ def test_datamodule_batches_and_labels(photo_root, tmp_path, cache_dir):
         assert x.shape == (8, 3, 16, 16) and y.dtype.is_floating_point is False and str(y.dtype) == "torch.int64"
         assert sum(len(y) for _, y in dm.val_dataloader()) == 12
     assert (tmp_path / "out" / "bad_images.tsv").read_text().strip() == "image_path\treason"
+
+
+@pytest.mark.parametrize("n,batch", [(41, 5), (43, 10), (21, 10), (40, 4)])
+def test_uneven_shards_same_batch_count_no_duplicates(photo_root, n, batch):
+    """Shards of unequal size: every rank runs the same number of full batches for 4 epochs, no
+    sample twice in an epoch, and each rank drops at most its one partial batch."""
+    files, labels = _indexed(photo_root)
+    files, labels = files[:n], labels[:n]
+    loaders = [_loader(files, labels, batch, training=True, shard=r, shards=2) for r in range(2)]
+    assert len(loaders[0]) == len(loaders[1]) == (n // 2) // batch
+    for _ in range(4):
+        per_rank = [[int(x) for _, y in ld for x in y] for ld in loaders]
+        both = per_rank[0] + per_rank[1]
+        assert max(Counter(both).values()) == 1
+        for r, seen in enumerate(per_rank):
+            shard = (n * (r + 1)) // 2 - (n * r) // 2
+            assert len(seen) == len(loaders[0]) * batch and shard - len(seen) <= batch

@@ -103,29 +103,31 @@ def validate_args(args: argparse.Namespace) -> list[str]:
                 for k, v in vars(args).items() if isinstance(v, Invalid)]
     bad = {k for k, v in vars(args).items() if isinstance(v, Invalid)}
 
-    def need(name: str, ok: bool, msg: str):
-        if name not in bad and not ok:
-            problems.append(f"--{name.replace('_', '-')}: {getattr(args, name)!r} {msg}")
+    def need(name: str, ok, msg: str):
+        """Record `msg` for --name unless its value already failed to parse or `ok(value)` holds."""
+        value = getattr(args, name)
+        if name not in bad and not ok(value):
+            problems.append(f"--{name.replace('_', '-')}: {value!r} {msg}")
 
-    need("epochs", "epochs" in bad or args.epochs >= 1, "must be at least 1")
-    need("max_steps", "max_steps" in bad or args.max_steps == -1 or args.max_steps >= 1, "must be -1 (no limit) or at least 1")
-    need("batch_size", "batch_size" in bad or args.batch_size >= 1, "must be at least 1")
-    need("lr", "lr" in bad or args.lr is None or args.lr > 0, "must be positive")
-    need("precision", args.precision in PRECISIONS, f"is not one of {', '.join(PRECISIONS)}")
-    need("device", args.device in DEVICES, f"is not one of {', '.join(DEVICES)}")
-    need("devices", "devices" in bad or args.devices == "auto" or args.devices >= 1, "must be at least 1 or 'auto'")
-    need("num_nodes", "num_nodes" in bad or args.num_nodes >= 1, "must be at least 1")
-    need("num_threads", "num_threads" in bad or args.num_threads is None or args.num_threads >= 1, "must be at least 1")
-    need("val_fraction", "val_fraction" in bad or 0 <= args.val_fraction < 1, "must be in [0, 1)")
-    need("scan", args.scan in MODES, f"is not one of {', '.join(MODES)}")
-    need("max_pixels", "max_pixels" in bad or args.max_pixels >= 1, "must be at least 1")
-    need("max_bad_fraction", "max_bad_fraction" in bad or 0 <= args.max_bad_fraction <= 1, "must be in [0, 1]")
-    need("checkpoint_every_steps", "checkpoint_every_steps" in bad or args.checkpoint_every_steps >= 0, "must be 0 (off) or positive")
-    need("steps", "steps" in bad or args.steps >= 1, "must be at least 1")
-    need("warmup", "warmup" in bad or args.warmup >= 0, "must be 0 or more")
-    need("cpus", "cpus" in bad or args.cpus is None or 1 <= args.cpus <= _cores(), f"must be between 1 and {_cores()} (the cores this process may use)")
+    need("epochs", lambda v: v >= 1, "must be at least 1")
+    need("max_steps", lambda v: v == -1 or v >= 1, "must be -1 (no limit) or at least 1")
+    need("batch_size", lambda v: v >= 1, "must be at least 1")
+    need("lr", lambda v: v is None or v > 0, "must be positive")
+    need("precision", lambda v: v in PRECISIONS, f"is not one of {', '.join(PRECISIONS)}")
+    need("device", lambda v: v in DEVICES, f"is not one of {', '.join(DEVICES)}")
+    need("devices", lambda v: v == "auto" or v >= 1, "must be at least 1 or 'auto'")
+    need("num_nodes", lambda v: v >= 1, "must be at least 1")
+    need("num_threads", lambda v: v is None or v >= 1, "must be at least 1")
+    need("val_fraction", lambda v: 0 <= v < 1, "must be in [0, 1)")
+    need("scan", lambda v: v in MODES, f"is not one of {', '.join(MODES)}")
+    need("max_pixels", lambda v: v >= 1, "must be at least 1")
+    need("max_bad_fraction", lambda v: 0 <= v <= 1, "must be in [0, 1]")
+    need("checkpoint_every_steps", lambda v: v >= 0, "must be 0 (off) or positive")
+    need("steps", lambda v: v >= 1, "must be at least 1")
+    need("warmup", lambda v: v >= 0, "must be 0 or more")
+    need("cpus", lambda v: v is None or 1 <= v <= _cores(), f"must be between 1 and {_cores()} (the cores this process may use)")
     unknown = [x for x in str(args.loaders).split(",") if x not in LOADERS]
-    need("loaders", not unknown and bool(args.loaders), f"has unknown loader(s) {unknown}; choose from {', '.join(LOADERS)}")
+    need("loaders", lambda v: v and not unknown, f"has unknown loader(s) {unknown}; choose from {', '.join(LOADERS)}")
     if args.model == "none" and not args.benchmark:
         problems.append("--model: 'none' only makes sense with --benchmark (it times the loaders without a model)")
     if args.data and not args.data.startswith("s3://"):

@@ -268,7 +268,8 @@ def plot(report: dict, path: Path) -> None:
                                       for n in names])
     for b, v in zip(bars, ips):
         ax2.annotate(f"{v:.0f}", (b.get_x() + b.get_width() / 2, v), ha="center", va="bottom")
-    ax2.set(ylabel="images / s", title="Throughput")
+    r = report["ratios"].get("dali_vs_baseline")
+    ax2.set(ylabel="images / s", title="Throughput" + (f" (dali = {r:.2f}x baseline)" if r else ""))
     ax2.grid(axis="y", alpha=0.3)
     cfg = report["config"]
     fig.suptitle(f"model {cfg['model']}, batch {cfg['batch_size']}, {report['env']['cpus']} CPU core(s), "

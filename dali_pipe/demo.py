@@ -15,10 +15,25 @@ PHOTOS = ("astronaut", "coffee", "chelsea", "rocket", "hubble_deep_field", "immu
 
 
 def _photo(name: str) -> "PIL.Image.Image":  # noqa: F821
-    import skimage.data
+    """scikit-image's photograph `name`; or, where scikit-image is not installed (the lent GPU
+    machine), the copy that `export_photos` wrote into $DALI_PIPE_PHOTOS."""
     from PIL import Image
 
+    folder = os.environ.get("DALI_PIPE_PHOTOS")
+    if folder and os.path.exists(os.path.join(folder, f"{name}.png")):
+        return Image.open(os.path.join(folder, f"{name}.png")).convert("RGB")
+    import skimage.data
+
     return Image.fromarray(getattr(skimage.data, name)()).convert("RGB")
+
+
+def export_photos(folder: Path | str) -> Path:
+    """Write the source photographs as lossless PNGs, for machines without scikit-image."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    for name in PHOTOS:
+        _photo(name).save(folder / f"{name}.png", optimize=True)
+    return folder
 
 
 def make_photo_dataset(root: Path | str, *, classes: int = 4, per_class: int = 40, side: tuple[int, int] = (96, 160),

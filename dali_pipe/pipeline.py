@@ -29,7 +29,7 @@ class PipelineOptions:
     seed: int = 0  # augmentation seed (+ shard_id); the epoch shuffle uses DALI's fixed reader seed
     shard_id: int = 0  # global rank
     num_shards: int = 1  # world size
-    prefetch_queue_depth: int = 2  # batches DALI prepares ahead of the training step
+    prefetch_queue_depth: int = 3  # batches DALI prepares ahead of the training step (3 absorbs jitter)
     hw_decoder_load: float = 0.65  # share of JPEGs sent to the A100/H100 hardware decoder, if any
     # Pre-allocation hints for the mixed decoder (bytes); they avoid re-allocations in the first
     # iterations. DALI's ResNet-50 example uses these values for ImageNet-size JPEGs.

@@ -38,13 +38,22 @@ class DaliLoader:
     def __len__(self) -> int:
         return self._len
 
+    def _epoch(self):
+        """The rest of DALI's current epoch. Uses next(), not iter(): DALI's __iter__ would try a
+        reset, which it refuses (with a warning) mid-epoch."""
+        while True:
+            try:
+                yield next(self._it)
+            except StopIteration:  # auto_reset has rewound the iterator for the next epoch
+                return
+
     def __iter__(self):
         if self._open:
-            for _ in self._it:  # finish the abandoned epoch; auto_reset rewinds at its end
+            for _ in self._epoch():  # finish the abandoned epoch
                 pass
         self._open = True
         try:
-            for i, batch in enumerate(self._it):
+            for i, batch in enumerate(self._epoch()):
                 if i < self._len:
                     out = batch[0]
                     yield out["images"], out["labels"].view(-1).long()

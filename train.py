@@ -56,10 +56,17 @@ def _cores() -> int:
     return len(os.sched_getaffinity(0))
 
 
+class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Show '(default: X)' except where the default is computed and the help says how."""
+
+    def _get_help_string(self, action):
+        return action.help if action.default is None else super()._get_help_string(action)
+
+
 def get_args_parser() -> argparse.ArgumentParser:
     from dali_pipe.scan import MODES
 
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=_DefaultsFormatter)
     p.add_argument("mode", nargs="?", choices=["train"], help="'train': run as a SageMaker training job "
                    "(reads SAGEMAKER_BASE_DIR, default /opt/ml)")
     p.add_argument("--data", default=None, help="dataset root holding dataset.tsv, or s3://bucket/prefix; "
@@ -76,7 +83,7 @@ def get_args_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-nodes", type=_typed(int, "an integer"), default=1, help="nodes in a multi-node run")
     p.add_argument("--num-threads", type=_typed(int, "an integer"), default=None, help="DALI CPU threads per process; default: cores available minus one (benchmark: all --cpus cores, as many as the baseline's workers)")
     p.add_argument("--val-fraction", type=_typed(float, "a number"), default=0.1, help="validation share per class when the manifest has no split column")
-    p.add_argument("--seed", type=_typed(int, "an integer"), default=0, help="seed for split, shuffle, augmentation and init")
+    p.add_argument("--seed", type=_typed(int, "an integer"), default=0, help="seed for the split, augmentation and model init")
     p.add_argument("--output", default="runs/train", help="output dir: model (save_pretrained form), bad_images.tsv, logs, benchmark files")
     p.add_argument("--log-dir", default=None, help="TensorBoard dir; default OUTPUT/tensorboard")
     p.add_argument("--cache-dir", default=None, help="where s3:// data is synced and scan verdicts are cached; default $DALI_PIPE_CACHE or ~/.cache/dali_pipe (SageMaker: /tmp/dali_pipe, on NVMe)")

@@ -111,7 +111,7 @@ def run_benchmark(args) -> dict:
 
     from model.vit import load_processor
 
-    from .datamodule import checked_manifest
+    from .datamodule import prepare
     from .spec import ImageSpec
 
     out = Path(args.output)
@@ -127,7 +127,7 @@ def run_benchmark(args) -> dict:
     from train import data_config  # one place maps flags to the data settings
 
     cfg = data_config(args)
-    manifest = checked_manifest(cfg)
+    manifest = prepare(cfg)
     samples = manifest.train + manifest.val
     files, labels = [s.path for s in samples], [s.label for s in samples]
     spec = ImageSpec.from_processor(load_processor(model_name or "vit-b16-random"))

@@ -79,6 +79,15 @@ def checked_manifest(cfg: DataConfig, *, progress: bool = True, write: bool = Tr
     return manifest.without(set(result.bad))
 
 
+def prepare(cfg: DataConfig) -> Manifest:
+    """Once per node: sync from S3 when `data` is an s3:// URI, then scan (verdicts cached, report to OUT)."""
+    if cfg.data.startswith("s3://"):
+        from .sync import sync
+
+        sync(cfg.data, resolve_root(cfg))
+    return checked_manifest(cfg)
+
+
 class DaliDataModule(pl.LightningDataModule):
     def __init__(self, cfg: DataConfig, spec: ImageSpec):
         super().__init__()
@@ -91,11 +100,7 @@ class DaliDataModule(pl.LightningDataModule):
         return self.manifest.classes
 
     def prepare_data(self) -> None:
-        if self.cfg.data.startswith("s3://"):
-            from .sync import sync
-
-            sync(self.cfg.data, resolve_root(self.cfg))
-        checked_manifest(self.cfg)  # scans and caches verdicts; the report goes to OUT
+        prepare(self.cfg)
 
     def setup(self, stage: str | None = None) -> None:
         if self.manifest is not None:

@@ -158,3 +158,14 @@ def test_training_from_s3(s3, photo_root, tmp_path, cache_dir):
                       "--num-threads", "1"])
     assert res["global_step"] > 0
     assert (cache_dir / "s3" / "data" / "ds" / "dataset.tsv").is_file()
+
+
+def test_benchmark_from_s3(s3, photo_root, tmp_path, cache_dir):
+    """The benchmark mode syncs s3:// data first, like training does."""
+    import train
+
+    _upload(photo_root)
+    rep = train.main(["--benchmark", "--data", "s3://data/ds", "--model", "none", "--loaders", "dali",
+                      "--steps", "3", "--warmup", "1", "--batch-size", "4", "--device", "cpu",
+                      "--output", str(tmp_path / "b"), "--cache-dir", str(cache_dir)])
+    assert rep["loaders"]["dali"]["images_per_sec"] > 0 and rep["config"]["images"] == 48

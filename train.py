@@ -56,6 +56,14 @@ def _cores() -> int:
     return len(os.sched_getaffinity(0))
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse that raises UsageError (one clear message, exit 2 in the CLI, output/failure under
+    SageMaker) instead of exiting from deep inside the parser."""
+
+    def error(self, message: str):
+        raise UsageError(f"{message} (see python train.py --help)")
+
+
 class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Show '(default: X)' except where the default is computed and the help says how."""
 
@@ -66,7 +74,7 @@ class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
 def get_args_parser() -> argparse.ArgumentParser:
     from dali_pipe.scan import MODES
 
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=_DefaultsFormatter)
+    p = _Parser(description=__doc__.split("\n\n")[0], formatter_class=_DefaultsFormatter)
     p.add_argument("mode", nargs="?", choices=["train"], help="'train': run as a SageMaker training job "
                    "(reads SAGEMAKER_BASE_DIR, default /opt/ml)")
     p.add_argument("--data", default=None, help="dataset root holding dataset.tsv, or s3://bucket/prefix; "
@@ -94,7 +102,7 @@ def get_args_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint-dir", default=None, help="checkpoints (resumed from when present); default OUTPUT/checkpoints (SageMaker: /opt/ml/checkpoints)")
     p.add_argument("--checkpoint-every-steps", type=_typed(int, "an integer"), default=0, help="also checkpoint every N optimizer steps (0: only at the end and on SIGTERM)")
     p.add_argument("--monitor", type=_typed(_bool, "true or false"), nargs="?", const=True, default=False, help="log GPU utilization and data-wait during training and print a diagnosis")
-    p.add_argument("--benchmark", action="store_true", help="benchmark mode: time loaders side by side instead of training")
+    p.add_argument("--benchmark", type=_typed(_bool, "true or false"), nargs="?", const=True, default=False, help="benchmark mode: time loaders side by side instead of training")
     p.add_argument("--loaders", default="dali,baseline,synthetic", help=f"benchmark: comma-separated subset of {','.join(LOADERS)}")
     p.add_argument("--steps", type=_typed(int, "an integer"), default=50, help="benchmark: timed steps per loader")
     p.add_argument("--warmup", type=_typed(int, "an integer"), default=10, help="benchmark: untimed warm-up steps per loader")

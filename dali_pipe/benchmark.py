@@ -117,7 +117,7 @@ def run_benchmark(args) -> dict:
     out = Path(args.output)
     out.mkdir(parents=True, exist_ok=True)
     cores = pin_cpus(args.cpus)
-    threads = args.num_threads or len(cores)
+    args.num_threads = threads = args.num_threads or len(cores)  # as many as the baseline's workers
     torch.set_num_threads(len(cores))
     loaders = args.loaders.split(",")
     gpu = args.device == "gpu"

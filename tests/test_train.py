@@ -111,3 +111,8 @@ def test_gpu_loader_outputs_on_device(photo_root, tmp_path, cache_dir):
     dm.setup("fit")
     x, y = next(iter(dm.train_dataloader()))
     assert x.is_cuda and y.is_cuda and y.dtype.is_floating_point is False
+
+
+def test_unknown_flag_is_a_usage_error_not_an_exit():
+    with pytest.raises(train.UsageError, match="unrecognized arguments: --bogus"):
+        train.main(["--bogus"])

@@ -38,7 +38,7 @@ class DataConfig:
     device: str = "gpu"  # "gpu" or "cpu": where DALI decodes and outputs
     num_threads: int = field(default_factory=default_num_threads)  # DALI CPU threads per rank
     val_fraction: float = 0.1  # used when the manifest has no split column
-    seed: int = 0  # split, shuffle and augmentation seed
+    seed: int = 0  # split and augmentation seed
     cache_dir: Path = field(default_factory=default_cache_dir)  # S3 sync target + scan cache
     scan: str = "fast"  # off | fast | full
     max_pixels: int = 89_478_485  # images above this many pixels are rejected by the scan
@@ -65,11 +65,13 @@ def checked_manifest(cfg: DataConfig, *, progress: bool = True, write: bool = Tr
     files = [s.path for s in manifest.train + manifest.val]
     result = scan(files, cfg.scan, max_pixels=cfg.max_pixels, num_threads=cfg.num_threads,
                   cache_path=cfg.cache_dir / "scan-cache.json", progress=progress)
-    if write and cfg.scan != "off":
-        report = write_report(result.bad, root.resolve(), Path(cfg.output))
-        if result.bad:
-            print(f"scan: excluded {len(result.bad)} of {len(files)} file(s); reasons in {report}",
-                  file=sys.stderr)
+    if write and (cfg.scan != "off" or manifest.missing):
+        missing = {str(root.resolve() / rel): "missing on disk (listed in dataset.tsv; --skip-missing)"
+                   for rel in manifest.missing}
+        report = write_report({**result.bad, **missing}, root.resolve(), Path(cfg.output))
+        if result.bad or missing:
+            print(f"scan: excluded {len(result.bad) + len(missing)} of {len(files) + len(missing)} file(s); "
+                  f"reasons in {report}", file=sys.stderr)
     if files and len(result.bad) / len(files) > cfg.max_bad_fraction:
         example = next(iter(sorted(result.bad.items())))
         raise ScanError(f"{len(result.bad)} of {len(files)} images are bad "

@@ -76,16 +76,13 @@ def build_pipeline(files: list[str], labels: list[int], spec: ImageSpec, opts: P
                 mirror=fn.random.coin_flip(probability=0.5))
         else:
             images = fn.decoders.image(jpegs, device=decoder, output_type=types.RGB, **hints)
-            if spec.resize_shorter:
-                images = fn.resize(images, resize_shorter=spec.resize_shorter,
-                                   interp_type=types.INTERP_LINEAR, antialias=True)
-                images = fn.crop_mirror_normalize(images, dtype=types.FLOAT, output_layout="CHW",
-                                                  crop=(spec.height, spec.width), mean=mean, std=std)
-            else:
-                images = fn.resize(images, resize_x=spec.width, resize_y=spec.height,
-                                   interp_type=types.INTERP_LINEAR, antialias=True)
-                images = fn.crop_mirror_normalize(images, dtype=types.FLOAT, output_layout="CHW",
-                                                  mean=mean, std=std)
+            if spec.resize_shorter:  # shorter side to resize_shorter, then a center crop
+                size, crop = dict(resize_shorter=spec.resize_shorter), dict(crop=(spec.height, spec.width))
+            else:  # straight to height x width (ViT)
+                size, crop = dict(resize_x=spec.width, resize_y=spec.height), {}
+            images = fn.resize(images, **size, interp_type=types.INTERP_LINEAR, antialias=True)
+            images = fn.crop_mirror_normalize(images, dtype=types.FLOAT, output_layout="CHW", mean=mean, std=std,
+                                              **crop)
         if opts.device == "gpu":
             lab = lab.gpu()
         return images, lab

@@ -126,3 +126,15 @@ def test_undetected_bad_file_gets_a_clear_error_pointing_to_full_scan(corpus, tm
                           PipelineOptions(batch_size=2, device="cpu", device_id=None), training=False)
     with pytest.raises(PipelineDecodeError, match="could not decode .*bad_huffman.jpg.*--scan full"):
         list(DaliLoader(pipe, training=False))
+
+
+def test_skip_missing_trains_and_reports_the_missing(photo_root, tmp_path, cache_dir):
+    import shutil
+
+    data = tmp_path / "d"
+    shutil.copytree(photo_root, data)
+    (data / "coffee" / "coffee_0003.jpg").unlink()
+    out = tmp_path / "o"
+    train.main(["--data", str(data), "--model", "tiny", "--epochs", "1", "--batch-size", "8", "--device", "cpu",
+                "--output", str(out), "--skip-missing"])
+    assert _report(out) == {"coffee/coffee_0003.jpg": "missing on disk (listed in dataset.tsv; --skip-missing)"}

@@ -10,7 +10,12 @@ from dali_pipe.spec import ImageSpec
 SPEC = ImageSpec(64, 48, mean=(0.5, 0.4, 0.3), std=(0.2, 0.25, 0.3))
 # Tolerance of the validation output against PIL's bilinear (antialiased) resize, in normalised
 # units: DALI and PIL both decode with libjpeg(-turbo) but resample with slightly different filters.
-MEAN_TOL, P99_TOL, MAX_TOL = 0.01, 0.06, 0.35  # measured: 0.003, 0.031, 0.25
+TOL = {  # (mean, p99, max) of |dali - reference| in normalised units
+    "cpu": (0.01, 0.06, 0.35),  # measured on the CPU: 0.003, 0.031, 0.25
+    # nvJPEG's IDCT and chroma upsampling differ from libjpeg-turbo's; wider bounds, printed by the
+    # GPU check (pytest -s) so the measured values can replace these guesses
+    "gpu": (0.03, 0.2, 1.0),
+}
 
 
 def _files(root, n=None):
@@ -47,9 +52,10 @@ def test_validation_matches_pil_reference(photo_root, device):
     ref = np.stack([_reference(f, SPEC) for f in files])
     assert out.shape == (8, 3, 64, 48) and out.dtype == np.float32
     err = np.abs(out - ref)
-    assert err.mean() < MEAN_TOL, err.mean()
-    assert np.percentile(err, 99) < P99_TOL, np.percentile(err, 99)
-    assert err.max() < MAX_TOL, err.max()
+    measured = (float(err.mean()), float(np.percentile(err, 99)), float(err.max()))
+    print(f"{device} pipeline vs PIL reference: mean {measured[0]:.4f}, p99 {measured[1]:.4f}, max {measured[2]:.4f}")
+    for name, got, tol in zip(("mean", "p99", "max"), measured, TOL[device]):
+        assert got < tol, (name, got, tol)
     assert list(out_labels) == labels
 
 

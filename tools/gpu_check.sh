@@ -25,7 +25,7 @@ PYEOF
 } 2>&1 | tee "$OUT/versions.txt"
 
 echo "== GPU-marked tests"
-taskset -c 0-3 $PY -m pytest -q -m gpu -p no:cacheprovider tests 2>&1 | tee "$OUT/gpu-tests.txt"
+taskset -c 0-3 $PY -m pytest -q -s -m gpu -p no:cacheprovider tests 2>&1 | tee "$OUT/gpu-tests.txt"
 tests_rc=${PIPESTATUS[0]}
 
 echo "== benchmark data: ImageNet-size real photos (~500 px)"

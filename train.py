@@ -222,6 +222,7 @@ def train(args: argparse.Namespace) -> dict:
     from dali_pipe.spec import ImageSpec
     from model.checkpoint import SpotSafeCheckpoint, resume_path
     from model.module import ViTClassifier
+    from model.progress import PlainProgress
     from model.vit import load_processor
 
     pl.seed_everything(args.seed, workers=True, verbose=False)
@@ -229,7 +230,8 @@ def train(args: argparse.Namespace) -> dict:
     dm = DaliDataModule(data_config(args), ImageSpec.from_processor(processor))
     module = ViTClassifier(args.model, lr=args.lr)
     ckpt = SpotSafeCheckpoint(args.checkpoint_dir, every_steps=args.checkpoint_every_steps)
-    callbacks = [ckpt]
+    progress_bar = sys.stderr.isatty()
+    callbacks = [ckpt] if progress_bar else [ckpt, PlainProgress()]
     if args.monitor:
         from dali_pipe.monitor import MonitorCallback
 
@@ -240,7 +242,7 @@ def train(args: argparse.Namespace) -> dict:
         strategy="ddp" if world > 1 else "auto", precision=args.precision,
         max_epochs=args.epochs, max_steps=args.max_steps, use_distributed_sampler=False,
         logger=TensorBoardLogger(str(args.log_dir), name="", version=""), enable_checkpointing=False,
-        callbacks=callbacks, log_every_n_steps=10, enable_progress_bar=sys.stderr.isatty(),
+        callbacks=callbacks, log_every_n_steps=10, enable_progress_bar=progress_bar,
         enable_model_summary=False)
     try:
         trainer.fit(module, datamodule=dm, ckpt_path=resume_path(args.checkpoint_dir))
@@ -298,8 +300,12 @@ class UsageError(ValueError):
 
 def cli() -> int:
     """Entry point: user errors become one clear message and exit status 2, not a traceback."""
+    import warnings
+
     from dali_pipe.errors import user_errors
 
+    # Lightning 2.6 on torch 2.13 warns about its own pytree use; nothing a user can act on.
+    warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*")
     try:
         main()
     except (UsageError, *user_errors()) as e:

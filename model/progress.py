@@ -17,6 +17,9 @@ class PlainProgress(pl.Callback):
     def on_train_epoch_start(self, trainer, pl_module):
         self._t0 = self._last = time.perf_counter()
         self._marks = set()
+        self._first = None  # first batch index timed since this start (a resumed epoch starts mid-way)
+
+    on_train_start = on_train_epoch_start  # a run resumed mid-epoch starts without the epoch hook
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if not trainer.is_global_zero:
@@ -27,6 +30,8 @@ class PlainProgress(pl.Callback):
             return
         self._marks.add(quarter)
         self._last = now
-        images = done * len(batch[1]) * trainer.world_size
+        if self._first is None:
+            self._first = batch_idx
+        images = (done - self._first) * len(batch[1]) * trainer.world_size
         print(f"progress: epoch {trainer.current_epoch + 1} step {done}/{total} ({done / total:.0%}), "
               f"{images / (now - self._t0):.1f} images/s", flush=True)

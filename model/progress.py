@@ -24,14 +24,14 @@ class PlainProgress(pl.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if not trainer.is_global_zero:
             return
+        if self._first is None:
+            self._first = batch_idx
         now, done, total = time.perf_counter(), batch_idx + 1, trainer.num_training_batches
         quarter = 4 * done // total if total else 0
         if now - self._last < self.every_s and (quarter in self._marks or quarter == 0):
             return
         self._marks.add(quarter)
         self._last = now
-        if self._first is None:
-            self._first = batch_idx
         images = (done - self._first) * len(batch[1]) * trainer.world_size
         print(f"progress: epoch {trainer.current_epoch + 1} step {done}/{total} ({done / total:.0%}), "
               f"{images / (now - self._t0):.1f} images/s", flush=True)

@@ -116,3 +116,16 @@ def test_gpu_loader_outputs_on_device(photo_root, tmp_path, cache_dir):
 def test_unknown_flag_is_a_usage_error_not_an_exit():
     with pytest.raises(train.UsageError, match="unrecognized arguments: --bogus"):
         train.main(["--bogus"])
+
+
+def test_local_model_path_finetunes_and_missing_path_is_clear(photo_root, tmp_path, cache_dir):
+    """--model takes a save_pretrained directory (here: a previous run's output); a bad path says what to do."""
+    first = tmp_path / "first"
+    args = ["--data", str(photo_root), "--epochs", "1", "--batch-size", "8", "--device", "cpu", "--num-threads", "1"]
+    train.main(args + ["--model", "tiny", "--output", str(first)])
+    res = train.main(args + ["--model", str(first), "--output", str(tmp_path / "second")])
+    assert res["global_step"] == 44 // 8
+    from model.vit import ModelLoadError
+
+    with pytest.raises(ModelLoadError, match="local directory.*--model tiny"):
+        train.main(args + ["--model", str(tmp_path / "no-such-model"), "--output", str(tmp_path / "x")])

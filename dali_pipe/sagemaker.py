@@ -50,6 +50,7 @@ def build_argv(base: Path, extra: list[str], env: dict) -> tuple[list[str], dict
     resources = _read_json(cfg / "resourceconfig.json", required=False)
 
     argv: list[str] = []
+    given = {str(k).lstrip("-").replace("_", "-") for k in hp}  # flags the hyperparameters set
     for key, value in hp.items():
         flag = "--" + str(key).lstrip("-").replace("_", "-")
         if flag in ("--output", "--log-dir", "--checkpoint-dir"):
@@ -58,7 +59,7 @@ def build_argv(base: Path, extra: list[str], env: dict) -> tuple[list[str], dict
             value = str(value).lower()
         argv += [flag, str(value)]
 
-    if "data" not in {k.lstrip("-").replace("_", "-") for k in hp}:
+    if "data" not in given:
         channel = Path(env.get("SM_CHANNEL_TRAINING", base / "input" / "data" / "training"))
         if channels and "training" not in channels:
             raise SageMakerError(f"inputdataconfig.json has channels {sorted(channels)} but no 'training'; name the "
@@ -73,7 +74,7 @@ def build_argv(base: Path, extra: list[str], env: dict) -> tuple[list[str], dict
     output_dir = Path(env.get("SM_OUTPUT_DATA_DIR", base / "output"))
     argv += ["--output", str(model_dir), "--log-dir", str(output_dir / "tensorboard"),
              "--checkpoint-dir", str(base / "checkpoints")]
-    if "cache-dir" not in {k.lstrip("-") for k in hp}:
+    if "cache-dir" not in given:
         argv += ["--cache-dir", "/tmp/dali_pipe"]  # NVMe on g4dn
 
     hosts = resources.get("hosts") or json.loads(env.get("SM_HOSTS", "[]") or "[]")
@@ -87,7 +88,7 @@ def build_argv(base: Path, extra: list[str], env: dict) -> tuple[list[str], dict
         dist_env = {"MASTER_ADDR": hosts[0], "MASTER_PORT": env.get("MASTER_PORT", "29500"),
                     "NODE_RANK": str(hosts.index(current))}
         argv += ["--num-nodes", str(len(hosts))]
-    if "devices" not in {k.lstrip("-") for k in hp} and num_gpus != 0:
+    if "devices" not in given and num_gpus != 0:
         argv += ["--devices", "auto" if num_gpus < 0 else str(num_gpus)]
     return argv + extra, dist_env
 

@@ -152,3 +152,13 @@ cb.save(T(True))
     assert list(ckdir.glob(".last.ckpt.tmp-*"))
     assert resume_path(ckdir) == str(ckdir / "last.ckpt")
     assert not list(ckdir.glob(".last.ckpt.tmp-*"))
+
+
+def test_hyperparameter_spellings_are_not_overridden(tmp_path):
+    """'cache_dir' and 'cache-dir' both count as the user's choice; the contract adds no second value."""
+    base = tmp_path / "opt_ml"
+    (base / "input" / "config").mkdir(parents=True)
+    (base / "input" / "config" / "hyperparameters.json").write_text(json.dumps({"cache_dir": "/nvme", "devices": "2"}))
+    argv, _ = build_argv(base, [], {})
+    assert argv.count("--cache-dir") == 1 and argv[argv.index("--cache-dir") + 1] == "/nvme"
+    assert argv.count("--devices") == 1

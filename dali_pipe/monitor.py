@@ -63,23 +63,28 @@ class Sampler:
                 pass
         return rss / 2**20
 
-    def _run(self):
+    def _sample(self):
         import psutil
 
-        psutil.cpu_percent(percpu=True)
+        per = psutil.cpu_percent(percpu=True)  # since the previous call
+        cpu = float(np.mean([per[c] for c in self.cores if c < len(per)]))
+        gpu = mem = None
+        if self._handle is not None:
+            try:
+                gpu = float(self._nvml.nvmlDeviceGetUtilizationRates(self._handle).gpu)
+                mem = self._nvml.nvmlDeviceGetMemoryInfo(self._handle).used / 2**20
+            except Exception:
+                pass
+        self.samples.append((time.perf_counter(), gpu, mem, cpu, self._rss_mb()))
+
+    def _run(self):
         while not self._stop.wait(self.period):
-            per = psutil.cpu_percent(percpu=True)
-            cpu = float(np.mean([per[c] for c in self.cores if c < len(per)]))
-            gpu = mem = None
-            if self._handle is not None:
-                try:
-                    gpu = float(self._nvml.nvmlDeviceGetUtilizationRates(self._handle).gpu)
-                    mem = self._nvml.nvmlDeviceGetMemoryInfo(self._handle).used / 2**20
-                except Exception:
-                    pass
-            self.samples.append((time.perf_counter(), gpu, mem, cpu, self._rss_mb()))
+            self._sample()
 
     def start(self):
+        import psutil
+
+        psutil.cpu_percent(percpu=True)  # prime the CPU counters
         self._thread = threading.Thread(target=self._run, daemon=True, name="monitor-sampler")
         self._thread.start()
         return self
@@ -88,6 +93,7 @@ class Sampler:
         self._stop.set()
         if self._thread:
             self._thread.join()
+        self._sample()  # at least one sample, however short the run
 
     def window(self, t0: float, t1: float) -> dict:
         """Summary of the samples taken between t0 and t1 (the timed part, after warm-up)."""

@@ -35,11 +35,10 @@ def random_resized_crop_box(w: int, h: int, rng: random.Random, scale=(0.08, 1.0
 
 
 class ClassicDataset(torch.utils.data.Dataset):
-    def __init__(self, files: list[str], labels: list[int], spec: ImageSpec, training: bool = True, seed: int = 0):
+    def __init__(self, files: list[str], labels: list[int], spec: ImageSpec, training: bool = True):
         self.files, self.labels, self.spec, self.training = files, labels, spec, training
         self.mean = np.array(spec.mean, np.float32).reshape(3, 1, 1)
         self.std = np.array(spec.std, np.float32).reshape(3, 1, 1)
-        self.seed = seed
 
     def __len__(self) -> int:
         return len(self.files)
@@ -70,6 +69,6 @@ def classic_loader(files: list[str], labels: list[int], spec: ImageSpec, *, batc
     g = torch.Generator()
     g.manual_seed(seed)
     return torch.utils.data.DataLoader(
-        ClassicDataset(files, labels, spec, training, seed), batch_size=batch_size, shuffle=training,
+        ClassicDataset(files, labels, spec, training), batch_size=batch_size, shuffle=training,
         drop_last=training, num_workers=workers, pin_memory=pin_memory, persistent_workers=workers > 0,
         prefetch_factor=4 if workers > 0 else None, generator=g)

@@ -145,8 +145,7 @@ def run_benchmark(args) -> dict:
             log, t0, t1 = time_loader(batches, step, warmup=args.warmup, steps=args.steps, sync=sync)
         finally:
             sampler.stop()
-        m = {**log.summary(args.batch_size), **sampler.window(t0, t1), "stalls": log.stalls()}
-        m["images_per_sec"] = args.batch_size * args.steps / (t1 - t0)
+        m = {**log.summary(args.batch_size), **sampler.window(t0, t1), "stalls": log.stalls()}  # steps sum to t1 - t0
         timelines[name] = {"gpu": m.pop("gpu_timeline"), "wait_ms": [w * 1e3 for w in log.wait_s]}
         m["diagnosis"] = diagnose(name, m, cores=len(cores), model=model_name is not None)
         if name == "synthetic" and model_name is not None and m["data_wait_fraction"] < 0.10:
@@ -156,11 +155,9 @@ def run_benchmark(args) -> dict:
         del batches
         gc.collect()
 
-    ratios = {}
-    for a in loaders:
-        for b in loaders:
-            if a != b and (a, b) in {("dali", "baseline"), ("dali", "synthetic"), ("baseline", "synthetic")}:
-                ratios[f"{a}_vs_{b}"] = results[a]["images_per_sec"] / results[b]["images_per_sec"]
+    ratios = {f"{a}_vs_{b}": results[a]["images_per_sec"] / results[b]["images_per_sec"]
+              for a, b in (("dali", "baseline"), ("dali", "synthetic"), ("baseline", "synthetic"))
+              if a in results and b in results}
     diagnosis = [line for name in loaders for line in results[name]["diagnosis"]]
     if "dali_vs_baseline" in ratios:
         diagnosis.append(f"dali delivers {ratios['dali_vs_baseline']:.2f}x the images/s of the classic DataLoader "
@@ -202,9 +199,9 @@ def _make_loader(name, files, labels, spec, args, threads: int, cores: int, devi
 
 
 def _env(cores, gpu: bool, threads: int) -> dict:
-    import torch
-
     import importlib
+
+    import torch
 
     def version(mod):
         try:

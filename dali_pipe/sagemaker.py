@@ -28,11 +28,14 @@ class SageMakerError(ValueError):
     """The job's configuration is unusable; the message names the file or hyperparameter."""
 
 
-def _read_json(path: Path, required: bool):
+def _flag(key) -> str:
+    """The CLI flag a hyperparameter key names: 'batch_size', 'batch-size' and '--batch-size' alike."""
+    return "--" + str(key).lstrip("-").replace("_", "-")
+
+
+def _read_json(path: Path):
+    """The file's JSON, or {} where SageMaker did not write it (a local run may omit any of them)."""
     if not path.is_file():
-        if required:
-            raise SageMakerError(f"{path} is missing; SageMaker writes it, so check the base dir "
-                                 "(SAGEMAKER_BASE_DIR) or build it for a local run")
         return {}
     try:
         return json.loads(path.read_text())
@@ -43,23 +46,23 @@ def _read_json(path: Path, required: bool):
 def build_argv(base: Path, extra: list[str], env: dict) -> tuple[list[str], dict]:
     """The train.py argv and the distributed environment for this host."""
     cfg = base / "input" / "config"
-    hp = _read_json(cfg / "hyperparameters.json", required=False)
+    hp = _read_json(cfg / "hyperparameters.json")
     if not isinstance(hp, dict):
         raise SageMakerError(f"{cfg / 'hyperparameters.json'} must hold a JSON object of flag -> string")
-    channels = _read_json(cfg / "inputdataconfig.json", required=False)
-    resources = _read_json(cfg / "resourceconfig.json", required=False)
+    channels = _read_json(cfg / "inputdataconfig.json")
+    resources = _read_json(cfg / "resourceconfig.json")
 
     argv: list[str] = []
-    given = {str(k).lstrip("-").replace("_", "-") for k in hp}  # flags the hyperparameters set
+    given = {_flag(k) for k in hp}  # flags the hyperparameters set
     for key, value in hp.items():
-        flag = "--" + str(key).lstrip("-").replace("_", "-")
+        flag = _flag(key)
         if flag in ("--output", "--log-dir", "--checkpoint-dir"):
             raise SageMakerError(f"hyperparameter {key!r} is set by the SageMaker contract; remove it")
         if isinstance(value, bool):
             value = str(value).lower()
         argv += [flag, str(value)]
 
-    if "data" not in given:
+    if "--data" not in given:
         channel = Path(env.get("SM_CHANNEL_TRAINING", base / "input" / "data" / "training"))
         if channels and "training" not in channels:
             raise SageMakerError(f"inputdataconfig.json has channels {sorted(channels)} but no 'training'; name the "
@@ -74,7 +77,7 @@ def build_argv(base: Path, extra: list[str], env: dict) -> tuple[list[str], dict
     output_dir = Path(env.get("SM_OUTPUT_DATA_DIR", base / "output"))
     argv += ["--output", str(model_dir), "--log-dir", str(output_dir / "tensorboard"),
              "--checkpoint-dir", str(base / "checkpoints")]
-    if "cache-dir" not in given:
+    if "--cache-dir" not in given:
         argv += ["--cache-dir", "/tmp/dali_pipe"]  # NVMe on g4dn
 
     hosts = resources.get("hosts") or json.loads(env.get("SM_HOSTS", "[]") or "[]")
@@ -88,7 +91,7 @@ def build_argv(base: Path, extra: list[str], env: dict) -> tuple[list[str], dict
         dist_env = {"MASTER_ADDR": hosts[0], "MASTER_PORT": env.get("MASTER_PORT", "29500"),
                     "NODE_RANK": str(hosts.index(current))}
         argv += ["--num-nodes", str(len(hosts))]
-    if "devices" not in given and num_gpus != 0:
+    if "--devices" not in given and num_gpus != 0:
         argv += ["--devices", "auto" if num_gpus < 0 else str(num_gpus)]
     return argv + extra, dist_env
 
@@ -114,10 +117,7 @@ def run_sagemaker(extra: list[str], main) -> dict:
         os.environ.update(dist_env)
         print(f"sagemaker: base {base}; train.py {' '.join(argv)}", flush=True)
         return main(argv)
-    except SystemExit as e:  # argparse usage errors
-        if e.code in (0, None):
-            raise
-        write_failure(output_dir, f"bad hyperparameters (exit {e.code}); see the log")
+    except SystemExit:  # --help; usage errors arrive as UsageError below
         raise
     except BaseException as e:
         from train import UsageError

@@ -4,96 +4,104 @@
   then the pre-flight scan, whose verdicts are cached and whose report goes to OUT.
 - `setup`: after the distributed environment exists, read the manifest, drop the bad files
   (cache hits only, no decoding) and build the pipelines: `device_id` = local rank, sharded by
-  global rank. The loaders are not torch DataLoaders, so Lightning adds no sampler.
+  global rank, sized by `resources_for_rank`. The loaders are not torch DataLoaders, so
+  Lightning adds no sampler.
 """
 from __future__ import annotations
 
-import os
 import sys
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytorch_lightning as pl
 
-from .manifest import Manifest, read_manifest
-from .pipeline import PipelineOptions, build_pipeline, default_num_threads
-from .scan import scan, write_report
+from .config import DataSettings, PipelineSettings
+from .errors import UserError
+from .manifest import Manifest, Sample, read_manifest
+from .pipeline import PipelineOptions, build_pipeline, resources_for_rank
+from .scan import ScanResult, scan, write_report
 from .spec import ImageSpec
 
 
-class ScanError(RuntimeError):
+class ScanError(UserError):
     """Too many bad images; the message points at the report."""
 
 
-def default_cache_dir() -> Path:
-    """Where S3 data and the scan cache live: $DALI_PIPE_CACHE, else ~/.cache/dali_pipe."""
-    return Path(os.environ.get("DALI_PIPE_CACHE", Path.home() / ".cache" / "dali_pipe"))
+class BatchTooLargeError(UserError):
+    """The batch is larger than one rank's share of the training data."""
 
 
-@dataclass
-class DataConfig:
-    data: str  # dataset root holding dataset.tsv, or s3://bucket/prefix
-    output: Path  # run output dir; bad_images.tsv is written here
-    batch_size: int = 32  # per rank
-    device: str = "gpu"  # "gpu" or "cpu": where DALI decodes and outputs
-    num_threads: int = field(default_factory=default_num_threads)  # DALI CPU threads per rank
-    val_fraction: float = 0.1  # used when the manifest has no split column
-    seed: int = 0  # split and augmentation seed
-    cache_dir: Path = field(default_factory=default_cache_dir)  # S3 sync target + scan cache
-    scan: str = "fast"  # off | fast | full
-    max_pixels: int = 89_478_485  # images above this many pixels are rejected by the scan
-    max_bad_fraction: float = 0.05  # abort when more than this share of files is bad
-    skip_missing: bool = False  # train without files the manifest lists but the disk lacks
-
-
-def resolve_root(cfg: DataConfig) -> Path:
+def local_root(data: DataSettings) -> Path:
     """The local dataset root: the directory itself, or the sync target of an s3:// URI."""
-    if cfg.data.startswith("s3://"):
+    if data.data.startswith("s3://"):
         from .sync import local_target
 
-        return local_target(cfg.data, cfg.cache_dir)
-    return Path(cfg.data)
+        return local_target(data.data, Path(data.cache_dir))
+    return Path(data.data)
 
 
-def checked_manifest(cfg: DataConfig, *, progress: bool = True, write: bool = True) -> Manifest:
-    """Read the manifest and drop the files the scan rejects; abort over --max-bad-fraction."""
-    root = resolve_root(cfg)
-    manifest = read_manifest(root, val_fraction=cfg.val_fraction, seed=cfg.seed, skip_missing=cfg.skip_missing)
-    if cfg.skip_missing and manifest.missing and write:
+def read(data: DataSettings) -> Manifest:
+    """The manifest of the (local) dataset, split as the settings say."""
+    return read_manifest(local_root(data), val_fraction=data.val_fraction, seed=data.seed,
+                         skip_missing=data.skip_missing)
+
+
+def scan_manifest(manifest: Manifest, data: DataSettings, *, num_threads: int, progress: bool) -> ScanResult:
+    """Scan every file of the manifest (verdicts cached under the cache dir)."""
+    return scan([s.path for s in manifest.train + manifest.val], data.scan, max_pixels=data.max_pixels,
+                num_threads=num_threads, cache_path=Path(data.cache_dir) / "scan-cache.json", progress=progress)
+
+
+def report(manifest: Manifest, result: ScanResult, data: DataSettings, output: Path) -> None:
+    """Write OUT/bad_images.tsv (bad and, with --skip-missing, missing files) and say what was excluded."""
+    if data.skip_missing and manifest.missing:
         print(f"--skip-missing: training without {len(manifest.missing)} listed file(s) that are missing, "
               f"e.g. {manifest.missing[0]!r}", file=sys.stderr)
-    files = [s.path for s in manifest.train + manifest.val]
-    result = scan(files, cfg.scan, max_pixels=cfg.max_pixels, num_threads=cfg.num_threads,
-                  cache_path=cfg.cache_dir / "scan-cache.json", progress=progress)
-    if write and (cfg.scan != "off" or manifest.missing):
-        missing = {str(root.resolve() / rel): "missing on disk (listed in dataset.tsv; --skip-missing)"
-                   for rel in manifest.missing}
-        report = write_report({**result.bad, **missing}, root.resolve(), Path(cfg.output))
-        if result.bad or missing:
-            print(f"scan: excluded {len(result.bad) + len(missing)} of {len(files) + len(missing)} file(s); "
-                  f"reasons in {report}", file=sys.stderr)
-    if files and len(result.bad) / len(files) > cfg.max_bad_fraction:
-        example = next(iter(sorted(result.bad.items())))
-        raise ScanError(f"{len(result.bad)} of {len(files)} images are bad "
-                        f"({len(result.bad) / len(files):.1%} > --max-bad-fraction {cfg.max_bad_fraction}), "
-                        f"e.g. {example[0]}: {example[1]}. See {Path(cfg.output) / 'bad_images.tsv'}; fix or "
-                        "remove them, or raise --max-bad-fraction.")
+    if data.scan == "off" and not manifest.missing:
+        return
+    root = manifest.root.resolve()
+    missing = {str(root / rel): "missing on disk (listed in dataset.tsv; --skip-missing)" for rel in manifest.missing}
+    path = write_report({**result.bad, **missing}, root, output)
+    if result.bad or missing:
+        print(f"scan: excluded {len(result.bad) + len(missing)} of {result.total + len(missing)} file(s); "
+              f"reasons in {path}", file=sys.stderr)
+
+
+def check_bad_fraction(result: ScanResult, data: DataSettings, output: Path) -> None:
+    """Abort when more than --max-bad-fraction of the files are bad."""
+    if result.total and len(result.bad) / result.total > data.max_bad_fraction:
+        path, reason = next(iter(sorted(result.bad.items())))
+        raise ScanError(f"{len(result.bad)} of {result.total} images are bad "
+                        f"({len(result.bad) / result.total:.1%} > --max-bad-fraction {data.max_bad_fraction}), "
+                        f"e.g. {path}: {reason}. See {output / 'bad_images.tsv'}; fix or remove them, or raise "
+                        "--max-bad-fraction.")
+
+
+def prepare(data: DataSettings, output: Path, *, num_threads: int) -> Manifest:
+    """Once per node: sync s3:// data, scan, write the report, enforce --max-bad-fraction.
+    Returns the manifest without the bad files."""
+    if data.data.startswith("s3://"):
+        from .config import SyncSettings
+        from .sync import sync
+
+        sync(data.data, local_root(data), workers=SyncSettings.workers)
+    manifest = read(data)
+    result = scan_manifest(manifest, data, num_threads=num_threads, progress=True)
+    report(manifest, result, data, output)
+    check_bad_fraction(result, data, output)
     return manifest.without(set(result.bad))
 
 
-def prepare(cfg: DataConfig) -> Manifest:
-    """Once per node: sync from S3 when `data` is an s3:// URI, then scan (verdicts cached, report to OUT)."""
-    if cfg.data.startswith("s3://"):
-        from .sync import sync
-
-        sync(cfg.data, resolve_root(cfg))
-    return checked_manifest(cfg)
+def check_batch(n: int, batch_size: int, num_shards: int) -> None:
+    """Training keeps full batches only: each rank's share must hold at least one."""
+    if n // num_shards < batch_size:
+        raise BatchTooLargeError(f"--batch-size {batch_size} is larger than the {n // num_shards} training "
+                                 f"images each of the {num_shards} rank(s) gets; lower --batch-size.")
 
 
 class DaliDataModule(pl.LightningDataModule):
-    def __init__(self, cfg: DataConfig, spec: ImageSpec):
+    def __init__(self, data: DataSettings, pipeline: PipelineSettings, spec: ImageSpec, output: Path):
         super().__init__()
-        self.cfg, self.spec = cfg, spec
+        self.data, self.pipeline, self.spec, self.output = data, pipeline, spec, Path(output)
         self.manifest: Manifest | None = None
         self._train = self._val = None
 
@@ -101,30 +109,44 @@ class DaliDataModule(pl.LightningDataModule):
     def classes(self) -> list[str]:
         return self.manifest.classes
 
+    def _rank(self) -> tuple[int, int, int, int]:
+        """(global rank, world size, local rank, processes on this node)."""
+        t = self.trainer
+        if t is None:
+            return 0, 1, 0, 1
+        return t.global_rank, t.world_size, t.local_rank, max(1, t.world_size // t.num_nodes)
+
     def prepare_data(self) -> None:
-        prepare(self.cfg)
+        threads = resources_for_rank(self.pipeline, local_world_size=self._rank()[3]).num_threads
+        prepare(self.data, self.output, num_threads=threads)
+
+    def setup_manifest(self) -> Manifest:
+        """The manifest without the bad files (scan cache hits only, no decoding), checked against
+        the batch size."""
+        if self.manifest is None:
+            manifest = read(self.data)
+            result = scan_manifest(manifest, self.data, num_threads=1, progress=False)
+            self.manifest = manifest.without(set(result.bad))
+            check_batch(len(self.manifest.train), self.data.batch_size, self._rank()[1])
+        return self.manifest
 
     def setup(self, stage: str | None = None) -> None:
-        if self.manifest is not None:
+        if self._train is not None:
             return
-        self.manifest = checked_manifest(self.cfg, progress=False, write=False)
-        trainer = self.trainer
-        rank, world, local_rank = ((trainer.global_rank, trainer.world_size, trainer.local_rank)
-                                   if trainer is not None else (0, 1, 0))
-        opts = PipelineOptions(batch_size=self.cfg.batch_size, device=self.cfg.device,
-                               device_id=local_rank if self.cfg.device == "gpu" else None,
-                               num_threads=self.cfg.num_threads, seed=self.cfg.seed,
-                               shard_id=rank, num_shards=world)
-        self._train = self._loader(self.manifest.train, opts, training=True)
-        self._val = self._loader(self.manifest.val, opts, training=False) if self.manifest.val else None
+        self.setup_manifest()
+        self._train = self.loader(self.manifest.train, training=True)
+        self._val = self.loader(self.manifest.val, training=False) if self.manifest.val else None
 
-    def _loader(self, samples, opts: PipelineOptions, *, training: bool):
+    def loader(self, samples: list[Sample], *, training: bool):
+        """An epoch-exact DALI loader over `samples` for this rank."""
         from .loader import DaliLoader
 
-        n = len(samples)
-        if training and n // opts.num_shards < opts.batch_size:
-            raise ValueError(f"--batch-size {opts.batch_size} is larger than the {n // opts.num_shards} training "
-                             f"images each of the {opts.num_shards} rank(s) gets; lower --batch-size.")
+        rank, world, local_rank, local_world = self._rank()
+        gpu = self.pipeline.device == "gpu"
+        opts = PipelineOptions(
+            batch_size=self.data.batch_size, device=self.pipeline.device,
+            resources=resources_for_rank(self.pipeline, local_world_size=local_world, training=training),
+            device_id=local_rank if gpu else None, seed=self.data.seed, shard_id=rank, num_shards=world)
         pipe = build_pipeline([s.path for s in samples], [s.label for s in samples], self.spec, opts,
                               training=training)
         return DaliLoader(pipe, training=training)

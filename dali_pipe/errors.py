@@ -1,14 +1,13 @@
-"""The exceptions that mean "the input or the settings are wrong", which the CLIs report as one
-clear message (exit status 2) rather than a traceback."""
+"""The one base class for "the input or the settings are wrong".
+
+Every module raises its own subclass (ManifestError, SyncError, ScanError, ModelLoadError,
+UsageError, ...) with a message that names the file, row, flag or hyperparameter and the fix. The
+CLIs catch `UserError` and print one clear line (exit status 2, or output/failure under
+SageMaker) instead of a traceback. Importing this module is free, so the error handler never
+delays `--help`.
+"""
 from __future__ import annotations
 
 
-def user_errors() -> tuple[type[BaseException], ...]:
-    from model.vit import ModelLoadError
-
-    from .datamodule import ScanError
-    from .loader import PipelineDecodeError
-    from .manifest import ManifestError
-    from .sync import SyncError
-
-    return (ManifestError, ScanError, ModelLoadError, SyncError, PipelineDecodeError)
+class UserError(Exception):
+    """The input or the settings are wrong; the message says which and what to do."""

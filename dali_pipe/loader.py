@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import re
 
+from .errors import UserError
 from .pipeline import READER_NAME
 
 
-class PipelineDecodeError(RuntimeError):
+class PipelineDecodeError(UserError):
     """DALI failed on a file mid-epoch; the message names it when DALI does, and how to avoid it."""
 
 

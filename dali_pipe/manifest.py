@@ -17,11 +17,13 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .errors import UserError
+
 MANIFEST_NAME = "dataset.tsv"
 SPLITS = {"train": "train", "val": "val", "validation": "val"}
 
 
-class ManifestError(ValueError):
+class ManifestError(UserError):
     """The manifest cannot be used as it is; the message says which row or column and the fix."""
 
 
@@ -108,8 +110,8 @@ def read_table(tsv: Path | str) -> "pandas.DataFrame":  # noqa: F821
     return df[~blank].reset_index(drop=True)
 
 
-def read_manifest(root: Path | str, *, val_fraction: float = 0.1, seed: int = 0,
-                  skip_missing: bool = False, tsv: Path | str | None = None) -> Manifest:
+def read_manifest(root: Path | str, *, val_fraction: float, seed: int, skip_missing: bool,
+                  tsv: Path | str | None = None) -> Manifest:
     """Parse and check `root/dataset.tsv`. Raises ManifestError naming the row/column and the fix."""
     root = Path(root)
     tsv = Path(tsv) if tsv else root / MANIFEST_NAME

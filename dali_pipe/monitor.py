@@ -1,6 +1,7 @@
 """Measure where the time goes: a background sampler (GPU via NVML, CPU and RSS via psutil),
-per-step timings, and a diagnosis in plain words. Used by the benchmark mode and, as a Lightning
-callback (`--monitor`), during normal training.
+per-step timings, and a diagnosis in plain words. The same Lightning callback serves `--monitor`
+during training and the benchmark's timed runs (which skip warm-up steps and synchronise the GPU
+at the two ends of the timed window only).
 
 Diagnosis rules (also in the README):
 - input-bound: data-wait >= 10% of the time. Says whether the CPU is saturated (>= 80%: decoding
@@ -10,6 +11,8 @@ Diagnosis rules (also in the README):
 - swings: GPU utilization p5 < 50% while the mean is >= 70%.
 - stalls: steps over 3x the median; named as checkpoint saves or validation when at least half
   of them coincide with those events.
+- busy cores: other processes used the pinned cores (their share is the cores' load minus this
+  process tree's CPU time); the figures are then low.
 """
 from __future__ import annotations
 
@@ -25,11 +28,29 @@ INPUT_BOUND_WAIT = 0.10
 GPU_BUSY = 90.0
 CPU_SATURATED = 80.0
 STALL_FACTOR = 3.0
+OTHER_LOAD_WARN = 0.25  # cores' worth of load from other processes that makes a measurement suspect
+
+
+def nvml_handle(device_index: int):
+    """The NVML handle of CUDA device `device_index`, found by its UUID or PCI bus id: NVML counts
+    devices physically, CUDA after CUDA_VISIBLE_DEVICES, so their indices can differ."""
+    import pynvml
+    import torch
+
+    props = torch.cuda.get_device_properties(device_index)
+    uuid = str(getattr(props, "uuid", "") or "")
+    if uuid:
+        try:
+            return pynvml.nvmlDeviceGetHandleByUUID(uuid if uuid.startswith("GPU-") else f"GPU-{uuid}")
+        except pynvml.NVMLError:
+            pass
+    bus = f"{props.pci_domain_id:08x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0"
+    return pynvml.nvmlDeviceGetHandleByPciBusId(bus)
 
 
 class Sampler:
-    """Samples GPU utilization/memory (NVML), CPU utilization of the pinned cores and the RSS of
-    this process and its children, at `hz` in a daemon thread. No GPU sync: NVML reads counters."""
+    """Samples GPU utilization/memory (NVML), CPU utilization of the pinned cores, this process
+    tree's CPU time and RSS, at `hz` in a daemon thread. No GPU sync: NVML reads counters."""
 
     def __init__(self, hz: float = 20.0, gpu_index: int | None = None):
         import psutil
@@ -37,7 +58,8 @@ class Sampler:
         self.period = 1.0 / hz
         self.proc = psutil.Process()
         self.cores = sorted(os.sched_getaffinity(0))
-        self.samples: list[tuple[float, float | None, float | None, float, float]] = []  # t, gpu%, gpu MB, cpu%, rss MB
+        # t, gpu %, gpu MB, cpu % of the pinned cores, rss MB, this process tree's CPU seconds
+        self.samples: list[tuple[float, float | None, float | None, float, float, float]] = []
         self.gpu_note = None
         self._nvml = self._handle = None
         if gpu_index is not None:
@@ -46,7 +68,7 @@ class Sampler:
 
                 pynvml.nvmlInit()
                 self._nvml = pynvml
-                self._handle = pynvml.nvmlDeviceGetHandleByIndex(gpu_index)
+                self._handle = nvml_handle(gpu_index)
             except Exception as e:  # no driver, no NVML: GPU fields stay null with this note
                 self.gpu_note = f"NVML unavailable ({type(e).__name__}); GPU fields are null"
         else:
@@ -54,14 +76,22 @@ class Sampler:
         self._stop = threading.Event()
         self._thread = None
 
-    def _rss_mb(self) -> float:
-        rss = self.proc.memory_info().rss
-        for c in self.proc.children(recursive=True):
+    def _tree(self) -> tuple[float, float]:
+        """(RSS MB, CPU seconds) of this process and its children (DataLoader workers)."""
+        procs = [self.proc]
+        try:
+            procs += self.proc.children(recursive=True)
+        except Exception:
+            pass
+        rss = cpu = 0.0
+        for p in procs:
             try:
-                rss += c.memory_info().rss
+                rss += p.memory_info().rss
+                t = p.cpu_times()
+                cpu += t.user + t.system
             except Exception:
                 pass
-        return rss / 2**20
+        return rss / 2**20, cpu
 
     def _sample(self):
         import psutil
@@ -75,7 +105,8 @@ class Sampler:
                 mem = self._nvml.nvmlDeviceGetMemoryInfo(self._handle).used / 2**20
             except Exception:
                 pass
-        self.samples.append((time.perf_counter(), gpu, mem, cpu, self._rss_mb()))
+        rss, cpu_s = self._tree()
+        self.samples.append((time.perf_counter(), gpu, mem, cpu, rss, cpu_s))
 
     def _run(self):
         while not self._stop.wait(self.period):
@@ -85,6 +116,7 @@ class Sampler:
         import psutil
 
         psutil.cpu_percent(percpu=True)  # prime the CPU counters
+        self._sample()
         self._thread = threading.Thread(target=self._run, daemon=True, name="monitor-sampler")
         self._thread.start()
         return self
@@ -93,15 +125,22 @@ class Sampler:
         self._stop.set()
         if self._thread:
             self._thread.join()
-        self._sample()  # at least one sample, however short the run
+        self._sample()  # at least one sample after the window, however short the run
 
     def window(self, t0: float, t1: float) -> dict:
         """Summary of the samples taken between t0 and t1 (the timed part, after warm-up)."""
         s = [x for x in self.samples if t0 <= x[0] <= t1] or self.samples[-1:]
         gpu = [x[1] for x in s if x[1] is not None]
         mem = [x[2] for x in s if x[2] is not None]
+        cpu_mean = float(np.mean([x[3] for x in s])) if s else None
+        other = None
+        if len(s) >= 2 and s[-1][0] > s[0][0] and cpu_mean is not None:
+            own = (s[-1][5] - s[0][5]) / (s[-1][0] - s[0][0])  # cores' worth used by this process tree
+            load = float(np.mean([x[3] for x in s[1:]])) / 100 * len(self.cores)
+            other = max(0.0, load - own)
         return {
-            "cpu_util_mean": float(np.mean([x[3] for x in s])) if s else None,
+            "cpu_util_mean": cpu_mean,
+            "other_load_cores": other,
             "rss_peak_mb": float(max(x[4] for x in s)) if s else None,
             "gpu_util_mean": float(np.mean(gpu)) if gpu else None,
             "gpu_util_p5": float(np.percentile(gpu, 5)) if gpu else None,
@@ -177,28 +216,44 @@ def diagnose(name: str, m: dict, *, cores: int, model: bool = True) -> list[str]
             cause = f"; {st['validation']} of them line up with validation runs"
         out.append(f"{name}: periodic stalls, {st['count']} step(s) took over {STALL_FACTOR:.0f}x the median "
                    f"({st['median_ms']:.0f} ms, worst {st['max_ms']:.0f} ms){cause}.")
+    other = m.get("other_load_cores")
+    if other is not None and other >= OTHER_LOAD_WARN:
+        out.append(f"{name}: other processes kept {other:.1f} of the {cores} pinned core(s) busy during the "
+                   "measurement; these figures are low, rerun on idle cores.")
     return out
 
 
 class MonitorCallback(pl.Callback):
-    """Lightning callback (`--monitor`): step time, data-wait and GPU utilization during training.
+    """Lightning callback: step time, data-wait and GPU utilization during training (`--monitor`),
+    or over a benchmark's timed window (`skip_steps` warm-up steps first, `sync_window` on a GPU).
 
     Data-wait is the host time between the end of one training batch and the start of the next
-    (the fetch); nothing here calls `.item()` or synchronises the GPU. Logs `monitor/*` to the
-    logger each epoch and prints the diagnosis at the end; `self.report` keeps it.
+    (the fetch); nothing here calls `.item()` or synchronises the GPU inside the window. Logs
+    `monitor/*` to the logger each epoch and prints the diagnosis at the end; `self.report` keeps it.
     """
 
-    def __init__(self, output=None, hz: float = 20.0):
+    def __init__(self, output=None, hz: float = 20.0, *, skip_steps: int = 0, sync_window: bool = False,
+                 name: str = "training", verbose: bool = True):
         self.output, self.hz = output, hz
+        self.skip_steps, self.sync_window, self.name, self.verbose = skip_steps, sync_window, name, verbose
         self.steps = StepLog()
         self.report: dict | None = None
+        self.t0 = self.t1 = None
         self._t_end = self._t_start = None
-        self._pending: str | None = None
+        self._seen = 0
+
+    def _sync(self, pl_module) -> None:
+        if self.sync_window and pl_module.device.type == "cuda":
+            import torch
+
+            torch.cuda.synchronize(pl_module.device)
 
     def on_train_start(self, trainer, pl_module):
         gpu = (pl_module.device.index or 0) if pl_module.device.type == "cuda" else None
         self.sampler = Sampler(self.hz, gpu).start()
-        self._t0 = time.perf_counter()
+        if not self.skip_steps:
+            self._sync(pl_module)
+            self.t0 = time.perf_counter()
         self._t_end = None
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
@@ -207,6 +262,12 @@ class MonitorCallback(pl.Callback):
         self._wait = (now - self._t_end) if self._t_end is not None else 0.0
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self._seen += 1
+        if self._seen <= self.skip_steps:
+            if self._seen == self.skip_steps:  # the timed window starts here
+                self._sync(pl_module)
+                self.t0 = self._t_end = time.perf_counter()
+            return
         self._t_end = time.perf_counter()
         if self._t_start is not None:
             self.steps.step_s.append(self._t_end - self._t_start + self._wait)
@@ -228,8 +289,8 @@ class MonitorCallback(pl.Callback):
             self._t_end = time.perf_counter()
 
     def on_train_epoch_end(self, trainer, pl_module):
-        if self.steps.step_s and trainer.logger is not None:
-            w = self.sampler.window(self._t0, time.perf_counter())
+        if self.steps.step_s and trainer.logger is not None and self.t0 is not None:
+            w = self.sampler.window(self.t0, time.perf_counter())
             s = self.steps.summary(1)
             metrics = {"monitor/data_wait_fraction": s["data_wait_fraction"], "monitor/step_ms_p50": s["step_ms_p50"],
                        "monitor/cpu_util_mean": w["cpu_util_mean"]}
@@ -238,13 +299,17 @@ class MonitorCallback(pl.Callback):
             trainer.logger.log_metrics({k: v for k, v in metrics.items() if v is not None}, step=trainer.global_step)
 
     def on_train_end(self, trainer, pl_module):
+        self._sync(pl_module)
+        self.t1 = time.perf_counter()
+        if self.steps.step_s and self._t_end is not None:
+            self.steps.step_s[-1] += self.t1 - self._t_end  # work still queued on the GPU belongs to the window
         self.sampler.stop()
         batch = getattr(trainer.train_dataloader, "batch_size", 1) or 1
-        m = {**self.steps.summary(batch), **self.sampler.window(self._t0, time.perf_counter()),
+        m = {**self.steps.summary(batch), **self.sampler.window(self.t0 or self.t1, self.t1),
              "stalls": self.steps.stalls()}
-        m.pop("gpu_timeline", None)
-        m["diagnosis"] = diagnose("training", m, cores=len(self.sampler.cores))
+        self.timeline = m.pop("gpu_timeline", None)
+        m["diagnosis"] = diagnose(self.name, m, cores=len(self.sampler.cores))
         self.report = m
-        if trainer.is_global_zero:
+        if self.verbose and trainer.is_global_zero:
             for line in m["diagnosis"]:
                 print(f"MONITOR {line}", flush=True)

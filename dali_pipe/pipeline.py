@@ -1,4 +1,5 @@
-"""The DALI pipeline: one definition, built for the GPU (`device="gpu"`) or the CPU (`device="cpu"`).
+"""The DALI pipeline: one definition, built for the GPU (`device="gpu"`) or the CPU (`device="cpu"`),
+and `resources_for_rank()`, the one place that sizes its threads, queues and decoder memory.
 
 On the GPU the CPU only reads file bytes: nvJPEG decodes (`device="mixed"`, a random-crop ROI
 decode for training), the GPU resizes, flips and normalises, and images and labels come out on
@@ -7,34 +8,62 @@ machines use it.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
+from .config import PipelineSettings, cores
 from .spec import ImageSpec
 
 READER_NAME = "Reader"
+MAX_THREADS = 8  # DALI's own examples use 4 threads per GPU; more buys nothing once nvJPEG decodes
+# nvJPEG pre-allocation hints when the flags leave them unset: DALI's own defaults (16 MiB device,
+# 8 MiB pinned host, per thread). DALI's ResNet-50 example uses 211/140 MB for ImageNet, which
+# at cores-1 threads on a 48-vCPU, 4-GPU host reserves ~10 GB of each 16 GB T4.
+DALI_DEVICE_PADDING = 16 << 20
+DALI_HOST_PADDING = 8 << 20
+HW_DECODER_LOAD = 0.65  # share of JPEGs sent to the A100/H100 hardware decoder, if any
+QUEUE_DEPTH = {True: 3, False: 2}  # training: 3 batches ahead absorb jitter; validation: 2 suffice
 
 
-def default_num_threads() -> int:
-    """CPU threads for DALI: the cores this process may use, minus one for the training loop."""
-    return max(1, len(os.sched_getaffinity(0)) - 1)
+@dataclass(frozen=True)
+class Resources:
+    """What one rank's pipeline may use."""
+    num_threads: int  # DALI CPU worker threads (file reads; decoding too on "cpu")
+    prefetch_queue_depth: int  # batches prepared ahead of the consumer
+    device_memory_padding: int  # nvJPEG device buffer pre-allocation per thread (bytes)
+    host_memory_padding: int  # nvJPEG pinned host buffer pre-allocation per thread (bytes)
+
+
+def resources_for_rank(settings: PipelineSettings, *, local_world_size: int = 1, training: bool = True,
+                       available_cores: int | None = None) -> Resources:
+    """Threads: the cores each local rank gets, minus one for its training loop, capped at
+    MAX_THREADS (or --num-threads). Queue depth per split. Decoder padding: DALI's defaults."""
+    n = available_cores or cores()
+    threads = settings.num_threads or max(1, min(MAX_THREADS, n // max(1, local_world_size) - 1))
+    return Resources(num_threads=threads, prefetch_queue_depth=QUEUE_DEPTH[training],
+                     device_memory_padding=DALI_DEVICE_PADDING, host_memory_padding=DALI_HOST_PADDING)
 
 
 @dataclass(frozen=True)
 class PipelineOptions:
+    """Everything one rank's pipeline is built with, besides the file list and the image spec."""
     batch_size: int  # samples per batch on this rank
-    device: str = "gpu"  # "gpu": mixed decode + GPU ops, outputs on the GPU; "cpu": all on CPU
-    device_id: int | None = 0  # CUDA device (local rank); None for CPU pipelines
-    num_threads: int = 1  # DALI CPU worker threads (file reads; decoding too on "cpu")
-    seed: int = 0  # augmentation seed (+ shard_id); the epoch shuffle uses DALI's fixed reader seed
+    device: str  # "gpu": mixed decode + GPU ops, outputs on the GPU; "cpu": all on CPU
+    resources: Resources
+    device_id: int | None = None  # CUDA device (local rank) for "gpu"
+    seed: int = 0  # sample-order and augmentation seed (the augmentation adds shard_id)
     shard_id: int = 0  # global rank
     num_shards: int = 1  # world size
-    prefetch_queue_depth: int = 3  # batches DALI prepares ahead of the training step (3 absorbs jitter)
-    hw_decoder_load: float = 0.65  # share of JPEGs sent to the A100/H100 hardware decoder, if any
-    # Pre-allocation hints for the mixed decoder (bytes); they avoid re-allocations in the first
-    # iterations. DALI's ResNet-50 example uses these values for ImageNet-size JPEGs.
-    device_memory_padding: int = 211_025_920
-    host_memory_padding: int = 140_544_512
+
+
+def seeded_order(n: int, seed: int) -> list[int]:
+    """A permutation of range(n) that depends only on the seed. DALI's `shuffle_after_epoch`
+    permutes with a fixed seed and the epoch number; applying it on top of this base permutation
+    makes each epoch's order depend on --seed and the epoch, nothing else."""
+    import random
+
+    order = list(range(n))
+    random.Random(seed).shuffle(order)
+    return order
 
 
 def build_pipeline(files: list[str], labels: list[int], spec: ImageSpec, opts: PipelineOptions,
@@ -42,16 +71,20 @@ def build_pipeline(files: list[str], labels: list[int], spec: ImageSpec, opts: P
     """Build (not yet run) a DALI pipeline over `files` with integer `labels`.
 
     Training reads with `shuffle_after_epoch`: DALI permutes the whole list before every epoch,
-    with a fixed seed that is the same on every rank, and each rank reads its slice, so the ranks'
-    shards are disjoint and cover the data. (A `random_shuffle` buffer would mix the shard padding
-    into the epoch.) Shards are padded (`pad_last_batch`) so epochs have clean boundaries; the
-    loader trims the padding and, for training, the partial batch (see loader.py).
+    the same way on every rank, and each rank reads its slice, so the ranks' shards are disjoint
+    and cover the data. (A `random_shuffle` buffer would mix the shard padding into the epoch.)
+    Shards are padded (`pad_last_batch`) so epochs have clean boundaries; the loader trims the
+    padding and, for training, the partial batch (see loader.py).
     """
     if opts.device not in ("gpu", "cpu"):
         raise ValueError(f"device must be 'gpu' or 'cpu', got {opts.device!r}")
     from nvidia.dali import fn, pipeline_def, types
 
     labels = [int(x) for x in labels]
+    if training:
+        order = seeded_order(len(files), opts.seed)
+        files, labels = [files[i] for i in order], [labels[i] for i in order]
+    res = opts.resources
 
     @pipeline_def
     def image_pipeline():
@@ -60,9 +93,8 @@ def build_pipeline(files: list[str], labels: list[int], spec: ImageSpec, opts: P
             shard_id=opts.shard_id, num_shards=opts.num_shards, pad_last_batch=True,
             shuffle_after_epoch=training)
         decoder = "mixed" if opts.device == "gpu" else "cpu"
-        hints = dict(device_memory_padding=opts.device_memory_padding,
-                     host_memory_padding=opts.host_memory_padding,
-                     hw_decoder_load=opts.hw_decoder_load) if decoder == "mixed" else {}
+        hints = dict(device_memory_padding=res.device_memory_padding, host_memory_padding=res.host_memory_padding,
+                     hw_decoder_load=HW_DECODER_LOAD) if decoder == "mixed" else {}
         mean = [m * 255 for m in spec.mean]
         std = [s * 255 for s in spec.std]
         if training:
@@ -88,6 +120,6 @@ def build_pipeline(files: list[str], labels: list[int], spec: ImageSpec, opts: P
         return images, lab
 
     return image_pipeline(
-        batch_size=opts.batch_size, num_threads=opts.num_threads,
+        batch_size=opts.batch_size, num_threads=res.num_threads,
         device_id=opts.device_id if opts.device == "gpu" else None,
-        seed=opts.seed + opts.shard_id, prefetch_queue_depth=opts.prefetch_queue_depth)
+        seed=opts.seed + opts.shard_id, prefetch_queue_depth=res.prefetch_queue_depth)

@@ -19,7 +19,8 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-MODES = ("off", "fast", "full")
+from .config import SCAN_MODES
+
 _LEVEL = {"fast": 1, "full": 2}
 DECODABLE = {"JPEG", "PNG", "BMP", "TIFF", "WEBP", "PNM", "JPEG2000"}
 
@@ -179,11 +180,11 @@ def _save_cache(path: Path | None, cache: dict) -> None:
     os.replace(tmp, path)
 
 
-def scan(paths: list[str], mode: str = "fast", *, max_pixels: int = 89_478_485, num_threads: int = 1,
+def scan(paths: list[str], mode: str, *, max_pixels: int, num_threads: int = 1,
          cache_path: Path | None = None, progress: bool = True) -> ScanResult:
     """Check `paths` (absolute) and return which are bad and why."""
-    if mode not in MODES:
-        raise ValueError(f"--scan must be one of {MODES}, got {mode!r}")
+    if mode not in SCAN_MODES:
+        raise ValueError(f"--scan must be one of {SCAN_MODES}, got {mode!r}")
     result = ScanResult(total=len(paths))
     if mode == "off" or not paths:
         return result

@@ -21,13 +21,14 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
 
+from .errors import UserError
 from .manifest import MANIFEST_NAME, ManifestError, read_table, safe_relpath
 
 STATE_NAME = ".sync-state.json"
 CHUNK = 1 << 20
 
 
-class SyncError(RuntimeError):
+class SyncError(UserError):
     """The sync cannot proceed; the message names the bucket/key/row and what to do."""
 
 
@@ -123,7 +124,7 @@ def _download(client, bucket: str, key: str, dest: Path, size: int) -> int:
         raise
 
 
-def sync(uri: str, dest: Path | str, *, workers: int = 32, progress: bool = True, client=None) -> SyncStats:
+def sync(uri: str, dest: Path | str, *, workers: int, progress: bool = True, client=None) -> SyncStats:
     """Download s3://bucket/prefix/dataset.tsv and the files it lists into `dest`."""
     from botocore.exceptions import BotoCoreError, ClientError
     from tqdm import tqdm

@@ -1,89 +1,104 @@
-"""ViT image classifier as a LightningModule: AdamW with warmup + cosine, loss and accuracy.
+"""The image classifier as a LightningModule: AdamW with warmup + cosine, loss and accuracy.
 
 The transformers model is built in `configure_model`, after the DataModule's `setup` has read the
-manifest, so its head is sized to the data's classes (`trainer.datamodule.classes`).
-Metrics are accumulated as device tensors and reduced across ranks once per epoch: no GPU sync
-per step.
+manifest, so its head is sized to the data's classes (`trainer.datamodule.classes`), unless the
+classes are given up front (the benchmark does).
+
+Epoch metrics are torchmetrics objects: updated on the device every step, reduced across ranks
+once per epoch. They are built so that no step waits for the GPU: tensor inputs only (a Python
+number would be copied to the device with a sync) and `nan_strategy="disable"` (its NaN check is a
+host-side `.any()`). The loss is a sum of `loss * batch` over a sum of samples rather than a
+`MeanMetric`: with `nan_strategy="disable"`, torchmetrics 1.9 replaces a MeanMetric's weights by
+ones, which would average batches of different sizes as if they were equal.
 """
 from __future__ import annotations
 
-import math
+import dataclasses
 
 import pytorch_lightning as pl
 import torch
 import torch.nn.functional as F
 
+from dali_pipe.config import ModelSettings
+
 from .vit import load_model
 
 
-class ViTClassifier(pl.LightningModule):
-    def __init__(self, model_name: str, lr: float, weight_decay: float = 0.05, warmup_fraction: float = 0.05,
-                 classes: list[str] | None = None):
+class ImageClassifier(pl.LightningModule):
+    def __init__(self, settings: ModelSettings, classes: list[str] | None = None):
         super().__init__()
-        self.save_hyperparameters()
+        self.settings = settings
+        self.save_hyperparameters({"model": dataclasses.asdict(settings), "classes": classes})
+        self.classes = classes
         self.model = None
-        self._sums: dict[str, torch.Tensor] = {}
         self.epoch_metrics: list[dict] = []  # one dict per finished epoch, as printed
+        self._last_val: dict | None = None
 
     # -- model -------------------------------------------------------------------------------
     def configure_model(self) -> None:
         if self.model is not None:
             return
-        if self.hparams.classes is None:
-            self.hparams.classes = list(self.trainer.datamodule.classes)
-        self.model = load_model(self.hparams.model_name, self.hparams.classes)
+        from torchmetrics import SumMetric
+        from torchmetrics.classification import MulticlassAccuracy
+
+        if self.classes is None:
+            self.classes = list(self.trainer.datamodule.classes)
+        self.model = load_model(self.settings.model, self.classes)
+        for split in ("train", "val"):
+            setattr(self, f"{split}_loss", SumMetric(nan_strategy="disable"))  # sum of loss * samples
+            setattr(self, f"{split}_acc", MulticlassAccuracy(len(self.classes), average="micro", validate_args=False))
+            setattr(self, f"{split}_n", SumMetric(nan_strategy="disable"))
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         return self.model(pixel_values=images).logits
 
     # -- steps -------------------------------------------------------------------------------
-    def _accumulate(self, prefix: str, loss_sum: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor) -> None:
-        n = torch.tensor(labels.numel(), device=labels.device, dtype=torch.float64)
-        correct = (logits.argmax(-1) == labels).sum().double()
-        for k, v in ((f"{prefix}_loss", loss_sum.detach().double()), (f"{prefix}_correct", correct), (f"{prefix}_n", n)):
-            self._sums[k] = self._sums.get(k, 0) + v
+    def _update(self, split: str, loss: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor) -> None:
+        n = torch.full_like(loss, labels.numel())  # on the device: no host-to-device copy
+        getattr(self, f"{split}_loss").update(loss.detach() * n)
+        getattr(self, f"{split}_acc").update(logits.detach(), labels)
+        getattr(self, f"{split}_n").update(n)
 
     def training_step(self, batch, batch_idx):
-        images, labels = batch
+        images, labels = batch  # images (B,3,H,W) float on cuda:local_rank or CPU; labels (B,) int64, same device
         logits = self(images)
         loss = F.cross_entropy(logits.float(), labels)
-        self._accumulate("train", loss * labels.numel(), logits, labels)
+        self._update("train", loss, logits, labels)
         self.log("train_loss_step", loss, on_step=True, on_epoch=False, logger=True)
         return loss
 
     def validation_step(self, batch, batch_idx):
-        images, labels = batch
+        images, labels = batch  # as in training_step
         if labels.numel() == 0:
             return None
         logits = self(images)
-        self._accumulate("val", F.cross_entropy(logits.float(), labels, reduction="sum"), logits, labels)
+        self._update("val", F.cross_entropy(logits.float(), labels), logits, labels)
 
-    def _reduce(self, prefix: str) -> dict[str, float] | None:
-        keys = [f"{prefix}_loss", f"{prefix}_correct", f"{prefix}_n"]
-        if keys[0] not in self._sums and self.trainer.world_size == 1:
+    def _compute(self, split: str) -> dict[str, float] | None:
+        """The split's epoch metrics, reduced over ranks (one sync per epoch), then reset."""
+        metrics = [getattr(self, f"{split}_{k}") for k in ("loss", "acc", "n")]
+        if not metrics[2].update_called and self.trainer.world_size == 1:
             return None
-        vals = torch.stack([torch.as_tensor(self._sums.pop(k, 0.0), dtype=torch.float64, device=self.device)
-                            for k in keys])
-        vals = self.trainer.strategy.reduce(vals, reduce_op="sum")  # all ranks' sums, once per epoch
-        loss, correct, n = vals.tolist()
+        loss_sum, acc, n = (m.compute() for m in metrics)
+        for m in metrics:
+            m.reset()
+        n = int(n.item())
         if n == 0:
             return None
-        return {f"{prefix}_loss": loss / n, f"{prefix}_acc": correct / n, f"{prefix}_samples": int(n)}
+        return {f"{split}_loss": float(loss_sum) / n, f"{split}_acc": float(acc), f"{split}_samples": n}
 
     def on_validation_epoch_end(self) -> None:
-        m = self._reduce("val")
+        m = self._compute("val")
         if m is not None:
-            self.log_dict({k: float(v) for k, v in m.items()}, sync_dist=False)
+            self.log_dict(m, sync_dist=False)  # already reduced
             if not self.trainer.sanity_checking:
                 self._last_val = m
 
-    def on_train_epoch_start(self) -> None:
-        self._last_val = None
-
     def on_train_epoch_end(self) -> None:
-        m = self._reduce("train") or {}
-        self.log_dict({k: float(v) for k, v in m.items()}, sync_dist=False)
+        m = self._compute("train") or {}
+        self.log_dict(m, sync_dist=False)
         row = {"epoch": self.current_epoch + 1, **m, **(self._last_val or {})}
+        self._last_val = None
         self.epoch_metrics.append(row)
         if self.trainer.is_global_zero:
             print("METRIC " + " ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}"
@@ -91,21 +106,16 @@ class ViTClassifier(pl.LightningModule):
 
     # -- optimisation ------------------------------------------------------------------------
     def configure_optimizers(self):
+        from transformers import get_cosine_schedule_with_warmup
+
         decay, no_decay = [], []
         for name, p in self.model.named_parameters():
             (no_decay if p.ndim < 2 or "norm" in name.lower() else decay).append(p)
-        fused = self.device.type == "cuda" or None  # fused AdamW only on CUDA
-        opt = torch.optim.AdamW([{"params": decay, "weight_decay": self.hparams.weight_decay},
+        fused = self.device.type == "cuda" or None  # fused AdamW only on CUDA (it also skips GradScaler's sync)
+        opt = torch.optim.AdamW([{"params": decay, "weight_decay": self.settings.weight_decay},
                                  {"params": no_decay, "weight_decay": 0.0}],
-                                lr=self.hparams.lr, betas=(0.9, 0.999), fused=fused)
+                                lr=self.settings.lr, betas=(0.9, 0.999), fused=fused)
         total = max(1, int(self.trainer.estimated_stepping_batches))
-        warmup = max(1, int(total * self.hparams.warmup_fraction))
-
-        def schedule(step: int) -> float:
-            if step < warmup:
-                return (step + 1) / warmup
-            progress = min(1.0, (step - warmup) / max(1, total - warmup))
-            return 0.5 * (1 + math.cos(math.pi * progress))
-
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
+        warmup = max(1, int(total * self.settings.warmup_fraction))
+        sched = get_cosine_schedule_with_warmup(opt, num_warmup_steps=warmup, num_training_steps=total)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}

@@ -7,13 +7,12 @@ Built-in names (no download):
 """
 from __future__ import annotations
 
-DEFAULT_MODEL = "google/vit-base-patch16-224"
-TINY = "tiny"
-VIT_B16_RANDOM = "vit-b16-random"
-BUILTIN = (TINY, VIT_B16_RANDOM)
+from dali_pipe.config import BUILTIN_MODELS as BUILTIN
+from dali_pipe.config import TINY, VIT_B16_RANDOM
+from dali_pipe.errors import UserError
 
 
-class ModelLoadError(RuntimeError):
+class ModelLoadError(UserError):
     """The --model could not be loaded; the message says what to pass instead."""
 
 

@@ -11,12 +11,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import pytorch_lightning as pl  # noqa: E402
 
-from dali_pipe.datamodule import DaliDataModule, DataConfig  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from helpers import datamodule, tiny_settings  # noqa: E402
+
 from dali_pipe.spec import ImageSpec  # noqa: E402
-from model.module import ViTClassifier  # noqa: E402
+from model.module import ImageClassifier  # noqa: E402
 
 
-class Tracing(ViTClassifier):
+class Tracing(ImageClassifier):
     def on_train_epoch_start(self):
         super().on_train_epoch_start()
         self.seen, self.batches = [], 0
@@ -40,9 +42,9 @@ class Tracing(ViTClassifier):
 
 
 def main(data: str, out: str, epochs: int, batch: int) -> None:
-    dm = DaliDataModule(DataConfig(data, Path(out), batch_size=batch, device="cpu", num_threads=1,
-                                   cache_dir=Path(out) / "cache"), ImageSpec(64, 64, (0.5,) * 3, (0.5,) * 3))
-    module = Tracing("tiny", lr=1e-3)
+    dm = datamodule(data, out, batch_size=batch, cache_dir=Path(out) / "cache",
+                    spec=ImageSpec(64, 64, (0.5,) * 3, (0.5,) * 3))
+    module = Tracing(tiny_settings())
     module.trace = []
     trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_epochs=epochs, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,

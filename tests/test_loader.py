@@ -4,9 +4,10 @@ from __future__ import annotations
 from collections import Counter
 
 import pytest
+from helpers import cpu_options
 
 from dali_pipe.loader import DaliLoader
-from dali_pipe.pipeline import PipelineOptions, build_pipeline
+from dali_pipe.pipeline import build_pipeline
 from dali_pipe.spec import ImageSpec
 
 SPEC = ImageSpec(16, 16, (0.5,) * 3, (0.5,) * 3)
@@ -16,14 +17,13 @@ def _indexed(photo_root):
     """All files with label = their own index, so a batch says exactly which samples it holds."""
     from dali_pipe.manifest import read_manifest
 
-    m = read_manifest(photo_root, val_fraction=0)
+    m = read_manifest(photo_root, val_fraction=0, seed=0, skip_missing=False)
     files = [s.path for s in m.train]
     return files, list(range(len(files)))
 
 
 def _loader(files, labels, batch, training, shard=0, shards=1):
-    opts = PipelineOptions(batch_size=batch, device="cpu", device_id=None, num_threads=2,
-                           shard_id=shard, num_shards=shards, seed=3)
+    opts = cpu_options(batch, threads=2, training=training, shard_id=shard, num_shards=shards, seed=3)
     return DaliLoader(build_pipeline(files, labels, SPEC, opts, training=training), training=training)
 
 
@@ -73,25 +73,6 @@ def test_shards_partition_the_data(photo_root):
         both = per_rank[0] + per_rank[1]
         assert max(Counter(both).values()) == 1
         assert 48 - len(both) < 2 * 5
-
-
-def test_datamodule_batches_and_labels(photo_root, tmp_path, cache_dir):
-    """setup() builds CPU loaders; labels are int64 class indices; val covers the whole val split."""
-    from dali_pipe.datamodule import DaliDataModule, DataConfig
-
-    dm = DaliDataModule(DataConfig(str(photo_root), tmp_path / "out", batch_size=8, device="cpu", num_threads=1,
-                                   val_fraction=0.25, cache_dir=cache_dir), SPEC)
-    dm.prepare_data()
-    dm.setup("fit")
-    assert dm.classes == ["astronaut", "chelsea", "coffee", "rocket"]
-    assert len(dm.manifest.train) == 36 and len(dm.manifest.val) == 12
-    for _ in range(3):
-        train = list(dm.train_dataloader())
-        assert len(train) == len(dm.train_dataloader()) == 36 // 8
-        x, y = train[0]
-        assert x.shape == (8, 3, 16, 16) and y.dtype.is_floating_point is False and str(y.dtype) == "torch.int64"
-        assert sum(len(y) for _, y in dm.val_dataloader()) == 12
-    assert (tmp_path / "out" / "bad_images.tsv").read_text().strip() == "image_path\treason"
 
 
 @pytest.mark.parametrize("n,batch", [(41, 5), (43, 10), (21, 10), (40, 4)])

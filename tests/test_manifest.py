@@ -3,7 +3,13 @@ from __future__ import annotations
 
 import pytest
 
-from dali_pipe.manifest import ManifestError, read_manifest, stratified_split
+from dali_pipe.manifest import ManifestError, stratified_split
+from dali_pipe.manifest import read_manifest as _read_manifest
+
+
+def read_manifest(root, **kw):
+    """read_manifest with the settings' defaults unless the test says otherwise."""
+    return _read_manifest(root, **{"val_fraction": 0.1, "seed": 0, "skip_missing": False, **kw})
 
 
 def _write(root, text: str, files=(), raw: bytes | None = None):

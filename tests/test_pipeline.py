@@ -3,8 +3,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from helpers import cpu_options
 
-from dali_pipe.pipeline import PipelineOptions, build_pipeline
+from dali_pipe.config import PipelineSettings
+from dali_pipe.pipeline import PipelineOptions, build_pipeline, resources_for_rank
 from dali_pipe.spec import ImageSpec
 
 SPEC = ImageSpec(64, 48, mean=(0.5, 0.4, 0.3), std=(0.2, 0.25, 0.3))
@@ -18,10 +20,15 @@ TOL = {  # (mean, p99, max) of |dali - reference| in normalised units
 }
 
 
+def _options(batch: int, device: str, threads: int = 1) -> PipelineOptions:
+    res = resources_for_rank(PipelineSettings(device=device, num_threads=threads))
+    return PipelineOptions(batch_size=batch, device=device, resources=res, device_id=0 if device == "gpu" else None)
+
+
 def _files(root, n=None):
     from dali_pipe.manifest import read_manifest
 
-    m = read_manifest(root, val_fraction=0)
+    m = read_manifest(root, val_fraction=0, seed=0, skip_missing=False)
     s = m.train[:n] if n else m.train
     return [x.path for x in s], [x.label for x in s]
 
@@ -47,7 +54,7 @@ def _run(pipe):
 def test_validation_matches_pil_reference(photo_root, device):
     """Decode + resize + normalise equals PIL + numpy within the stated mean/p99/max tolerances."""
     files, labels = _files(photo_root, 8)
-    opts = PipelineOptions(batch_size=8, device=device, device_id=0 if device == "gpu" else None)
+    opts = _options(8, device)
     out, out_labels = _run(build_pipeline(files, labels, SPEC, opts, training=False))
     ref = np.stack([_reference(f, SPEC) for f in files])
     assert out.shape == (8, 3, 64, 48) and out.dtype == np.float32
@@ -63,10 +70,11 @@ def test_validation_matches_pil_reference(photo_root, device):
 def test_training_output_shape_dtype_and_range(photo_root, device):
     """Random crop + flip stay inside the normalised [0,1] pixel range; batches differ per run."""
     files, labels = _files(photo_root)
-    opts = PipelineOptions(batch_size=16, device=device, device_id=0 if device == "gpu" else None, num_threads=2)
+    opts = _options(16, device, threads=2)
     pipe = build_pipeline(files, labels, SPEC, opts, training=True)
     a, la = _run(pipe)
-    b, _ = (lambda o: (np.stack([np.asarray(t) for t in (o[0].as_cpu() if device == "gpu" else o[0])]), None))(pipe.run())
+    second = pipe.run()[0]
+    b = np.stack([np.asarray(t) for t in (second.as_cpu() if device == "gpu" else second)])
     assert a.shape == (16, 3, 64, 48) and a.dtype == np.float32
     lo = (0 - np.array(SPEC.mean)) / np.array(SPEC.std)
     hi = (1 - np.array(SPEC.mean)) / np.array(SPEC.std)
@@ -80,8 +88,6 @@ def test_training_crop_is_a_crop_of_the_image(tmp_path):
     """On a left-dark/right-bright image, a crop + resize + flip keeps that 2-valued content."""
     from PIL import Image
 
-    from dali_pipe.pipeline import PipelineOptions
-
     x = np.zeros((200, 300, 3), np.uint8)
     x[:, 150:] = 255
     files = []
@@ -90,8 +96,7 @@ def test_training_crop_is_a_crop_of_the_image(tmp_path):
         Image.fromarray(x).save(p)
         files.append(str(p))
     spec = ImageSpec(32, 32, (0.5,) * 3, (0.5,) * 3)
-    out, _ = _run(build_pipeline(files, [0, 1, 0, 1], spec, PipelineOptions(batch_size=4, device="cpu", device_id=None),
-                                 training=True))
+    out, _ = _run(build_pipeline(files, [0, 1, 0, 1], spec, cpu_options(4), training=True))
     # every output pixel is black (-1), white (+1) or an interpolated edge; never outside [-1, 1]
     assert out.min() >= -1 - 1e-5 and out.max() <= 1 + 1e-5
     assert ((np.abs(np.abs(out) - 1) < 1e-3).mean()) > 0.8
@@ -101,13 +106,5 @@ def test_resize_shorter_then_center_crop(photo_root):
     """Processors with shortest_edge + crop_size get resize-shorter then a center crop."""
     files, labels = _files(photo_root, 4)
     spec = ImageSpec(32, 32, (0.5,) * 3, (0.5,) * 3, resize_shorter=40)
-    out, _ = _run(build_pipeline(files, labels, spec, PipelineOptions(batch_size=4, device="cpu", device_id=None),
-                                 training=False))
+    out, _ = _run(build_pipeline(files, labels, spec, cpu_options(4, training=False), training=False))
     assert out.shape == (4, 3, 32, 32)
-
-
-def test_spec_from_vit_processor():
-    from model.vit import load_processor
-
-    s = ImageSpec.from_processor(load_processor("vit-b16-random"))
-    assert (s.height, s.width, s.mean, s.std) == (224, 224, (0.5,) * 3, (0.5,) * 3)

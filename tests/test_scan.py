@@ -4,7 +4,10 @@ from __future__ import annotations
 import pytest
 
 import train
+from dali_pipe.config import DataSettings
 from dali_pipe.scan import check_header, scan
+
+MAX_PIXELS = DataSettings.max_pixels
 
 
 @pytest.fixture(scope="module")
@@ -39,8 +42,9 @@ def test_full_scan_epoch_exits_0_and_names_every_bad_file(corpus, tmp_path, cach
 def test_odd_formats_come_out_as_3_channel_model_size(corpus, tmp_path):
     """CMYK, gray, progressive, EXIF-rotated, PNG variants, BMP, TIFF and 1x1 all decode to 3xHxW."""
     import numpy as np
+    from helpers import cpu_options
 
-    from dali_pipe.pipeline import PipelineOptions, build_pipeline
+    from dali_pipe.pipeline import build_pipeline
     from dali_pipe.spec import ImageSpec
 
     root, expected = corpus
@@ -48,7 +52,7 @@ def test_odd_formats_come_out_as_3_channel_model_size(corpus, tmp_path):
     spec = ImageSpec(64, 64, (0.5,) * 3, (0.5,) * 3)
     for training in (False, True):
         pipe = build_pipeline(odd, list(range(len(odd))), spec,
-                              PipelineOptions(batch_size=len(odd), device="cpu", device_id=None), training=training)
+                              cpu_options(len(odd), training=training), training=training)
         pipe.build()
         images, labels = pipe.run()
         arr = np.stack([np.asarray(t) for t in images])
@@ -91,18 +95,18 @@ def test_scan_cache_rescans_only_what_changed(corpus, tmp_path):
     shutil.copytree(root, work)
     files = [str(work / p) for p in expected]
     cache = tmp_path / "scan.json"
-    first = scan(files, "full", cache_path=cache, progress=False)
+    first = scan(files, "full", max_pixels=MAX_PIXELS, cache_path=cache, progress=False)
     assert first.checked == len(files) and first.decoded > 0
-    again = scan(files, "full", cache_path=cache, progress=False)
+    again = scan(files, "full", max_pixels=MAX_PIXELS, cache_path=cache, progress=False)
     assert again.checked == 0 and again.decoded == 0 and again.bad == first.bad
     st = os.stat(files[-1])
     os.utime(files[-1], ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
-    third = scan(files, "full", cache_path=cache, progress=False)
+    third = scan(files, "full", max_pixels=MAX_PIXELS, cache_path=cache, progress=False)
     assert third.checked == 1
     # a fast verdict does not satisfy a later full scan
     fast_cache = tmp_path / "fast.json"
-    scan(files, "fast", cache_path=fast_cache, progress=False)
-    assert scan(files, "full", cache_path=fast_cache, progress=False).decoded > 0
+    scan(files, "fast", max_pixels=MAX_PIXELS, cache_path=fast_cache, progress=False)
+    assert scan(files, "full", max_pixels=MAX_PIXELS, cache_path=fast_cache, progress=False).decoded > 0
 
 
 def test_too_many_bad_files_abort_with_pointer_to_report(corpus, tmp_path, cache_dir):
@@ -116,14 +120,16 @@ def test_too_many_bad_files_abort_with_pointer_to_report(corpus, tmp_path, cache
 
 def test_undetected_bad_file_gets_a_clear_error_pointing_to_full_scan(corpus, tmp_path):
     """With the scan off, a corrupt JPEG still ends the epoch, but with a message that says what to do."""
+    from helpers import cpu_options
+
     from dali_pipe.loader import DaliLoader, PipelineDecodeError
-    from dali_pipe.pipeline import PipelineOptions, build_pipeline
+    from dali_pipe.pipeline import build_pipeline
     from dali_pipe.spec import ImageSpec
 
     root, _ = corpus
     files = [str(root / "odd/gray.jpg"), str(root / "bad/bad_huffman.jpg")]
     pipe = build_pipeline(files, [0, 1], ImageSpec(32, 32, (0.5,) * 3, (0.5,) * 3),
-                          PipelineOptions(batch_size=2, device="cpu", device_id=None), training=False)
+                          cpu_options(2, training=False), training=False)
     with pytest.raises(PipelineDecodeError, match="could not decode .*bad_huffman.jpg.*--scan full"):
         list(DaliLoader(pipe, training=False))
 

@@ -62,8 +62,10 @@ def test_invalid_flags_listed_together(tmp_path):
 
 
 def test_precision_auto():
-    assert train.resolve_precision("auto", "cpu") == "32-true"
-    assert train.resolve_precision("16-mixed", "cpu") == "16-mixed"
+    from dali_pipe.config import resolve_precision
+
+    assert resolve_precision("auto", "cpu") == "32-true"
+    assert resolve_precision("16-mixed", "cpu") == "16-mixed"
 
 
 def test_cli_documented_form_and_clean_errors(photo_root, tmp_path, cache_dir):
@@ -96,17 +98,20 @@ def test_gpu_fit_with_autocast(photo_root, tmp_path, cache_dir):
     res = train.main(["--data", str(photo_root), "--model", "tiny", "--epochs", "2", "--batch-size", "8",
                       "--device", "gpu", "--output", str(tmp_path / "g")])
     assert res["global_step"] == 2 * (44 // 8)
+    from dali_pipe.config import resolve_precision
+
     expected = "bf16-mixed" if torch.cuda.get_device_capability()[0] >= 8 else "16-mixed"
-    assert train.resolve_precision("auto", "gpu") == expected
+    assert resolve_precision("auto", "gpu") == expected
 
 
 @pytest.mark.gpu
 def test_gpu_loader_outputs_on_device(photo_root, tmp_path, cache_dir):
-    from dali_pipe.datamodule import DaliDataModule, DataConfig
+    from helpers import datamodule
+
     from dali_pipe.spec import ImageSpec
 
-    dm = DaliDataModule(DataConfig(str(photo_root), tmp_path / "o", batch_size=8, device="gpu", cache_dir=cache_dir),
-                        ImageSpec(64, 64, (0.5,) * 3, (0.5,) * 3))
+    dm = datamodule(photo_root, tmp_path / "o", batch_size=8, cache_dir=cache_dir, device="gpu", threads=3,
+                    spec=ImageSpec(64, 64, (0.5,) * 3, (0.5,) * 3))
     dm.prepare_data()
     dm.setup("fit")
     x, y = next(iter(dm.train_dataloader()))

@@ -25,9 +25,10 @@ def main() -> None:
     import psutil
     import pytorch_lightning as pl
 
-    from dali_pipe.datamodule import DaliDataModule, DataConfig
+    from dali_pipe.config import DataSettings, ModelSettings, PipelineSettings
+    from dali_pipe.datamodule import DaliDataModule
     from dali_pipe.spec import ImageSpec
-    from model.module import ViTClassifier
+    from model.module import ImageClassifier
     from model.vit import load_processor
 
     rss = []
@@ -37,11 +38,12 @@ def main() -> None:
             rss.append(psutil.Process().memory_info().rss / 2**20)
 
     out = Path(args.output)
-    dm = DaliDataModule(DataConfig(args.data, out, batch_size=args.batch_size, device="cpu", num_threads=1,
-                                   cache_dir=out / "cache"), ImageSpec.from_processor(load_processor("tiny")))
+    spec = ImageSpec.from_processor(load_processor("tiny"))
+    dm = DaliDataModule(DataSettings(data=args.data, batch_size=args.batch_size, cache_dir=str(out / "cache")),
+                        PipelineSettings(device="cpu", num_threads=1), spec, out)
     trainer = pl.Trainer(accelerator="cpu", max_epochs=args.epochs, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, callbacks=[RSS()])
-    trainer.fit(ViTClassifier("tiny", lr=1e-3), datamodule=dm)
+    trainer.fit(ImageClassifier(ModelSettings(model="tiny", lr=1e-3)), datamodule=dm)
     growth = (rss[-1] - rss[1]) / rss[1]
     print(json.dumps({"epochs": args.epochs, "rss_mb": [round(x, 1) for x in rss],
                       "growth_epoch2_to_last": growth}))

@@ -20,11 +20,13 @@ import sys
 import traceback
 from pathlib import Path
 
+from ..errors import UserError
+
 FAILURE_LIMIT = 1024
 _SECRET = re.compile(r"(AKIA|ASIA)[A-Z0-9]{12,}|(?i:(secret|token|password|session)[^\s:=]*\s*[:=]\s*)\S+")
 
 
-class SageMakerError(ValueError):
+class SageMakerError(UserError):
     """The job's configuration is unusable; the message names the file or hyperparameter."""
 
 
@@ -120,11 +122,7 @@ def run_sagemaker(extra: list[str], main) -> dict:
     except SystemExit:  # --help; usage errors arrive as UsageError below
         raise
     except BaseException as e:
-        from train import UsageError
-
-        from .errors import user_errors
-
-        if isinstance(e, (UsageError, SageMakerError, *user_errors())):
+        if isinstance(e, UserError):
             reason = str(e)
         else:
             reason = f"{type(e).__name__}: {e}\n" + "".join(traceback.format_exc().splitlines(True)[-6:])

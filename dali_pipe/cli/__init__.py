@@ -1,0 +1,82 @@
+"""The command layer: it composes the library (dali_pipe's stages, model/) into commands.
+
+    train.py [flags]           -> fit.run (training) or bench.run (--benchmark)
+    train.py train [flags]     -> sagemaker.run (the SageMaker container contract)
+    python -m dali_pipe CMD    -> commands.main (sync, ...)
+
+Nothing outside this package imports it (tests/test_layers.py checks). Importing it is cheap:
+only the settings are loaded until a command runs, so `--help` and a bad flag answer at once.
+"""
+from __future__ import annotations
+
+import sys
+
+from ..config import TRAIN_GROUPS, Settings, UsageError, build_parser, parse, resolve, settings_from, validate
+from ..errors import UserError
+
+TRAIN_DOC = """Train an image classifier from a dataset.tsv of JPEGs (local or S3) with a DALI pipeline.
+
+    python train.py                                   # demo: tiny ViT on generated photos, CPU ok
+    python train.py --data DIR --model tiny --epochs 2 --device cpu --output OUT
+    python train.py --data s3://bucket/prefix --model google/vit-base-patch16-224
+    python train.py --benchmark --data DIR --model none --output OUT
+    python train.py train                             # SageMaker: reads SAGEMAKER_BASE_DIR (default /opt/ml)
+"""
+
+__all__ = ["main", "cli", "parse_train", "UsageError"]
+
+
+def train_parser():
+    return build_parser("python train.py", TRAIN_DOC.split("\n\n")[0], TRAIN_GROUPS,
+                        epilog="A first argument 'train' runs the SageMaker container contract: flags come "
+                               "from /opt/ml/input/config/hyperparameters.json.")
+
+
+def parse_train(argv: list[str]) -> Settings:
+    """train.py's flags -> checked Settings (every problem listed in one UsageError)."""
+    ns, problems = parse(argv, train_parser())
+    s = settings_from(ns)
+    validate(s, TRAIN_GROUPS, problems)
+    return s
+
+
+def prepared(s: Settings) -> Settings:
+    """Resolve the computed defaults; without --data, generate the demo set of real photos."""
+    demo = s.data.data is None
+    s = resolve(s)
+    if demo:
+        from pathlib import Path
+
+        from ..demo import make_photo_dataset
+
+        s.data.data = str(make_photo_dataset(Path(s.data.cache_dir) / "demo-photos", classes=4, per_class=100,
+                                             seed=s.data.seed))
+        print(f"demo: no --data given; training on generated photos in {s.data.data}")
+    return s
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """train.py as a library: `main([...flags])` trains or benchmarks and returns the result dict."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["train"]:  # only as the first argument, so a flag's value never lands here
+        from .sagemaker import run_sagemaker
+
+        return run_sagemaker(argv[1:], main)
+    s = prepared(parse_train(argv))
+    if s.bench.benchmark:
+        from .bench import run
+
+        return run(s)
+    from .fit import run
+
+    return run(s)
+
+
+def cli(entry=main) -> int:
+    """Entry point: user errors become one clear message and exit status 2, not a traceback."""
+    try:
+        entry()
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0

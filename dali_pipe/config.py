@@ -1,0 +1,447 @@
+"""Every setting of every command, defined once.
+
+Each setting is a field of a typed dataclass below (data, pipeline, model and optimisation, run,
+benchmark, and the per-command ones), with its default and a one-line doc in `setting(...)`.
+From these fields:
+
+- `build_parser()` generates the argparse parser of train.py and of `python -m dali_pipe ...`;
+- `from_hyperparameters()` maps SageMaker hyperparameters onto the same fields (via the parser);
+- `validate()` checks them all at once and lists every problem, each naming the flag, the bad
+  value and what is allowed.
+
+This module is a leaf: it imports nothing from the project and nothing heavy, so `--help` and a
+bad flag answer in well under a second.
+
+Why a small generator and not a library: transformers' `HfArgumentParser` (the closest fit) costs
+about 1.4 s to import, stops at the first bad value (argparse `type=` errors exit at once, while
+we list every problem), and cannot express "an integer or 'auto'"; jsonargparse would be a new
+dependency for the same 100 lines; LightningCLI would rename the public flags
+(`--trainer.max_epochs`). The generator below keeps the flags stable and the messages ours.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import os
+import sys
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .errors import UserError
+
+# -- choices and built-in names (each defined here once) -------------------------------------
+PRECISIONS = ("auto", "32-true", "16-mixed", "bf16-mixed")
+DEVICES = ("auto", "gpu", "cpu")
+SCAN_MODES = ("off", "fast", "full")
+LOADERS = ("dali", "baseline", "synthetic")
+DEFAULT_MODEL = "google/vit-base-patch16-224"
+TINY = "tiny"  # small random-init ViT for CPU demos and tests
+VIT_B16_RANDOM = "vit-b16-random"  # ViT-B/16 shape with random weights, for offline benchmarks
+BUILTIN_MODELS = (TINY, VIT_B16_RANDOM)
+DEMO_LR, FINETUNE_LR = 1e-3, 5e-5  # --lr default: built-in (random init) vs pretrained models
+
+
+class UsageError(UserError):
+    """Bad flags or hyperparameters; the message lists every problem."""
+
+
+class Invalid:
+    """A value that did not parse; kept so that validate() can list every problem at once."""
+
+    def __init__(self, value: str, expected: str):
+        self.value, self.expected = value, expected
+
+    def __repr__(self) -> str:
+        return f"Invalid({self.value!r})"
+
+
+def setting(default, help: str, *, parse=None, expected: str | None = None, check=None, choices=None,
+            nargs=None, metavar: str | None = None, positional: bool = False, flag: str | None = None):
+    """A settings field: its default, its one-line doc (the --help text) and how to read and check it.
+
+    parse/expected: str -> value converter and the words for "is not {expected}" when it fails;
+    check: (predicate, message) or a list of them, applied by validate();
+    choices: the allowed values (validate() names them); flag: the CLI name when it differs.
+    """
+    meta = dict(help=help, parse=parse, expected=expected, check=check, choices=choices, nargs=nargs,
+                metavar=metavar, positional=positional, flag=flag)
+    return field(default=default, metadata=meta)
+
+
+def parse_bool(s: str) -> bool:
+    v = str(s).strip().lower()
+    if v in ("1", "true", "yes", "on"):
+        return True
+    if v in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(s)
+
+
+def parse_int_or_auto(s: str):
+    return "auto" if str(s).strip() == "auto" else int(s)
+
+
+AT_LEAST_1 = (lambda v: v >= 1, "must be at least 1")
+POSITIVE = (lambda v: v > 0, "must be positive")
+FRACTION_0_1 = (lambda v: 0 <= v < 1, "must be in [0, 1)")
+UNIT_INTERVAL = (lambda v: 0 <= v <= 1, "must be in [0, 1]")
+NON_NEGATIVE = (lambda v: v >= 0, "must be 0 or more")
+
+
+def cores() -> int:
+    """The CPU cores this process may use (its affinity mask, not the machine's count)."""
+    return len(os.sched_getaffinity(0))
+
+
+# -- the settings -------------------------------------------------------------------------------
+@dataclass
+class DataSettings:
+    """What to read, how to split it and how to check it."""
+    data: str | None = setting(None, "dataset root holding dataset.tsv, or s3://bucket/prefix; default: a "
+                                     "generated demo set of real photos")
+    cache_dir: str | None = setting(None, "where s3:// data is synced and scan verdicts are cached; default "
+                                          "$DALI_PIPE_CACHE or ~/.cache/dali_pipe (SageMaker: /opt/ml/input/"
+                                          "dali_pipe_cache, on the instance volume)")
+    batch_size: int = setting(32, "images per batch per GPU/process", check=AT_LEAST_1)
+    val_fraction: float = setting(0.1, "validation share per class when the manifest has no split column",
+                                  check=FRACTION_0_1)
+    seed: int = setting(0, "seed for the split, the sample order, augmentation and model init")
+    scan: str = setting("fast", "pre-flight image scan", choices=SCAN_MODES)
+    max_pixels: int = setting(89_478_485, "reject images with more pixels (decompression bombs)", check=AT_LEAST_1)
+    max_bad_fraction: float = setting(0.05, "abort when a larger share of images is bad", check=UNIT_INTERVAL)
+    skip_missing: bool = setting(False, "train without files listed but missing (reported)")
+
+
+@dataclass
+class PipelineSettings:
+    """The DALI pipeline: where it runs and with how many threads."""
+    device: str = setting("auto", "where DALI decodes and the model runs; auto picks the GPU when CUDA is "
+                                  "available", choices=DEVICES)
+    num_threads: int | None = setting(None, "DALI CPU threads per process; default: the cores available to "
+                                            "each local rank minus one, at most 8 (benchmark: all --cpus "
+                                            "cores, as many as the baseline's workers)", check=AT_LEAST_1)
+
+
+@dataclass
+class ModelSettings:
+    """The model and how it is optimised."""
+    model: str | None = setting(None, f"hub id, local save_pretrained dir, '{TINY}', '{VIT_B16_RANDOM}', or "
+                                      f"'none' (benchmark: loaders only); default: {TINY} for the demo set, "
+                                      f"else {DEFAULT_MODEL}")
+    epochs: int = setting(5, "training epochs", check=AT_LEAST_1)
+    max_steps: int = setting(-1, "stop after this many optimizer steps (-1: no limit)",
+                             check=(lambda v: v == -1 or v >= 1, "must be -1 (no limit) or at least 1"))
+    lr: float | None = setting(None, f"peak learning rate; default {DEMO_LR} for built-in models, "
+                                     f"{FINETUNE_LR} for pretrained", check=POSITIVE)
+    weight_decay: float = setting(0.05, "AdamW weight decay (not applied to biases and norms)",
+                                  check=NON_NEGATIVE)
+    warmup_fraction: float = setting(0.05, "share of the optimizer steps spent in linear warmup before "
+                                           "the cosine decay", check=FRACTION_0_1)
+    precision: str = setting("auto", "auto: bf16-mixed on sm80+, 16-mixed on older GPUs (T4), 32-true on CPU",
+                             choices=PRECISIONS)
+
+
+@dataclass
+class RunSettings:
+    """Where results go, checkpoints, and how many processes."""
+    output: str = setting("runs/train", "output dir: model (save_pretrained form), bad_images.tsv, logs, "
+                                        "benchmark files")
+    log_dir: str | None = setting(None, "TensorBoard dir; default OUTPUT/tensorboard")
+    checkpoint_dir: str | None = setting(None, "checkpoints (resumed from when present); default "
+                                               "OUTPUT/checkpoints (SageMaker: /opt/ml/checkpoints)")
+    checkpoint_every_steps: int = setting(0, "also checkpoint every N optimizer steps (0: only at the end and "
+                                             "on SIGTERM)", check=(lambda v: v >= 0, "must be 0 (off) or positive"))
+    monitor: bool = setting(False, "log GPU utilization and data-wait during training and print a diagnosis")
+    devices: int | str = setting(1, "GPUs (or CPU processes) per node; 'auto': all local GPUs",
+                                 parse=parse_int_or_auto, expected="an integer or 'auto'",
+                                 check=(lambda v: v == "auto" or v >= 1, "must be at least 1 or 'auto'"))
+    num_nodes: int = setting(1, "nodes in a multi-node run", check=AT_LEAST_1)
+
+
+@dataclass
+class BenchmarkSettings:
+    """Benchmark mode: loaders side by side, timed."""
+    benchmark: bool = setting(False, "benchmark mode: time loaders side by side instead of training")
+    loaders: str = setting("dali,baseline,synthetic", f"benchmark: comma-separated subset of {','.join(LOADERS)}",
+                           check=(lambda v: bool(v) and all(x in LOADERS for x in v.split(",")),
+                                  f"has an unknown loader; choose from {', '.join(LOADERS)}"))
+    steps: int = setting(50, "benchmark: timed steps per loader", check=AT_LEAST_1)
+    warmup: int = setting(10, "benchmark: untimed warm-up steps per loader", check=NON_NEGATIVE)
+    cpus: int | None = setting(None, "benchmark: pin the process and its workers to this many cores "
+                                     "(default: all)",
+                               check=(lambda v: 1 <= v <= cores(),
+                                      f"must be between 1 and {cores()} (the cores this process may use)"))
+    repeat: int = setting(1, "benchmark: rounds; the loaders alternate within each round, and the report "
+                             "gives the median and min-max of each loader and of each ratio", check=AT_LEAST_1)
+
+
+@dataclass
+class SyncSettings:
+    """`python -m dali_pipe sync`."""
+    uri: str = setting(None, "s3://bucket/prefix holding dataset.tsv", positional=True)
+    local_dir: str = setting(None, "target directory (created if needed)", positional=True)
+    workers: int = setting(32, "parallel downloads (threads sharing one connection pool)", check=AT_LEAST_1)
+    no_progress: bool = setting(False, "no progress bar; print a summary line instead")
+
+
+GROUPS = {"data": DataSettings, "pipeline": PipelineSettings, "model": ModelSettings, "run": RunSettings,
+          "bench": BenchmarkSettings, "sync": SyncSettings}
+
+
+@dataclass
+class Settings:
+    """All settings of one command, grouped; unused groups keep their defaults."""
+    data: DataSettings = field(default_factory=DataSettings)
+    pipeline: PipelineSettings = field(default_factory=PipelineSettings)
+    model: ModelSettings = field(default_factory=ModelSettings)
+    run: RunSettings = field(default_factory=RunSettings)
+    bench: BenchmarkSettings = field(default_factory=BenchmarkSettings)
+    sync: SyncSettings = field(default_factory=SyncSettings)
+
+
+TRAIN_GROUPS = ("data", "pipeline", "model", "run", "bench")
+
+
+def _fields() -> dict[str, tuple[str, dataclasses.Field, object]]:
+    """name -> (group, field, resolved type), for every setting; names are unique across groups."""
+    out = {}
+    for group, cls in GROUPS.items():
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            assert f.name not in out, f"setting {f.name!r} is defined twice"
+            out[f.name] = (group, f, hints[f.name])
+    return out
+
+
+FIELDS = _fields()
+
+
+def flag_of(name: str) -> str:
+    meta = FIELDS[name][1].metadata
+    return meta["flag"] or "--" + name.replace("_", "-")
+
+
+def _converter(name: str):
+    """(str -> value, words for 'is not X'), from the field's parse= or its type."""
+    _, f, tp = FIELDS[name]
+    if f.metadata["parse"]:
+        return f.metadata["parse"], f.metadata["expected"]
+    args = [a for a in typing.get_args(tp) if a is not type(None)] or [tp]
+    base = args[0]
+    if typing.get_origin(base) is tuple:
+        base = typing.get_args(base)[0]
+    if base is bool:
+        return parse_bool, "true or false"
+    if base is int:
+        return int, "an integer"
+    if base is float:
+        return float, "a number"
+    return str, "a string"
+
+
+def _tolerant(conv, expected: str):
+    def parse(s: str):
+        try:
+            return conv(s)
+        except (TypeError, ValueError):
+            return Invalid(s, expected)
+    parse.__name__ = expected  # argparse names the type in its own messages
+    return parse
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that raises UsageError (one clear message; exit 2 in the CLI, output/failure under
+    SageMaker) instead of exiting from deep inside the parser."""
+
+    def error(self, message: str):
+        raise UsageError(f"{message} (see {self.prog} --help)")
+
+
+class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Show '(default: X)' except where the default is computed and the help says how."""
+
+    def _get_help_string(self, action):
+        if action.default is None or action.default is argparse.SUPPRESS or isinstance(action.default, bool) and \
+                action.option_strings and action.nargs == 0:
+            return action.help
+        return super()._get_help_string(action)
+
+
+def build_parser(prog: str, description: str, groups=TRAIN_GROUPS, epilog: str | None = None) -> _Parser:
+    """The argparse parser for the settings of `groups`, one flag per field."""
+    return add_settings(_Parser(prog=prog, description=description, epilog=epilog, formatter_class=_Formatter),
+                        groups)
+
+
+def add_subcommand(subparsers, name: str, summary: str, description: str, groups) -> _Parser:
+    """A subcommand (`python -m dali_pipe NAME`) whose flags are the settings of `groups`."""
+    return add_settings(subparsers.add_parser(name, help=summary, description=description,
+                                              formatter_class=_Formatter), groups)
+
+
+def add_settings(p: argparse.ArgumentParser, groups):
+    """Add one argument per setting of `groups` to `p`, in one help section per settings class."""
+    sections = {}
+    for name, (group, f, tp) in FIELDS.items():
+        if group not in groups:
+            continue
+        if group not in sections:
+            doc = (GROUPS[group].__doc__ or "").strip()
+            sections[group] = p.add_argument_group(group, doc) if len(groups) > 1 else p
+        section = sections[group]
+        meta = f.metadata
+        conv, expected = _converter(name)
+        kw = dict(help=meta["help"], default=f.default, type=_tolerant(conv, expected))
+        if meta["metavar"]:
+            kw["metavar"] = meta["metavar"]
+        elif meta["choices"]:
+            kw["metavar"] = "{" + ",".join(map(str, meta["choices"])) + "}"
+        if meta["positional"]:
+            kw.pop("default")
+            section.add_argument(name, **kw)
+            continue
+        if conv is parse_bool:  # `--flag` alone means true; `--flag false` (SageMaker strings) works too
+            kw.update(nargs="?", const=True)
+        elif meta["nargs"]:
+            kw["nargs"] = meta["nargs"]
+        section.add_argument(flag_of(name), dest=name, **kw)
+    return p
+
+
+def new_parser(prog: str, description: str) -> _Parser:
+    return _Parser(prog=prog, description=description, formatter_class=_Formatter)
+
+
+def parse(argv: list[str], parser: _Parser) -> tuple[argparse.Namespace, list[str]]:
+    """Parse argv. Returns the namespace and the problems with unknown arguments, each suggesting
+    the closest known flag (validate() lists them with the others)."""
+    ns, extra = parser.parse_known_args(argv)
+    problems = []
+    if extra:
+        known = [s for a in parser._actions for s in a.option_strings if s.startswith("--")]
+        parts = []
+        for tok in extra:
+            close = difflib.get_close_matches(tok.split("=")[0], known, n=1) if tok.startswith("-") else []
+            parts.append(f"{tok} (did you mean {close[0]}?)" if close else tok)
+        problems.append(f"unrecognized arguments: {' '.join(parts)} (see {parser.prog} --help)")
+    return ns, problems
+
+
+def settings_from(ns: argparse.Namespace) -> Settings:
+    """Group a parsed namespace into Settings (fields the parser did not expose keep their defaults)."""
+    s = Settings()
+    for name, value in vars(ns).items():
+        group = FIELDS[name][0]
+        setattr(getattr(s, group), name, value)
+    return s
+
+
+def field_problems(s: Settings, names) -> list[str]:
+    """Per-field problems: values that did not parse, choices, and each field's checks."""
+    problems = []
+    for name in names:
+        group, f, _ = FIELDS[name]
+        value = getattr(getattr(s, group), name)
+        flag = flag_of(name) if not f.metadata["positional"] else name
+        values = value if isinstance(value, (list, tuple)) else [value]
+        bad = [v for v in values if isinstance(v, Invalid)]
+        if bad:
+            problems += [f"{flag}: {v.value!r} is not {v.expected}" for v in bad]
+            continue
+        if value is None:
+            continue
+        if f.metadata["choices"] and value not in f.metadata["choices"]:
+            problems.append(f"{flag}: {value!r} is not one of {', '.join(f.metadata['choices'])}")
+            continue
+        checks = f.metadata["check"] or []
+        for pred, msg in [checks] if isinstance(checks, tuple) else checks:
+            if not pred(value):
+                problems.append(f"{flag}: {value!r} {msg}")
+                break
+    return problems
+
+
+def validate(s: Settings, groups=TRAIN_GROUPS, problems: list[str] = ()) -> None:
+    """Check every setting of `groups`; raise one UsageError listing every problem (with `problems`
+    found earlier, such as unknown flags)."""
+    names = [n for n, (g, _, _) in FIELDS.items() if g in groups]
+    problems = list(problems) + field_problems(s, names)
+    if "model" in groups:
+        if s.model.model == "none" and not s.bench.benchmark:
+            problems.append("--model: 'none' only makes sense with --benchmark (it times the loaders without a model)")
+    if "data" in groups:
+        data = s.data.data
+        if isinstance(data, str) and data and not data.startswith("s3://"):
+            if not Path(data).is_dir():
+                problems.append(f"--data: {data!r} is not a directory; pass the folder that holds dataset.tsv, "
+                                "or s3://bucket/prefix")
+            elif not (Path(data) / "dataset.tsv").is_file():
+                problems.append(f"--data: {data!r} has no dataset.tsv; put the manifest (an image_path column) "
+                                "at the dataset root")
+    if "pipeline" in groups and s.pipeline.device == "gpu" and not _cuda_available():
+        problems.append("--device: 'gpu' but no CUDA GPU is visible; use --device cpu (or auto)")
+    if problems:
+        raise UsageError("invalid arguments:\n  " + "\n  ".join(problems))
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+# -- resolution of the defaults that depend on other settings or on the machine ----------------
+def default_cache_dir() -> Path:
+    """Where S3 data and the scan cache live: $DALI_PIPE_CACHE, else ~/.cache/dali_pipe."""
+    return Path(os.environ.get("DALI_PIPE_CACHE", Path.home() / ".cache" / "dali_pipe"))
+
+
+def resolve_device(device: str) -> str:
+    if device == "auto":
+        return "gpu" if _cuda_available() else "cpu"
+    return device
+
+
+def resolve_precision(precision: str, device: str) -> str:
+    """auto: bf16-mixed where the GPU has native bf16 (sm80+), 16-mixed on older GPUs, 32-true on CPU."""
+    if precision != "auto":
+        return precision
+    if device == "cpu":
+        return "32-true"
+    import torch
+
+    return "bf16-mixed" if torch.cuda.get_device_capability()[0] >= 8 else "16-mixed"
+
+
+def resolve(s: Settings) -> Settings:
+    """Fill, once, the defaults that depend on other settings or on the machine (not the data)."""
+    s = dataclasses.replace(s, data=dataclasses.replace(s.data), pipeline=dataclasses.replace(s.pipeline),
+                            model=dataclasses.replace(s.model), run=dataclasses.replace(s.run))
+    s.data.cache_dir = str(s.data.cache_dir or default_cache_dir())
+    if s.model.model is None:
+        s.model.model = TINY if s.data.data is None else DEFAULT_MODEL
+    if s.model.lr is None:
+        s.model.lr = DEMO_LR if s.model.model in BUILTIN_MODELS else FINETUNE_LR
+    s.pipeline.device = resolve_device(s.pipeline.device)
+    s.model.precision = resolve_precision(s.model.precision, s.pipeline.device)
+    out = Path(s.run.output)
+    s.run.log_dir = str(s.run.log_dir or out / "tensorboard")
+    s.run.checkpoint_dir = str(s.run.checkpoint_dir or out / "checkpoints")
+    return s
+
+
+def describe(s: Settings, groups=TRAIN_GROUPS) -> list[str]:
+    """`--flag value` pairs for the settings that differ from their defaults (for logs; redact before printing)."""
+    out = []
+    for name, (group, f, _) in FIELDS.items():
+        if group in groups and not f.metadata["positional"]:
+            value = getattr(getattr(s, group), name)
+            if value != f.default:
+                out.append(f"{flag_of(name)} {value}")
+    return out
+
+
+def isatty() -> bool:
+    return sys.stderr.isatty()

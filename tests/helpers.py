@@ -1,0 +1,38 @@
+"""Small builders the tests share: CPU pipeline options, a DataModule and model settings."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from dali_pipe.config import DataSettings, ModelSettings, PipelineSettings
+from dali_pipe.pipeline import PipelineOptions, resources_for_rank
+
+
+def cpu_options(batch_size: int, *, threads: int = 1, training: bool = True, **kw) -> PipelineOptions:
+    """PipelineOptions for a CPU pipeline with `threads` DALI threads."""
+    res = resources_for_rank(PipelineSettings(device="cpu", num_threads=threads), training=training)
+    return PipelineOptions(batch_size=batch_size, device="cpu", resources=res, **kw)
+
+
+def datamodule(data, output, *, batch_size: int, cache_dir, spec, device: str = "cpu", threads: int = 1, **data_kw):
+    from dali_pipe.datamodule import DaliDataModule
+
+    return DaliDataModule(DataSettings(data=str(data), batch_size=batch_size, cache_dir=str(cache_dir), **data_kw),
+                          PipelineSettings(device=device, num_threads=threads), spec, Path(output))
+
+
+def tiny_settings(**kw) -> ModelSettings:
+    return ModelSettings(**{"model": "tiny", "lr": 1e-3, "precision": "32-true", **kw})
+
+
+class Batches:
+    """A fixed list of batches as one iterable loader (Lightning reads a plain list as several loaders)."""
+
+    def __init__(self, batches):
+        self.batches = list(batches)
+        self.batch_size = len(self.batches[0][1])
+
+    def __iter__(self):
+        return iter(self.batches)
+
+    def __len__(self):
+        return len(self.batches)

@@ -1,0 +1,112 @@
+"""The settings: one definition per setting, a generated parser, every problem listed at once."""
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dali_pipe import config
+from dali_pipe.config import FIELDS, Settings, UsageError, build_parser, parse, settings_from, validate
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _parse(argv, groups=config.TRAIN_GROUPS) -> Settings:
+    ns, problems = parse(argv, build_parser("prog", "doc", groups))
+    s = settings_from(ns)
+    validate(s, groups, problems)
+    return s
+
+
+def test_every_setting_has_a_flag_a_doc_and_its_default_in_help():
+    """The parser is generated from the dataclasses: each field is a flag whose help is the field's doc."""
+    p = build_parser("prog", "doc", config.TRAIN_GROUPS)
+    actions = {a.dest: a for a in p._actions}
+    for name, (group, f, _) in FIELDS.items():
+        assert f.metadata["help"], name
+        if group in config.TRAIN_GROUPS:
+            assert actions[name].default == f.default and actions[name].help == f.metadata["help"]
+    text = p.format_help()
+    assert "--batch-size BATCH_SIZE" in text and "(default: 32)" in text
+    assert "--scan {off,fast,full}" in text
+
+
+def test_defaults_and_types_round_trip():
+    s = _parse(["--batch-size", "64", "--lr", "3e-4", "--devices", "auto", "--skip-missing", "--monitor", "false"])
+    assert (s.data.batch_size, s.model.lr, s.run.devices, s.data.skip_missing, s.run.monitor) == (64, 3e-4, "auto",
+                                                                                                  True, False)
+    assert s.data.val_fraction == config.DataSettings().val_fraction == 0.1
+    assert _parse([]).model.epochs == 5
+
+
+def test_every_problem_is_listed_with_flag_value_and_what_is_allowed(tmp_path):
+    with pytest.raises(UsageError) as e:
+        _parse(["--epochs", "banana", "--batch-size", "0", "--precision", "fp8", "--device", "tpu",
+                "--val-fraction", "1.5", "--data", str(tmp_path / "nope"), "--scan", "deep", "--devices", "x",
+                "--loaders", "dali,nope", "--max-steps", "0"])
+    msg = str(e.value)
+    for needle in ["--epochs: 'banana' is not an integer", "--batch-size: 0 must be at least 1",
+                   "--precision: 'fp8' is not one of auto, 32-true, 16-mixed, bf16-mixed",
+                   "--device: 'tpu' is not one of auto, gpu, cpu", "--val-fraction: 1.5 must be in [0, 1)",
+                   "--data:", "--scan: 'deep' is not one of off, fast, full",
+                   "--devices: 'x' is not an integer or 'auto'", "--loaders: 'dali,nope' has an unknown loader",
+                   "--max-steps: 0 must be -1 (no limit) or at least 1"]:
+        assert needle in msg, (needle, msg)
+
+
+def test_unknown_flag_suggests_the_closest_and_joins_the_other_problems():
+    with pytest.raises(UsageError) as e:
+        _parse(["--batchsize", "8", "--epochs", "x"])
+    msg = str(e.value)
+    assert "unrecognized arguments: --batchsize (did you mean --batch-size?)" in msg
+    assert "--epochs: 'x' is not an integer" in msg
+
+
+def test_model_none_needs_benchmark():
+    with pytest.raises(UsageError, match="'none' only makes sense with --benchmark"):
+        _parse(["--model", "none"])
+    assert _parse(["--model", "none", "--benchmark"]).model.model == "none"
+
+
+def test_resolve_fills_computed_defaults_once(tmp_path, monkeypatch):
+    monkeypatch.setenv("DALI_PIPE_CACHE", str(tmp_path / "c"))
+    s = config.resolve(_parse(["--device", "cpu", "--output", str(tmp_path / "o")]))
+    assert s.data.cache_dir == str(tmp_path / "c") and s.model.model == config.TINY and s.model.lr == config.DEMO_LR
+    assert s.model.precision == "32-true" and s.run.checkpoint_dir == str(tmp_path / "o" / "checkpoints")
+    (tmp_path / "dataset.tsv").write_text("image_path\n")
+    s = config.resolve(_parse(["--device", "cpu", "--data", str(tmp_path), "--model", "org/x"]))
+    assert s.model.lr == config.FINETUNE_LR and s.model.model == "org/x"
+    assert config.resolve(_parse(["--device", "cpu", "--data", str(tmp_path)])).model.model == config.DEFAULT_MODEL
+
+
+def test_library_functions_take_settings_without_restating_their_defaults():
+    """Each default lives in config.py only: the library's own signatures carry none of them."""
+    from dali_pipe.manifest import read_manifest
+    from dali_pipe.scan import scan
+    from dali_pipe.sync import sync
+
+    for fn, names in ((read_manifest, ["val_fraction", "seed", "skip_missing"]), (scan, ["max_pixels"]),
+                      (sync, ["workers"])):
+        params = inspect.signature(fn).parameters
+        for n in names:
+            assert params[n].default is inspect.Parameter.empty, (fn.__name__, n)
+    for cls in (config.DataSettings, config.ModelSettings, config.RunSettings):
+        for f in dataclasses.fields(cls):
+            assert f.default is not dataclasses.MISSING, f.name
+
+
+def test_help_and_bad_flags_load_only_the_settings():
+    """`--help` and a bad flag import none of the heavy libraries (they answer before any loads)."""
+    code = ("import sys, runpy\nsys.argv = ['train.py', '--epochs', 'x']\n"
+            "import train\nfrom dali_pipe.cli import cli\nrc = cli()\n"
+            "heavy = [m for m in ('torch', 'pytorch_lightning', 'transformers', 'nvidia.dali', 'pandas', 'boto3')"
+            " if m in sys.modules]\nprint('RC', rc, 'HEAVY', heavy)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert "RC 2 HEAVY []" in r.stdout, r.stdout + r.stderr
+    assert "--epochs: 'x' is not an integer" in r.stderr
+    r = subprocess.run([sys.executable, "train.py", "--help"], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert r.returncode == 0 and "--batch-size" in r.stdout

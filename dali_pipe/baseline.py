@@ -49,14 +49,16 @@ class ClassicDataset(torch.utils.data.Dataset):
         with Image.open(self.files[i]) as im:
             im = im.convert("RGB")
         size = (self.spec.width, self.spec.height)
+        resample = {"nearest": Image.NEAREST, "linear": Image.BILINEAR, "cubic": Image.BICUBIC,
+                    "lanczos": Image.LANCZOS}[self.spec.interp]
         if self.training:
             rng = random.Random()  # per-worker torch seeding makes `random` differ across workers
             left, top, cw, ch = random_resized_crop_box(*im.size, rng)
-            im = im.resize(size, Image.BILINEAR, box=(left, top, left + cw, top + ch))
+            im = im.resize(size, resample, box=(left, top, left + cw, top + ch))
             if rng.random() < 0.5:
                 im = im.transpose(Image.FLIP_LEFT_RIGHT)
         else:
-            im = im.resize(size, Image.BILINEAR)
+            im = im.resize(size, resample)
         x = np.asarray(im, dtype=np.float32).transpose(2, 0, 1) / 255.0
         x = (x - self.mean) / self.std
         return torch.from_numpy(x), self.labels[i]

@@ -153,6 +153,11 @@ class RunSettings:
                                                "OUTPUT/checkpoints (SageMaker: /opt/ml/checkpoints)")
     checkpoint_every_steps: int = setting(0, "also checkpoint every N optimizer steps (0: only at the end and "
                                              "on SIGTERM)", check=(lambda v: v >= 0, "must be 0 (off) or positive"))
+    resume: str = setting("auto", "auto: resume from CHECKPOINT_DIR/last.ckpt when it belongs to this run (same data, "
+                                  "classes, model, batch size, processes and seed); never: start over, moving the old "
+                                  "checkpoint aside; or the path of a checkpoint to resume",
+                          check=(lambda v: v in ("auto", "never") or Path(v).is_file(),
+                                 "is not auto, never or an existing checkpoint file"))
     monitor: bool = setting(False, "log GPU utilization and data-wait during training and print a diagnosis")
     devices: int | str = setting(1, "GPUs (or CPU processes) per node; 'auto': all local GPUs",
                                  parse=parse_int_or_auto, expected="an integer or 'auto'",

@@ -104,6 +104,7 @@ class DaliDataModule(pl.LightningDataModule):
         self.data, self.pipeline, self.spec, self.output = data, pipeline, spec, Path(output)
         self.manifest: Manifest | None = None
         self._train = self._val = None
+        self._prepared = False
 
     @property
     def classes(self) -> list[str]:
@@ -117,17 +118,21 @@ class DaliDataModule(pl.LightningDataModule):
         return t.global_rank, t.world_size, t.local_rank, max(1, t.world_size // t.num_nodes)
 
     def prepare_data(self) -> None:
+        """Sync, scan and report once (a second call, such as Lightning's after the CLI's, does nothing)."""
+        if self._prepared:
+            return
         threads = resources_for_rank(self.pipeline, local_world_size=self._rank()[3]).num_threads
         prepare(self.data, self.output, num_threads=threads)
+        self._prepared = True
 
-    def setup_manifest(self) -> Manifest:
+    def setup_manifest(self, world_size: int | None = None) -> Manifest:
         """The manifest without the bad files (scan cache hits only, no decoding), checked against
-        the batch size."""
+        the batch size for `world_size` ranks (default: the trainer's)."""
         if self.manifest is None:
             manifest = read(self.data)
             result = scan_manifest(manifest, self.data, num_threads=1, progress=False)
             self.manifest = manifest.without(set(result.bad))
-            check_batch(len(self.manifest.train), self.data.batch_size, self._rank()[1])
+        check_batch(len(self.manifest.train), self.data.batch_size, world_size or self._rank()[1])
         return self.manifest
 
     def setup(self, stage: str | None = None) -> None:
@@ -147,9 +152,35 @@ class DaliDataModule(pl.LightningDataModule):
             batch_size=self.data.batch_size, device=self.pipeline.device,
             resources=resources_for_rank(self.pipeline, local_world_size=local_world, training=training),
             device_id=local_rank if gpu else None, seed=self.data.seed, shard_id=rank, num_shards=world)
-        pipe = build_pipeline([s.path for s in samples], [s.label for s in samples], self.spec, opts,
-                              training=training)
-        return DaliLoader(pipe, training=training)
+        files, labels = [s.path for s in samples], [s.label for s in samples]
+        return DaliLoader(lambda checkpoint: build_pipeline(files, labels, self.spec, opts, training=training,
+                                                            checkpoint=checkpoint), training=training)
+
+    # -- resume: each rank's loader position lives in the Lightning checkpoint -----------------
+    def state_dict(self) -> dict:
+        """Every rank's training-loader state (gathered to rank 0, which writes the checkpoint)."""
+        if self._train is None:
+            return {}
+        mine = self._train.state()
+        world = self._rank()[1]
+        if world > 1:
+            import torch.distributed as dist
+
+            states = [None] * world
+            dist.all_gather_object(states, mine)
+        else:
+            states = [mine]
+        return {"loaders": states}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue this rank's epoch where the checkpoint left it (same permutation, same position)."""
+        loaders = state.get("loaders")
+        rank, world = self._rank()[:2]
+        if not loaders or len(loaders) != world:
+            print("resume: the checkpoint has no loader position for this world size; the data order of the "
+                  "resumed epoch restarts from its beginning", file=sys.stderr)
+            return
+        self._train.restore(loaders[rank])
 
     def train_dataloader(self):
         return self._train

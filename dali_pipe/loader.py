@@ -1,15 +1,22 @@
-"""A thin, epoch-exact wrapper over DALIGenericIterator that yields `(images, labels)`.
+"""A thin, epoch-exact, resumable wrapper over DALIGenericIterator that yields `(images, labels)`.
 
-The reader pads every shard to the same multiple of the batch size. DALI's DROP policy does not
-consume that padded batch at the epoch end (the next epoch then starts with it), so both modes
-use PARTIAL, which trims the padding exactly, and training keeps only the first
-`(epoch_size // num_shards) // batch_size` full batches: the same count on every rank, each
-rank dropping at most its one partial batch.
+Epoch-exact. The reader pads every shard to the same multiple of the batch size. DALI's DROP
+policy does not consume that padded batch at the epoch end (the next epoch then starts with it),
+so both modes use PARTIAL, which trims the padding exactly, and training keeps only the first
+`(epoch_size // num_shards) // batch_size` full batches: the same count on every rank, each rank
+dropping at most its one partial batch.
 
 Lightning may stop iterating before an epoch ends (sanity-check validation, `max_steps`,
 `limit_*_batches`). A DALI iterator abandoned mid-epoch would hand the rest of that epoch to the
 next `iter()`, giving a short or doubled epoch (DALI issue #3865). This wrapper finishes an
 abandoned epoch before starting the next one, so every `iter()` yields exactly `len()` batches.
+
+Resumable. The pipeline is built with `enable_checkpointing=True`; `state()` returns DALI's
+checkpoint of the reader position and every random generator (the iterator's counters included)
+plus this wrapper's position in the epoch, and `restore(state)` rebuilds the pipeline from it. The
+next `iter()` then continues the same epoch at the same batch, with the same augmentation draws,
+as if nothing had happened. Lightning asks for batches one at a time when the length is known (no
+fetch-ahead), so at a step boundary the DALI position is exactly the batches trained.
 """
 from __future__ import annotations
 
@@ -24,21 +31,40 @@ class PipelineDecodeError(UserError):
 
 
 class DaliLoader:
-    def __init__(self, pipe, *, training: bool):
+    def __init__(self, build, *, training: bool):
+        """`build(checkpoint)` returns a new (unbuilt) pipeline, restored from `checkpoint` when given."""
+        self._build, self.training = build, training
+        self._pos = 0  # batches yielded in the current epoch
+        self._open = False  # an epoch was started and not run to its end
+        self._resume = False  # restored mid-epoch: the next iter() continues that epoch
+        self._make(None)
+
+    def _make(self, checkpoint) -> None:
         from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
 
+        pipe = self._build(checkpoint)
         self._it = DALIGenericIterator(
             [pipe], ["images", "labels"], reader_name=READER_NAME, auto_reset=True, prepare_first_batch=False,
             last_batch_policy=LastBatchPolicy.PARTIAL)
-        self._open = False  # an epoch was started and not run to its end
         self.batch_size = pipe.max_batch_size
         meta = pipe.reader_meta(READER_NAME)
-        self._len = ((meta["epoch_size"] // meta["number_of_shards"]) // self.batch_size if training
+        self._len = ((meta["epoch_size"] // meta["number_of_shards"]) // self.batch_size if self.training
                      else len(self._it))
 
     def __len__(self) -> int:
         return self._len
 
+    # -- resume --------------------------------------------------------------------------------
+    def state(self) -> dict:
+        """Where this rank's loader stands: DALI's checkpoint plus the position in the epoch."""
+        return {"dali": self._it.checkpoints()[0], "pos": self._pos, "open": self._open}
+
+    def restore(self, state: dict) -> None:
+        """Rebuild the pipeline from `state`; the next iter() continues where `state` was taken."""
+        self._make(state["dali"])
+        self._pos, self._open, self._resume = state["pos"], state["open"], True
+
+    # -- iteration -----------------------------------------------------------------------------
     def _epoch(self):
         """The rest of DALI's current epoch. Uses next(), not iter(): DALI's __iter__ would try a
         reset, which it refuses (with a warning) mid-epoch."""
@@ -49,14 +75,19 @@ class DaliLoader:
                 return
 
     def __iter__(self):
-        if self._open:
-            for _ in self._epoch():  # finish the abandoned epoch
-                pass
+        resume, self._resume = self._resume, False
+        if not (resume and self._open and self._pos < self._len):  # not a continuation: a fresh epoch
+            if self._open:
+                for _ in self._epoch():  # finish the abandoned (or fully yielded) epoch
+                    pass
+            self._pos = 0
         self._open = True
         try:
-            for i, batch in enumerate(self._epoch()):
-                if i < self._len:
+            for batch in self._epoch():
+                if self._pos < self._len:
+                    self._pos += 1
                     out = batch[0]
+                    # images (B,3,H,W) float on cuda:local_rank ("gpu") or CPU; labels (B,) int64, same device
                     yield out["images"], out["labels"].view(-1).long()
         except RuntimeError as e:
             if "Critical error in pipeline" not in str(e):
@@ -66,4 +97,4 @@ class DaliLoader:
             raise PipelineDecodeError(
                 f"DALI {what}. Rerun with --scan full: it decodes every file once before training, "
                 "excludes the bad ones and lists them in OUTPUT/bad_images.tsv.") from None
-        self._open = False
+        self._open, self._pos = False, 0

@@ -47,6 +47,17 @@ class Manifest:
     def id2label(self) -> dict[int, str]:
         return dict(enumerate(self.classes))
 
+    def digest(self) -> str:
+        """A hash of what a run reads: each sample's path (relative to the root), class and split."""
+        import hashlib
+
+        h = hashlib.sha256()
+        root = self.root.resolve()
+        for split, samples in (("train", self.train), ("val", self.val)):
+            for s in sorted(samples, key=lambda s: s.path):
+                h.update(f"{os.path.relpath(s.path, root)}\t{self.classes[s.label]}\t{split}\n".encode())
+        return h.hexdigest()[:16]
+
     def without(self, bad: set[str]) -> "Manifest":
         """The same manifest with the files in `bad` (absolute paths) left out."""
         return Manifest(self.root, self.classes, [s for s in self.train if s.path not in bad],

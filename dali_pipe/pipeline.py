@@ -67,8 +67,9 @@ def seeded_order(n: int, seed: int) -> list[int]:
 
 
 def build_pipeline(files: list[str], labels: list[int], spec: ImageSpec, opts: PipelineOptions,
-                   *, training: bool):
-    """Build (not yet run) a DALI pipeline over `files` with integer `labels`.
+                   *, training: bool, checkpoint: str | None = None):
+    """Build (not yet run) a DALI pipeline over `files` with integer `labels`, restored from a DALI
+    `checkpoint` when given (checkpointing is always on; DALI documents no cost for it).
 
     Training reads with `shuffle_after_epoch`: DALI permutes the whole list before every epoch,
     the same way on every rank, and each rank reads its slice, so the ranks' shards are disjoint
@@ -86,7 +87,7 @@ def build_pipeline(files: list[str], labels: list[int], spec: ImageSpec, opts: P
         files, labels = [files[i] for i in order], [labels[i] for i in order]
     res = opts.resources
 
-    @pipeline_def
+    @pipeline_def(enable_checkpointing=True)
     def image_pipeline():
         jpegs, lab = fn.readers.file(
             files=files, labels=labels, name=READER_NAME,
@@ -95,6 +96,8 @@ def build_pipeline(files: list[str], labels: list[int], spec: ImageSpec, opts: P
         decoder = "mixed" if opts.device == "gpu" else "cpu"
         hints = dict(device_memory_padding=res.device_memory_padding, host_memory_padding=res.host_memory_padding,
                      hw_decoder_load=HW_DECODER_LOAD) if decoder == "mixed" else {}
+        interp = {"nearest": types.INTERP_NN, "linear": types.INTERP_LINEAR, "cubic": types.INTERP_CUBIC,
+                  "lanczos": types.INTERP_LANCZOS3}[spec.interp]
         mean = [m * 255 for m in spec.mean]
         std = [s * 255 for s in spec.std]
         if training:
@@ -102,7 +105,7 @@ def build_pipeline(files: list[str], labels: list[int], spec: ImageSpec, opts: P
                 jpegs, device=decoder, output_type=types.RGB,
                 random_area=[0.08, 1.0], random_aspect_ratio=[3 / 4, 4 / 3], num_attempts=10, **hints)
             images = fn.resize(images, resize_x=spec.width, resize_y=spec.height,
-                               interp_type=types.INTERP_LINEAR, antialias=True)
+                               interp_type=interp, antialias=True)
             images = fn.crop_mirror_normalize(
                 images, dtype=types.FLOAT, output_layout="CHW", mean=mean, std=std,
                 mirror=fn.random.coin_flip(probability=0.5))
@@ -112,7 +115,7 @@ def build_pipeline(files: list[str], labels: list[int], spec: ImageSpec, opts: P
                 size, crop = dict(resize_shorter=spec.resize_shorter), dict(crop=(spec.height, spec.width))
             else:  # straight to height x width (ViT)
                 size, crop = dict(resize_x=spec.width, resize_y=spec.height), {}
-            images = fn.resize(images, **size, interp_type=types.INTERP_LINEAR, antialias=True)
+            images = fn.resize(images, **size, interp_type=interp, antialias=True)
             images = fn.crop_mirror_normalize(images, dtype=types.FLOAT, output_layout="CHW", mean=mean, std=std,
                                               **crop)
         if opts.device == "gpu":
@@ -122,4 +125,4 @@ def build_pipeline(files: list[str], labels: list[int], spec: ImageSpec, opts: P
     return image_pipeline(
         batch_size=opts.batch_size, num_threads=res.num_threads,
         device_id=opts.device_id if opts.device == "gpu" else None,
-        seed=opts.seed + opts.shard_id, prefetch_queue_depth=res.prefetch_queue_depth)
+        seed=opts.seed + opts.shard_id, prefetch_queue_depth=res.prefetch_queue_depth, checkpoint=checkpoint)

@@ -17,6 +17,7 @@ class ImageSpec:
     std: tuple[float, float, float]  # per-channel std on the [0, 1] scale
     resize_shorter: int | None = None  # validation: resize the shorter side to this, then center crop;
     #                                   None means resize straight to height x width (ViT)
+    interp: str = "linear"  # the processor's resampling filter: nearest, linear, cubic or lanczos
 
     @classmethod
     def from_processor(cls, processor) -> "ImageSpec":
@@ -30,17 +31,26 @@ class ImageSpec:
             raise ValueError(f"{type(processor).__name__} has do_rescale=False; the pipelines feed "
                              "[0, 1]-scaled pixels, so use a processor that rescales by 1/255.")
         crop = _as_dict(getattr(processor, "crop_size", None)) if getattr(processor, "do_center_crop", False) else None
+        interp = _INTERP.get(int(getattr(processor, "resample", 2) or 2), "linear")
         if "height" in size and "width" in size:
             if crop:
                 return cls(int(crop["height"]), int(crop["width"]), mean, std,
-                           resize_shorter=min(int(size["height"]), int(size["width"])))
-            return cls(int(size["height"]), int(size["width"]), mean, std)
+                           resize_shorter=min(int(size["height"]), int(size["width"])), interp=interp)
+            return cls(int(size["height"]), int(size["width"]), mean, std, interp=interp)
         if "shortest_edge" in size:
             edge = int(size["shortest_edge"])
             if crop:
-                return cls(int(crop["height"]), int(crop["width"]), mean, std, resize_shorter=edge)
-            return cls(edge, edge, mean, std, resize_shorter=edge)
+                return cls(int(crop["height"]), int(crop["width"]), mean, std, resize_shorter=edge, interp=interp)
+            crop_pct = getattr(processor, "crop_pct", None)
+            if crop_pct:  # ConvNeXt's rule: below 384, resize the shorter side to edge/crop_pct and center-crop
+                if edge < 384:
+                    return cls(edge, edge, mean, std, resize_shorter=int(edge / crop_pct), interp=interp)
+                return cls(edge, edge, mean, std, interp=interp)  # at 384 and above: warp, no crop
+            return cls(edge, edge, mean, std, resize_shorter=edge, interp=interp)
         raise ValueError(f"unsupported image processor size {size!r}; expected height/width or shortest_edge.")
+
+
+_INTERP = {0: "nearest", 1: "lanczos", 2: "linear", 3: "cubic"}  # PIL's resample codes
 
 
 def _as_dict(size) -> dict:

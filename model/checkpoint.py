@@ -1,60 +1,246 @@
-"""Spot-safe checkpoints: atomic `last.ckpt` every N steps, at the end, and on SIGTERM; resume on start.
+"""Spot-safe checkpoints and the decision to resume.
 
-Each save writes a temporary file in the same directory and renames it over `last.ckpt`, so a
-kill at any moment (even -9 mid-write) leaves the previous checkpoint whole. On SIGTERM (spot
-reclaim, `docker stop`), Lightning finishes the current step and raises SIGTERMException; this
-callback then saves, and train.py exits 0 so the job can be resumed with the same command.
+Saving. `last.ckpt` is written every `--checkpoint-every-steps`, at the end, and on SIGTERM,
+always to a temporary file in the same directory (its name carries the writer's PID) that is
+renamed over `last.ckpt`, so a kill at any moment (even -9 mid-write) leaves the previous
+checkpoint whole. A failed save (full disk) removes its temporary file and keeps the previous
+checkpoint. Each checkpoint carries the run's fingerprint, and a small `last.json` beside it
+repeats the fingerprint and progress so a rerun can decide without loading the weights.
+
+SIGTERM (spot reclaim, `docker stop`): the current training step finishes, every rank saves the
+same step, and the command exits 0 so the job can be rerun. A SIGTERM during validation lets the
+validation finish (Lightning would stop mid-validation and, on resume, skip the rest of it), so
+every epoch's validation runs whole; the save follows the next training step.
+
+Resuming (`--resume auto|never|PATH`): `plan_resume` compares the fingerprint of this run (data,
+classes, model, image size, batch size, world size, seed) with the checkpoint's, and either
+resumes, starts fresh, says there is nothing to do, or stops with what differs.
 """
 from __future__ import annotations
 
+import json
 import os
+import signal
+import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytorch_lightning as pl
 from pytorch_lightning.utilities.exceptions import SIGTERMException
 
+from dali_pipe.errors import UserError
+
 LAST = "last.ckpt"
+SIDECAR = "last.json"
 
 
-def resume_path(checkpoint_dir: Path) -> str | None:
-    """The checkpoint to resume from, if a previous run left one."""
-    last = Path(checkpoint_dir) / LAST
-    for stale in Path(checkpoint_dir).glob(f".{LAST}.tmp-*"):  # a save killed mid-write
-        stale.unlink(missing_ok=True)
-    if last.is_file():
-        print(f"resuming from {last}")
-        return str(last)
-    return None
+class RunMismatchError(UserError):
+    """The checkpoint in the output belongs to another run."""
 
 
+class CheckpointSaveError(UserError):
+    """A checkpoint could not be written; the previous one is kept."""
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_stale_temps(directory: Path, pattern: str) -> list[Path]:
+    """Remove temp files matching `pattern` whose writer (the PID after the last '-') is dead."""
+    removed = []
+    for tmp in Path(directory).glob(pattern):
+        try:
+            pid = int(tmp.name.rsplit("-", 1)[1].split(".")[0])
+        except (IndexError, ValueError):
+            continue
+        if pid != os.getpid() and not pid_alive(pid):
+            tmp.unlink(missing_ok=True)
+            removed.append(tmp)
+    return removed
+
+
+# -- the resume decision --------------------------------------------------------------------------
+@dataclass
+class ResumePlan:
+    ckpt_path: str | None  # what Trainer.fit resumes from
+    done_step: int | None = None  # set when the run already finished with these settings: nothing to do
+    note: str | None = None  # one line for the user
+
+
+def read_meta(checkpoint: Path) -> dict | None:
+    """The fingerprint and progress saved with a checkpoint: from the sidecar when it describes this
+    file, else from the checkpoint itself (older checkpoints have neither: None)."""
+    sidecar = checkpoint.with_name(SIDECAR)
+    if checkpoint.name == LAST and sidecar.is_file():
+        try:
+            meta = json.loads(sidecar.read_text())
+            if meta.get("size") == checkpoint.stat().st_size:
+                return meta
+        except (OSError, ValueError):
+            pass
+    import torch
+
+    return torch.load(checkpoint, map_location="cpu", weights_only=False).get("dali_pipe")
+
+
+def differences(saved: dict, current: dict) -> list[str]:
+    names = {"samples": "the data (files, labels or split)", "classes": "the classes", "model": "--model",
+             "image_size": "the model's input size", "batch_size": "--batch-size", "world_size": "the number of "
+             "processes (--devices x --num-nodes)", "seed": "--seed"}
+    out = []
+    for key, label in names.items():
+        if saved.get(key) != current.get(key):
+            a, b = (_show(key, v) for v in (saved.get(key), current.get(key)))
+            out.append(f"{label}: {a} in the checkpoint, {b} now")
+    return out
+
+
+def _show(key: str, value) -> str:
+    if key == "classes" and isinstance(value, list):
+        return f"{len(value)} classes ({', '.join(value[:4])}{', ...' if len(value) > 4 else ''})"
+    return repr(value)
+
+
+def plan_resume(resume: str, checkpoint_dir: Path, fingerprint: dict, targets: dict, *,
+                may_modify: bool = True) -> ResumePlan:
+    """What to resume from. `resume` is auto, never or a checkpoint path; `targets` holds the
+    epochs/max_steps this run trains to. Only the main process moves files (`may_modify`)."""
+    checkpoint_dir = Path(checkpoint_dir)
+    last = checkpoint_dir / LAST
+    if may_modify:
+        remove_stale_temps(checkpoint_dir, f".{LAST}.tmp-*")
+    if resume == "never":
+        if last.is_file() and may_modify:
+            aside = checkpoint_dir / f"last-{time.strftime('%Y%m%d-%H%M%S')}.ckpt"
+            os.replace(last, aside)
+            checkpoint_dir.joinpath(SIDECAR).unlink(missing_ok=True)
+            return ResumePlan(None, note=f"--resume never: starting over; the previous checkpoint is kept as {aside}")
+        return ResumePlan(None)
+    path = last if resume == "auto" else Path(resume)
+    if not path.is_file():
+        return ResumePlan(None)
+    meta = read_meta(path)
+    if meta is None:
+        return ResumePlan(str(path), note=f"resuming from {path}, written by an older version without a run "
+                                          "fingerprint or loader position: the data order restarts")
+    diff = differences(meta.get("fingerprint", {}), fingerprint)
+    if diff:
+        raise RunMismatchError(
+            f"{path} belongs to another run:\n  " + "\n  ".join(diff) + "\n  Use a new --output for this run, or "
+            "--resume never to start over here (the old checkpoint is moved aside, not deleted).")
+    if meta.get("finished") and meta.get("targets") == targets:
+        return ResumePlan(None, done_step=meta.get("global_step"))
+    return ResumePlan(str(path), note=f"resuming from {path} (step {meta.get('global_step')})")
+
+
+# -- the callback -------------------------------------------------------------------------------
 class SpotSafeCheckpoint(pl.Callback):
-    def __init__(self, checkpoint_dir: Path, every_steps: int = 0):
+    def __init__(self, checkpoint_dir: Path, every_steps: int = 0, *, fingerprint: dict | None = None,
+                 targets: dict | None = None):
         self.dir = Path(checkpoint_dir)
         self.every_steps = every_steps
+        self.fingerprint, self.targets = fingerprint or {}, targets or {}
         self.interrupted = False
         self.saves: list[tuple[int, float, float]] = []  # (global_step, start time, seconds) per save
+        self._finishing = False
+        self.final_error: CheckpointSaveError | None = None  # the end-of-training save failed (reported after export)
+        self._stop_requested = self._installed = False
+        self._group = None
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint: dict) -> None:
+        checkpoint["dali_pipe"] = self._meta(trainer)
+
+    def _meta(self, trainer) -> dict:
+        return {"fingerprint": self.fingerprint, "targets": self.targets, "finished": self._finishing,
+                "global_step": trainer.global_step, "epoch": trainer.current_epoch}
 
     def save(self, trainer: pl.Trainer) -> None:
         start = time.perf_counter()
-        self.dir.mkdir(parents=True, exist_ok=True)
         tmp = self.dir / f".{LAST}.tmp-{os.getpid()}"
-        trainer.save_checkpoint(tmp)  # every rank calls it (it holds a barrier); rank 0 writes
-        if trainer.is_global_zero:
-            with open(tmp, "rb") as f:
-                os.fsync(f.fileno())
-            os.replace(tmp, self.dir / LAST)
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            trainer.save_checkpoint(tmp)  # every rank calls it (it holds a barrier); rank 0 writes
+            if trainer.is_global_zero:
+                with open(tmp, "rb") as f:
+                    os.fsync(f.fileno())
+                os.replace(tmp, self.dir / LAST)
+                meta = {**self._meta(trainer), "size": (self.dir / LAST).stat().st_size}
+                side = self.dir / f".{SIDECAR}.tmp-{os.getpid()}"
+                side.write_text(json.dumps(meta))
+                os.replace(side, self.dir / SIDECAR)
+        except OSError as e:
+            tmp.unlink(missing_ok=True)
+            (self.dir / f".{SIDECAR}.tmp-{os.getpid()}").unlink(missing_ok=True)
+            raise CheckpointSaveError(f"could not write a checkpoint to {self.dir} ({e.strerror or e}); the previous "
+                                      "checkpoint is kept. Free space there or pass another --checkpoint-dir.") from None
         self.saves.append((trainer.global_step, start, time.perf_counter() - start))
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         step = trainer.global_step
-        if self.every_steps and step and step % self.every_steps == 0 and not trainer.received_sigterm:
+        if self.every_steps and step and step % self.every_steps == 0 and not self._stop_requested:
             self.save(trainer)
-
-    def on_train_end(self, trainer, pl_module) -> None:
-        self.save(trainer)
-
-    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
-        if isinstance(exception, SIGTERMException):
+        if self._agree_to_stop(trainer):
             self.save(trainer)
             self.interrupted = True
+            raise SIGTERMException()  # Lightning tears down; the command reports and exits 0
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self._finishing = True
+        try:
+            self.save(trainer)
+        except CheckpointSaveError as e:  # the model export still runs; the command then fails with both
+            self.final_error = e
+
+    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        if isinstance(exception, SIGTERMException) and not self.interrupted:
+            self.save(trainer)
+            self.interrupted = True
+
+    # -- SIGTERM: every rank stops after the same step ------------------------------------------
+    # Lightning's own handler stops each rank where it sees the signal (mid-validation too) and
+    # pairs collectives inside the signal handler, which can hang DDP. Ours only records the signal;
+    # after each training step the ranks agree (a MAX all-reduce of the flag on a CPU side group,
+    # so the GPU is not synchronised), save together and stop. A SIGTERM during validation lets it
+    # finish, and the save follows the next training step.
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        self._group = None
+        if trainer.world_size > 1:
+            import torch.distributed as dist
+
+            self._group = dist.new_group(backend="gloo")  # every rank calls it, in the same order
+
+    def _install(self) -> None:
+        import threading
+
+        if not self._installed and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, self._on_sigterm)  # replaces Lightning's (registered just before)
+            self._installed = True
+
+    def on_sanity_check_start(self, trainer, pl_module) -> None:
+        self._install()
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self._install()
+
+    def _on_sigterm(self, signum, frame) -> None:
+        if not self._stop_requested:
+            print("SIGTERM received: saving a checkpoint after the current step", file=sys.stderr, flush=True)
+        self._stop_requested = True
+
+    def _agree_to_stop(self, trainer) -> bool:
+        if self._group is None:
+            return self._stop_requested
+        import torch
+        import torch.distributed as dist
+
+        flag = torch.tensor([int(self._stop_requested)])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
+        return bool(flag.item())

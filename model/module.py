@@ -10,10 +10,14 @@ number would be copied to the device with a sync) and `nan_strategy="disable"` (
 host-side `.any()`). The loss is a sum of `loss * batch` over a sum of samples rather than a
 `MeanMetric`: with `nan_strategy="disable"`, torchmetrics 1.9 replaces a MeanMetric's weights by
 ones, which would average batches of different sizes as if they were equal.
+
+The metric sums live in the checkpoint too (summed over ranks; rank 0 takes them back on resume),
+so an epoch interrupted by SIGTERM and resumed still prints one METRIC line over the whole epoch.
 """
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 import pytorch_lightning as pl
 import torch
@@ -21,7 +25,10 @@ import torch.nn.functional as F
 
 from dali_pipe.config import ModelSettings
 
-from .vit import load_model
+from .loading import load_model
+
+
+METRICS = tuple(f"{split}_{k}" for split in ("train", "val") for k in ("loss", "acc", "n"))
 
 
 class ImageClassifier(pl.LightningModule):
@@ -77,9 +84,9 @@ class ImageClassifier(pl.LightningModule):
     def _compute(self, split: str) -> dict[str, float] | None:
         """The split's epoch metrics, reduced over ranks (one sync per epoch), then reset."""
         metrics = [getattr(self, f"{split}_{k}") for k in ("loss", "acc", "n")]
-        if not metrics[2].update_called and self.trainer.world_size == 1:
-            return None
-        loss_sum, acc, n = (m.compute() for m in metrics)
+        with warnings.catch_warnings():  # an epoch resumed at its end has sums but no update in this process
+            warnings.filterwarnings("ignore", message=".*was called before the ``update`` method.*")
+            loss_sum, acc, n = (m.compute() for m in metrics)
         for m in metrics:
             m.reset()
         n = int(n.item())
@@ -103,6 +110,29 @@ class ImageClassifier(pl.LightningModule):
         if self.trainer.is_global_zero:
             print("METRIC " + " ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}"
                                        for k, v in row.items()), flush=True)
+
+    # -- resume ------------------------------------------------------------------------------
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        """The epoch's metric sums so far, over all ranks, and the finished epochs' rows."""
+        states = {}
+        for name in METRICS:
+            for key, value in getattr(self, name).metric_state.items():
+                value = value.detach().clone()
+                if self.trainer.world_size > 1:
+                    value = self.trainer.strategy.reduce(value, reduce_op="sum")
+                states[f"{name}.{key}"] = value.cpu()
+        checkpoint["epoch_metrics_so_far"] = {"states": states, "last_val": self._last_val,
+                                              "rows": self.epoch_metrics}
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        saved = checkpoint.get("epoch_metrics_so_far")
+        if not saved:
+            return
+        if self.trainer.global_rank == 0:  # the sums are global: one rank holds them, the others start at 0
+            for key, value in saved["states"].items():
+                name, state = key.split(".")
+                setattr(getattr(self, name), state, value.to(getattr(getattr(self, name), state).device))
+        self._last_val, self.epoch_metrics = saved["last_val"], list(saved["rows"])
 
     # -- optimisation ------------------------------------------------------------------------
     def configure_optimizers(self):

@@ -1,55 +1,122 @@
-"""Spot-safe checkpoints: atomic saves, SIGTERM and kill -9."""
+"""Spot-safe checkpoints and exact resume: SIGTERM mid-epoch, during validation, without a
+validation set, kill -9 after a periodic checkpoint; atomic saves; the run fingerprint."""
 from __future__ import annotations
 
+import json
 import os
-import signal
+import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
+import pytest
+import resume_trace as rt
+
+import train
+
 ROOT = Path(__file__).resolve().parents[1]
+EPOCHS, BATCH = 3, 8
 
 
-def _train_cmd(photo_root, out, steps):
-    return [sys.executable, str(ROOT / "train.py"), "--data", str(photo_root), "--model", "tiny", "--device", "cpu",
-            "--batch-size", "4", "--epochs", "50", "--max-steps", str(steps), "--num-threads", "1",
-            "--output", str(out), "--checkpoint-every-steps", "5", "--val-fraction", "0.1"]
+@pytest.fixture(scope="module")
+def indexed(photo_root, tmp_path_factory):
+    """48 photos, each its own class; 41 train, 7 val (split column)."""
+    return rt.indexed_dataset(photo_root, tmp_path_factory.mktemp("indexed") / "data")
 
 
-def test_sigterm_saves_and_rerun_resumes_to_the_same_step(tmp_path, photo_root, cache_dir):
-    """SIGTERM mid-training: checkpoint saved, exit 0; the rerun resumes and ends at --max-steps."""
-    out = tmp_path / "run"
-    env = {**os.environ, "DALI_PIPE_CACHE": str(cache_dir), "PYTHONUNBUFFERED": "1"}
-    p = subprocess.Popen(_train_cmd(photo_root, out, 60), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                         text=True, env=env)
-    ckpt = out / "checkpoints" / "last.ckpt"
-    deadline = time.time() + 300
-    while not ckpt.exists() and time.time() < deadline and p.poll() is None:
-        time.sleep(0.2)
-    assert ckpt.exists(), "a periodic checkpoint appeared"
-    p.send_signal(signal.SIGTERM)
-    log, _ = p.communicate(timeout=300)
-    assert p.returncode == 0, log[-3000:]
-    assert "stopped by SIGTERM" in log
-    import torch
-
-    step = torch.load(ckpt, map_location="cpu", weights_only=False)["global_step"]
-    assert 0 < step < 60
-    r = subprocess.run(_train_cmd(photo_root, out, 60), capture_output=True, text=True, env=env, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert "resuming from" in r.stdout and "TRAINED global_step=60" in r.stdout
+def _argv(data, out, *extra):
+    return ["--data", str(data), "--model", "tiny", "--device", "cpu", "--epochs", str(EPOCHS), "--batch-size",
+            str(BATCH), "--num-threads", "1", "--output", str(out), *extra]
 
 
-def test_kill_9_during_save_keeps_previous_checkpoint(tmp_path):
-    """A save killed mid-write leaves the previous last.ckpt whole; the stale temp file is cleaned on resume."""
+def _sets(data: Path) -> tuple[set[str], set[str]]:
+    rows = [r.split("\t") for r in (data / "dataset.tsv").read_text().splitlines()[1:]]
+    return {r[1] for r in rows if r[2] == "train"}, {r[1] for r in rows if r[2] == "val"}
+
+
+def _metric_lines(text: str) -> list[str]:
+    return [ln for ln in text.splitlines() if ln.startswith("METRIC ")]
+
+
+def test_sigterm_mid_epoch_resumes_each_sample_once(indexed, tmp_path, cache_dir, monkeypatch, capsys):
+    """SIGTERM after step 7 (epoch 2, batch 2): the rerun continues the same permutation at the same
+    place; across both runs every epoch trains each sample once and validates each once; the
+    resumed epoch's METRIC line covers the whole epoch."""
+    trace, out = tmp_path / "trace.jsonl", tmp_path / "out"
+    rt.install(trace, sigterm_at_step=7, patch=monkeypatch.setattr)
+    first = train.main(_argv(indexed, out))
+    assert first == {"interrupted": True, "global_step": 8}  # signalled after step 7: step 8 finishes, then the save
+    rt.install(trace, patch=monkeypatch.setattr)
+    second = train.main(_argv(indexed, out))
+    assert second["global_step"] == EPOCHS * (41 // BATCH)
+    train_set, val_set = _sets(indexed)
+    rt.assert_each_sample_once_per_epoch(rt.read(trace), train=train_set, epochs=EPOCHS, batch=BATCH, val=val_set)
+    text = capsys.readouterr().out
+    assert "resuming from" in text and "(step 8)" in text
+    lines = _metric_lines(text)
+    assert [ln.split()[1] for ln in lines] == ["epoch=1", "epoch=2", "epoch=3"]
+    assert all("train_samples=40" in ln and "val_samples=7" in ln for ln in lines), lines
+
+
+def test_sigterm_during_validation_finishes_it_then_resumes(indexed, tmp_path, cache_dir, monkeypatch, capsys):
+    trace, out = tmp_path / "trace.jsonl", tmp_path / "out"
+    rt.install(trace, sigterm_in_val_epoch=0, patch=monkeypatch.setattr)
+    assert train.main(_argv(indexed, out))["interrupted"]
+    rt.install(trace, patch=monkeypatch.setattr)
+    train.main(_argv(indexed, out))
+    train_set, val_set = _sets(indexed)
+    rt.assert_each_sample_once_per_epoch(rt.read(trace), train=train_set, epochs=EPOCHS, batch=BATCH, val=val_set)
+    lines = _metric_lines(capsys.readouterr().out)
+    assert [ln.split()[1] for ln in lines] == ["epoch=1", "epoch=2", "epoch=3"]
+    assert "train_samples=40" in lines[0] and "val_samples=7" in lines[0], lines[0]
+
+
+def test_resume_without_validation_data(photo_root, tmp_path, cache_dir, monkeypatch, capsys):
+    data = rt.indexed_dataset(photo_root, tmp_path / "data", val_every=None)
+    trace, out = tmp_path / "trace.jsonl", tmp_path / "out"
+    rt.install(trace, sigterm_at_step=8, patch=monkeypatch.setattr)
+    assert train.main(_argv(data, out))["interrupted"]
+    rt.install(trace, patch=monkeypatch.setattr)
+    assert train.main(_argv(data, out))["global_step"] == EPOCHS * (48 // BATCH)
+    rt.assert_each_sample_once_per_epoch(rt.read(trace), train=_sets(data)[0], epochs=EPOCHS, batch=BATCH)
+    assert len(_metric_lines(capsys.readouterr().out)) == EPOCHS
+
+
+def test_kill_9_resumes_from_the_periodic_checkpoint_and_replays_only_after_it(indexed, tmp_path, cache_dir,
+                                                                            monkeypatch):
+    """kill -9 at step 8 with a checkpoint every 3 steps: the rerun resumes at step 6 and trains
+    steps 7 and 8 again on the very same samples."""
+    trace, out = tmp_path / "trace.jsonl", tmp_path / "out"
+    env = {**os.environ, "DALI_PIPE_CACHE": str(cache_dir)}
+    code = (f"import sys; sys.path[:0] = [{str(ROOT)!r}, {str(ROOT / 'tests')!r}]\n"
+            f"import resume_trace, train\nfrom pathlib import Path\n"
+            f"resume_trace.install(Path({str(trace)!r}), kill_at_step=8)\n"
+            f"train.main({_argv(indexed, out, '--checkpoint-every-steps', '3')!r})\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == -9, r.stderr[-2000:]
+    first = rt.read(trace)
+    killed = [x for x in first if x["kind"] == "train"]
+    assert len(killed) == 8
+    rt.install(trace, patch=monkeypatch.setattr)
+    train.main(_argv(indexed, out, "--checkpoint-every-steps", "3"))
+    second = rt.read(trace)[len(first):]
+    replayed = [x for x in second if x["kind"] == "train"][:2]
+    assert [x["labels"] for x in replayed] == [x["labels"] for x in killed[6:8]], "steps 7-8 replayed identically"
+    lost = [id(x) for x in killed[6:8]]
+    kept = [x for x in first if id(x) not in lost] + second
+    rt.assert_each_sample_once_per_epoch(kept, train=_sets(indexed)[0], epochs=EPOCHS, batch=BATCH)
+
+
+def test_save_killed_mid_write_keeps_the_previous_checkpoint(tmp_path):
+    """A save killed mid-write leaves the previous last.ckpt whole; its temp file is removed on the next
+    start, but a temp file of a live writer is left alone."""
     ckdir = tmp_path / "ck"
     script = f"""
 import sys, time, torch
 sys.path.insert(0, {str(ROOT)!r})
 from model.checkpoint import SpotSafeCheckpoint
 class T:
-    global_step = 1
+    global_step = current_epoch = 1
     is_global_zero = True
     def __init__(self, slow): self.slow = slow
     def save_checkpoint(self, path):
@@ -68,9 +135,131 @@ cb.save(T(True))
     p.wait()
     import torch
 
-    from model.checkpoint import resume_path
+    from model.checkpoint import plan_resume
 
     assert torch.load(ckdir / "last.ckpt", weights_only=False)["global_step"] == 1
-    assert list(ckdir.glob(".last.ckpt.tmp-*"))
-    assert resume_path(ckdir) == str(ckdir / "last.ckpt")
-    assert not list(ckdir.glob(".last.ckpt.tmp-*"))
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    (ckdir / f".last.ckpt.tmp-{live.pid}").write_bytes(b"in progress")
+    try:
+        assert len(list(ckdir.glob(".last.ckpt.tmp-*"))) == 2
+        plan_resume("auto", ckdir, {}, {})
+        assert [p.name for p in ckdir.glob(".last.ckpt.tmp-*")] == [f".last.ckpt.tmp-{live.pid}"]
+    finally:
+        live.kill()
+
+
+def test_failed_save_keeps_the_previous_checkpoint_and_no_temp_file(photo_root, tmp_path, cache_dir, monkeypatch):
+    import torch
+
+    from model.checkpoint import CheckpointSaveError
+
+    calls = {"n": 0}
+    real = torch.save
+
+    def full_disk(obj, f, *a, **k):
+        calls["n"] += 1
+        if calls["n"] >= 2:
+            raise OSError(28, "No space left on device")
+        return real(obj, f, *a, **k)
+
+    monkeypatch.setattr(torch, "save", full_disk)
+    out = tmp_path / "o"
+    with pytest.raises(CheckpointSaveError, match="No space left on device.*previous checkpoint is kept"):
+        train.main(["--data", str(photo_root), "--model", "tiny", "--device", "cpu", "--epochs", "2",
+                    "--batch-size", "8", "--num-threads", "1", "--output", str(out), "--checkpoint-every-steps", "2"])
+    ck = out / "checkpoints"
+    assert (ck / "last.ckpt").is_file() and not list(ck.glob(".*tmp-*"))
+    assert json.loads((ck / "last.json").read_text())["global_step"] == 2
+
+
+def test_final_checkpoint_failure_still_exports_the_model_and_fails(photo_root, tmp_path, cache_dir, monkeypatch):
+    from model.checkpoint import CheckpointSaveError, SpotSafeCheckpoint
+
+    def broken(self, trainer):
+        raise CheckpointSaveError("could not write a checkpoint to X (No space left on device)")
+
+    monkeypatch.setattr(SpotSafeCheckpoint, "save", broken)
+    out = tmp_path / "o"
+    from dali_pipe.workdir import OutputError
+
+    with pytest.raises(OutputError, match="training finished, but could not write a checkpoint"):
+        train.main(["--data", str(photo_root), "--model", "tiny", "--device", "cpu", "--epochs", "1",
+                    "--batch-size", "8", "--num-threads", "1", "--output", str(out)])
+    assert (out / "config.json").is_file() and (out / "model.safetensors").is_file()
+
+
+def test_reused_output_never_returns_a_model_of_other_data(photo_root, indexed, tmp_path, cache_dir, capsys):
+    """Same OUT, other data: stop before training naming what differs; --resume never moves the old
+    checkpoint aside and trains; a finished run rerun with the same settings has nothing to do."""
+    from model.checkpoint import RunMismatchError
+
+    out = tmp_path / "out"
+    args = ["--model", "tiny", "--device", "cpu", "--epochs", "1", "--batch-size", "8", "--num-threads", "1",
+            "--output", str(out)]
+    train.main(["--data", str(photo_root), *args])
+    stamp = (out / "model.safetensors").stat().st_mtime_ns
+    assert train.main(["--data", str(photo_root), *args]) == {"nothing_to_do": True, "global_step": 5}
+    assert "nothing to do: already trained to 5 steps" in capsys.readouterr().out
+    assert (out / "model.safetensors").stat().st_mtime_ns == stamp
+    with pytest.raises(RunMismatchError) as e:
+        train.main(["--data", str(indexed), *args])
+    msg = str(e.value)
+    assert "belongs to another run" in msg
+    assert "the classes: 4 classes (astronaut, chelsea, coffee, rocket) in the checkpoint, 48 classes (s000" in msg
+    assert "--output" in msg and "--resume never" in msg
+    assert (out / "model.safetensors").stat().st_mtime_ns == stamp
+    res = train.main(["--data", str(indexed), *args, "--resume", "never"])
+    assert res["global_step"] == 41 // 8
+    assert len(list((out / "checkpoints").glob("last-*.ckpt"))) == 1
+    assert json.loads((out / "config.json").read_text())["id2label"]["0"] == "s000"
+
+
+def test_checkpoint_without_fingerprint_resumes_and_says_the_order_restarts(photo_root, tmp_path, cache_dir, capsys):
+    import torch
+
+    out = tmp_path / "out"
+    args = ["--data", str(photo_root), "--model", "tiny", "--device", "cpu", "--batch-size", "8", "--num-threads", "1",
+            "--output", str(out), "--max-steps", "3"]
+    train.main(args)
+    ck = out / "checkpoints" / "last.ckpt"
+    old = torch.load(ck, weights_only=False)
+    for key in ("dali_pipe", "DaliDataModule"):
+        old.pop(key, None)
+    torch.save(old, ck)
+    (out / "checkpoints" / "last.json").unlink()
+    res = train.main(args[:-1] + ["6"])
+    text = capsys.readouterr().out
+    assert res["global_step"] == 6 and "without a run fingerprint or loader position: the data order restarts" in text
+
+
+def test_second_run_on_the_same_output_stops_naming_the_holder(photo_root, tmp_path):
+    from dali_pipe.workdir import BusyError
+
+    out = tmp_path / "out"
+    holder = subprocess.Popen([sys.executable, "-c", f"import sys, time; sys.path.insert(0, {str(ROOT)!r})\n"
+                               "from dali_pipe.workdir import lock\n"
+                               f"lock({str(out)!r}, 'training run', 'x'); print('held', flush=True); time.sleep(60)"],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(BusyError, match=rf"in use by another training run \(PID {holder.pid}\); wait for it"):
+            train.main(["--data", str(photo_root), "--model", "tiny", "--device", "cpu", "--output", str(out)])
+    finally:
+        holder.kill()
+
+
+def test_unusable_outputs_get_one_clear_error(photo_root, tmp_path, monkeypatch):
+    from dali_pipe.cli import fit
+    from dali_pipe.workdir import OutputError
+
+    args = ["--data", str(photo_root), "--model", "tiny", "--device", "cpu", "--num-threads", "1"]
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    with pytest.raises(OutputError, match=r"--output .*afile is a file, not a directory"):
+        train.main(args + ["--output", str(afile)])
+    with pytest.raises(OutputError, match=r"--checkpoint-dir /proc/1/nope is not writable"):
+        train.main(args + ["--output", str(tmp_path / "o"), "--checkpoint-dir", "/proc/1/nope"])
+    monkeypatch.setattr(fit, "bytes_needed", lambda params: 1 << 62)
+    with pytest.raises(OutputError, match=re.escape("GiB free but the run writes about")):
+        train.main(args + ["--output", str(tmp_path / "o2")])
+    assert not list((tmp_path / "o2").glob("*.safetensors"))

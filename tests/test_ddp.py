@@ -1,50 +1,49 @@
-"""2-rank DDP on the CPU (gloo) with the DALI CPU pipeline: exact sharding, equal batch counts,
-validation metrics aggregated across ranks."""
+"""2-rank DDP on the CPU (gloo) with the DALI CPU pipeline and the real Trainer: exact sharding,
+equal batch counts, validation reduced across ranks, and a SIGTERM mid-epoch resumed exactly."""
 from __future__ import annotations
 
-import json
+import os
 import subprocess
 import sys
 from collections import Counter
 from pathlib import Path
 
 import pytest
+import resume_trace as rt
 
 HERE = Path(__file__).resolve().parent
+EPOCHS, BATCH = 3, 5
+
+
+def _run(data, out, trace, sigterm_at, cache):
+    argv = [sys.executable, str(HERE / "ddp_worker.py"), str(trace), str(sigterm_at), "--", "--data", str(data),
+            "--model", "tiny", "--device", "cpu", "--devices", "2", "--epochs", str(EPOCHS), "--batch-size",
+            str(BATCH), "--num-threads", "1", "--output", str(out)]
+    env = {**os.environ, "DALI_PIPE_CACHE": str(cache), "PYTHONUNBUFFERED": "1"}
+    return subprocess.run(argv, capture_output=True, text=True, timeout=600, env=env)
 
 
 @pytest.mark.slow
-def test_two_ranks_shard_exactly_and_aggregate_validation(tmp_path, photo_root):
-    # every image its own class; 41 train / 7 val through a split column
-    rows = (photo_root / "dataset.tsv").read_text().splitlines()[1:]
-    data = tmp_path / "data"
-    data.mkdir()
-    lines = ["image_path\tlabel\tsplit"]
-    for i, rel in enumerate(rows):
-        (data / rel).parent.mkdir(parents=True, exist_ok=True)
-        (data / rel).symlink_to(photo_root / rel)
-        lines.append(f"{rel}\ts{i:03d}\t{'val' if i % 7 == 3 else 'train'}")
-    (data / "dataset.tsv").write_text("\n".join(lines) + "\n")
-    out = tmp_path / "out"
-    epochs, batch = 3, 5
-    r = subprocess.run([sys.executable, str(HERE / "ddp_worker.py"), str(data), str(out), str(epochs), str(batch)],
-                       capture_output=True, text=True, timeout=600)
+def test_two_ranks_shard_exactly_and_resume_exactly_after_sigterm(photo_root, tmp_path):
+    data = rt.indexed_dataset(photo_root, tmp_path / "data")  # 41 train / 7 val, each image its own class
+    out, trace = tmp_path / "out", tmp_path / "trace.jsonl"
+    r = _run(data, out, trace, 5, tmp_path / "cache")  # epoch 2, after its first step on each rank
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
-    ranks = [json.loads((out / f"rank{i}.json").read_text()) for i in range(2)]
-    classes = ranks[0]["classes"]
-    train_ids = {i for i, _ in enumerate(rows) if i % 7 != 3}
-    val_ids = {i for i, _ in enumerate(rows) if i % 7 == 3}
-    name_to_row = {c: int(c[1:]) for c in classes}
-    for e in range(epochs):
-        per_rank = [[name_to_row[classes[i]] for i in rk["trace"][e]["seen"]] for rk in ranks]
-        assert ranks[0]["trace"][e]["batches"] == ranks[1]["trace"][e]["batches"] > 0
-        both = per_rank[0] + per_rank[1]
-        assert max(Counter(both).values()) == 1, "a sample seen twice in one epoch"
-        assert set(both) <= train_ids
-        for seen in per_rank:  # at most one dropped partial batch per rank
-            assert len(train_ids) // 2 - len(seen) < batch + 1
-        val = [name_to_row[classes[i]] for rk in ranks for i in rk["trace"][e]["val_seen"]]
-        assert sorted(val) == sorted(val_ids), "validation sees every val sample exactly once across ranks"
-        m0, m1 = ranks[0]["trace"][e]["metrics"], ranks[1]["trace"][e]["metrics"]
-        assert m0["val_samples"] == m1["val_samples"] == len(val_ids)  # reduced over both ranks
-        assert m0["val_loss"] == pytest.approx(m1["val_loss"])
+    assert "stopped by SIGTERM" in r.stdout
+    r = _run(data, out, trace, "none", tmp_path / "cache")
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    assert "resuming from" in r.stdout and f"TRAINED global_step={EPOCHS * (20 // BATCH)}" in r.stdout
+
+    records = rt.read(trace)
+    rows = [x.split("\t") for x in (data / "dataset.tsv").read_text().splitlines()[1:]]
+    train = {x[1] for x in rows if x[2] == "train"}
+    val = {x[1] for x in rows if x[2] == "val"}
+    rt.assert_each_sample_once_per_epoch(records, train=train, epochs=EPOCHS, batch=BATCH, world=2, val=val)
+    for e in range(EPOCHS):
+        per_rank = [[x for x in records if x["kind"] == "train" and x["epoch"] == e and x["rank"] == k]
+                    for k in (0, 1)]
+        assert len(per_rank[0]) == len(per_rank[1]) == 20 // BATCH, "equal batch counts on both ranks"
+        assert not set(sum((x["labels"] for x in per_rank[0]), [])) & set(sum((x["labels"] for x in per_rank[1]), []))
+    metric = [ln for ln in r.stdout.splitlines() if ln.startswith("METRIC epoch=2")]
+    assert metric and "train_samples=40" in metric[0] and "val_samples=7" in metric[0], metric
+    assert Counter(x["rank"] for x in records if x["kind"] == "val")[1] > 0, "rank 1 validated its shard"

@@ -131,7 +131,7 @@ def test_undetected_bad_file_gets_a_clear_error_pointing_to_full_scan(corpus, tm
     pipe = build_pipeline(files, [0, 1], ImageSpec(32, 32, (0.5,) * 3, (0.5,) * 3),
                           cpu_options(2, training=False), training=False)
     with pytest.raises(PipelineDecodeError, match="could not decode .*bad_huffman.jpg.*--scan full"):
-        list(DaliLoader(pipe, training=False))
+        list(DaliLoader(lambda ck: pipe, training=False))
 
 
 def test_skip_missing_trains_and_reports_the_missing(photo_root, tmp_path, cache_dir):

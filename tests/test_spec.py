@@ -5,7 +5,7 @@ from dali_pipe.spec import ImageSpec
 
 
 def test_spec_from_vit_processor():
-    from model.vit import load_processor
+    from model.loading import load_processor
 
     s = ImageSpec.from_processor(load_processor("vit-b16-random"))
     assert (s.height, s.width, s.mean, s.std) == (224, 224, (0.5,) * 3, (0.5,) * 3)

@@ -130,7 +130,7 @@ def test_local_model_path_finetunes_and_missing_path_is_clear(photo_root, tmp_pa
     train.main(args + ["--model", "tiny", "--output", str(first)])
     res = train.main(args + ["--model", str(first), "--output", str(tmp_path / "second")])
     assert res["global_step"] == 44 // 8
-    from model.vit import ModelLoadError
+    from model.loading import ModelLoadError
 
     with pytest.raises(ModelLoadError, match="local directory.*--model tiny"):
         train.main(args + ["--model", str(tmp_path / "no-such-model"), "--output", str(tmp_path / "x")])

@@ -29,7 +29,7 @@ def main() -> None:
     from dali_pipe.datamodule import DaliDataModule
     from dali_pipe.spec import ImageSpec
     from model.module import ImageClassifier
-    from model.vit import load_processor
+    from model.loading import load_processor
 
     rss = []
 

@@ -36,7 +36,7 @@ def run(s: Settings) -> dict:
     import pytorch_lightning as pl
     import torch
 
-    from model.vit import load_processor
+    from model.loading import load_processor
 
     from ..baseline import classic_loader
     from ..datamodule import DaliDataModule

@@ -1,7 +1,18 @@
-"""The training command: DataModule + classifier + Trainer, then the model in save_pretrained form."""
+"""The training command: pre-flight, then DataModule + classifier + Trainer, then the model in
+save_pretrained form.
+
+Pre-flight, in the main process of each node (Lightning's DDP launcher re-runs this script for
+the other local ranks, which skip what only one process may do):
+- hold OUT exclusively (a second run on the same OUT stops at once, naming the PID);
+- check that OUT and the checkpoint dir are writable directories with room for two checkpoints
+  and the model;
+- sync s3:// data, scan, write the report (once; Lightning's own `prepare_data` is then a no-op);
+- fingerprint the run and decide what to resume (`--resume`), before any training.
+"""
 from __future__ import annotations
 
 import json
+import os
 import sys
 import warnings
 from pathlib import Path
@@ -10,8 +21,10 @@ from ..config import Settings
 
 
 def quiet_known_noise() -> None:
-    """Warnings a user can do nothing about (Lightning's own internals on this torch)."""
-    warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*")
+    """Warnings a user can do nothing about."""
+    warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*")  # Lightning on torch 2.13
+    # our loader is resumable through the DataModule's state, which Lightning does not look at for this warning
+    warnings.filterwarnings("ignore", message=r".*your dataloader is not resumable.*")
 
 
 def world_size(s: Settings) -> int:
@@ -20,6 +33,11 @@ def world_size(s: Settings) -> int:
     import torch
 
     return max(1, torch.cuda.device_count()) * s.run.num_nodes
+
+
+def is_main_process() -> bool:
+    """The process the user started (Lightning sets LOCAL_RANK for the ranks it launches)."""
+    return os.environ.get("LOCAL_RANK", "0") == "0"
 
 
 def make_trainer(s: Settings, callbacks: list, *, logger=True, **overrides):
@@ -39,26 +57,68 @@ def make_trainer(s: Settings, callbacks: list, *, logger=True, **overrides):
     return pl.Trainer(**kw)
 
 
+def bytes_needed(params: int) -> int:
+    """Two checkpoints (fp32 weights + AdamW's two moments) plus the exported fp32 model, plus 10%."""
+    return int((2 * 12 + 4) * params * 1.1)
+
+
 def run(s: Settings) -> dict:
     """Fit the model and write it to OUTPUT in save_pretrained form. Returns the last epoch's metrics."""
+    from ..workdir import check_writable, lock, unlock
+
+    quiet_known_noise()
+    out, ckpt_dir = Path(s.run.output), Path(s.run.checkpoint_dir)
+    main = is_main_process()
+    if main:
+        check_writable(out, "--output")
+        lock(out, "training run", "wait for it to finish, or pass another --output")
+    try:
+        return _fit(s, out, ckpt_dir, main)
+    finally:
+        if main:
+            unlock(out)
+
+
+def _fit(s: Settings, out: Path, ckpt_dir: Path, main: bool) -> dict:
     import pytorch_lightning as pl
     from pytorch_lightning.utilities.exceptions import SIGTERMException
 
-    from model.checkpoint import SpotSafeCheckpoint, resume_path
+    from model.checkpoint import SpotSafeCheckpoint, plan_resume
+    from model.loading import load_processor, parameter_count
     from model.module import ImageClassifier
     from model.progress import PlainProgressBar
-    from model.vit import load_processor
 
     from ..datamodule import DaliDataModule
     from ..spec import ImageSpec
+    from ..workdir import OutputError, check_writable
 
-    quiet_known_noise()
-    out = Path(s.run.output)
+    if main:
+        check_writable(ckpt_dir, "--checkpoint-dir")
     pl.seed_everything(s.data.seed, workers=True, verbose=False)
     processor = load_processor(s.model.model)
-    dm = DaliDataModule(s.data, s.pipeline, ImageSpec.from_processor(processor), out)
+    spec = ImageSpec.from_processor(processor)
+    dm = DaliDataModule(s.data, s.pipeline, spec, out)
+    if main:
+        dm.prepare_data()
+    manifest = dm.setup_manifest(world_size(s))
+    if main:
+        need = bytes_needed(parameter_count(s.model.model, manifest.classes))
+        check_writable(ckpt_dir, "--checkpoint-dir", need)
+    fingerprint = {"samples": manifest.digest(), "classes": manifest.classes, "model": s.model.model,
+                   "image_size": [spec.height, spec.width], "batch_size": s.data.batch_size,
+                   "world_size": world_size(s), "seed": s.data.seed}
+    targets = {"epochs": s.model.epochs, "max_steps": s.model.max_steps}
+    plan = plan_resume(s.run.resume, ckpt_dir, fingerprint, targets, may_modify=main)
+    if plan.done_step is not None:
+        print(f"nothing to do: already trained to {plan.done_step} steps with these settings "
+              f"(model in {out}); pass --resume never to train again from scratch")
+        return {"nothing_to_do": True, "global_step": plan.done_step}
+    if plan.note and main:
+        print(plan.note)
+
     module = ImageClassifier(s.model)
-    ckpt = SpotSafeCheckpoint(s.run.checkpoint_dir, every_steps=s.run.checkpoint_every_steps)
+    ckpt = SpotSafeCheckpoint(ckpt_dir, every_steps=s.run.checkpoint_every_steps, fingerprint=fingerprint,
+                              targets=targets)
     callbacks = [ckpt] if sys.stderr.isatty() else [ckpt, PlainProgressBar()]  # tqdm on a terminal, lines in logs
     if s.run.monitor:
         from ..monitor import MonitorCallback
@@ -66,24 +126,41 @@ def run(s: Settings) -> dict:
         callbacks.append(MonitorCallback(out))
     trainer = make_trainer(s, callbacks)
     try:
-        trainer.fit(module, datamodule=dm, ckpt_path=resume_path(s.run.checkpoint_dir))
+        trainer.fit(module, datamodule=dm, ckpt_path=plan.ckpt_path)
     except SIGTERMException:
         pass  # SpotSafeCheckpoint saved; report below and exit 0
     if ckpt.interrupted:
-        print(f"stopped by SIGTERM; checkpoint saved to {s.run.checkpoint_dir}. Rerun the same command to resume.")
+        print(f"stopped by SIGTERM; checkpoint saved to {ckpt_dir}. Rerun the same command to resume.")
         return {"interrupted": True, "global_step": trainer.global_step}
+    problems = [str(ckpt.final_error)] if ckpt.final_error else []
     if trainer.is_global_zero:
-        save_model(module, processor, out)
-        print(f"model, image processor and label map written to {out}")
+        try:  # even when the final checkpoint failed: the model is what the user came for
+            save_model(module, processor, out)
+            print(f"model, image processor and label map written to {out}")
+        except OSError as e:
+            problems.append(f"the model could not be written to {out} ({e.strerror or e}); the checkpoint in "
+                            f"{ckpt_dir} holds the trained weights")
         print(f"TensorBoard logs in {s.run.log_dir}")
         print(f"TRAINED global_step={trainer.global_step}")
+    if problems:
+        raise OutputError("training finished, but " + "; and ".join(problems))
     last = module.epoch_metrics[-1] if module.epoch_metrics else {}
     return {**last, "global_step": trainer.global_step}
 
 
 def save_model(module, processor, out: Path) -> None:
-    """save_pretrained form (config.json with id2label, weights, preprocessor_config.json) + label_map.json."""
-    out.mkdir(parents=True, exist_ok=True)
-    module.model.save_pretrained(out)
-    processor.save_pretrained(out)
-    (out / "label_map.json").write_text(json.dumps(module.model.config.id2label, indent=1, sort_keys=True))
+    """save_pretrained form (config.json with id2label, weights, preprocessor_config.json) + label_map.json,
+    written into a temporary folder first, then moved into OUT file by file: a failure leaves no
+    partial file in OUT (the temporary folder is removed)."""
+    import shutil
+
+    tmp = out / f".model-tmp-{os.getpid()}"
+    try:
+        tmp.mkdir(parents=True, exist_ok=True)
+        module.model.save_pretrained(tmp)
+        processor.save_pretrained(tmp)
+        (tmp / "label_map.json").write_text(json.dumps(module.model.config.id2label, indent=1, sort_keys=True))
+        for f in sorted(tmp.iterdir()):
+            os.replace(f, out / f.name)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

@@ -1,0 +1,115 @@
+"""Load any transformers image classifier and its image processor, from a hub id, a local
+save_pretrained directory, or a built-in config.
+
+Built-in names (no download):
+- `tiny`: a small random-init ViT (64x64 input, 8x8 patches) for CPU demos and tests.
+- `vit-b16-random`: ViT-B/16 at 224 with random weights, the reference model's exact shape,
+  for benchmarks on machines that cannot download weights.
+
+Everything else goes through `AutoConfig`, `AutoModelForImageClassification` and
+`AutoImageProcessor`: ViT, DeiT, ConvNeXt, Swin, ResNet, EfficientNet and the other architectures
+transformers can build for image classification. The head is resized to the data's classes
+(`ignore_mismatched_sizes`), with a note when the checkpoint's own head is replaced; a checkpoint
+that transformers cannot build as an image classifier is refused, never swapped for another model.
+"""
+from __future__ import annotations
+
+import sys
+
+from dali_pipe.config import BUILTIN_MODELS, TINY, VIT_B16_RANDOM
+from dali_pipe.errors import UserError
+
+
+class ModelLoadError(UserError):
+    """The --model could not be loaded; the message says what to pass instead."""
+
+
+def _builtin_config(name: str):
+    from transformers import ViTConfig
+
+    if name == TINY:
+        return ViTConfig(image_size=64, patch_size=8, hidden_size=96, num_hidden_layers=3,
+                         num_attention_heads=3, intermediate_size=192)
+    return ViTConfig()  # the defaults are ViT-B/16 at 224, as google/vit-base-patch16-224
+
+
+def load_processor(name: str):
+    """The image processor whose size, crop, mean and std the pipelines use."""
+    if name in BUILTIN_MODELS:
+        side = _builtin_config(name).image_size
+        try:  # transformers 5 names the torchvision-free processor explicitly
+            from transformers import ViTImageProcessorPil as cls
+        except ImportError:
+            from transformers import ViTImageProcessor as cls
+        return cls(size={"height": side, "width": side}, image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5])
+    from transformers import AutoImageProcessor
+
+    try:
+        return AutoImageProcessor.from_pretrained(name)
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(_fetch_hint(name, e)) from None
+
+
+def load_config(name: str, classes: list[str] | None = None):
+    """The model's config (head sized to `classes` when given); refuses non-classifiers."""
+    if name in BUILTIN_MODELS:
+        cfg = _builtin_config(name)
+    else:
+        from transformers import AutoConfig
+
+        try:
+            cfg = AutoConfig.from_pretrained(name)
+        except (OSError, ValueError) as e:
+            raise ModelLoadError(_fetch_hint(name, e)) from None
+        _check_classifier(cfg, name)
+    if classes is not None:
+        cfg.num_labels = len(classes)
+        cfg.id2label = dict(enumerate(classes))
+        cfg.label2id = {c: i for i, c in enumerate(classes)}
+    return cfg
+
+
+def _check_classifier(cfg, name: str) -> None:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES as known
+
+    if cfg.model_type not in known:
+        raise ModelLoadError(
+            f"--model {name!r} is a {cfg.model_type!r} checkpoint, which transformers cannot build as an image "
+            f"classifier. Pass an image-classification model ({', '.join(sorted(known)[:12])}, ...), or "
+            f"--model {TINY} / {VIT_B16_RANDOM}.")
+
+
+def load_model(name: str, classes: list[str]):
+    """The classifier with its head sized to `classes` and the label maps set."""
+    from transformers import AutoModelForImageClassification
+
+    if name in BUILTIN_MODELS:
+        return AutoModelForImageClassification.from_config(load_config(name, classes))
+    saved = load_config(name)
+    if saved.num_labels != len(classes) or [saved.id2label.get(i) for i in range(saved.num_labels)] != classes:
+        print(f"--model {name}: its head predicts {saved.num_labels} classes; a new head for your {len(classes)} "
+              "classes is trained from scratch (the rest of the weights are kept)", file=sys.stderr)
+    try:
+        return AutoModelForImageClassification.from_pretrained(
+            name, num_labels=len(classes), id2label=dict(enumerate(classes)),
+            label2id={c: i for i, c in enumerate(classes)}, ignore_mismatched_sizes=True)
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(_fetch_hint(name, e)) from None
+
+
+def parameter_count(name: str, classes: list[str]) -> int:
+    """Parameters of the model, counted on the meta device (no memory, no weights read)."""
+    import torch
+    from transformers import AutoModelForImageClassification
+
+    with torch.device("meta"):
+        model = AutoModelForImageClassification.from_config(load_config(name, classes))
+    return sum(p.numel() for p in model.parameters())
+
+
+def _fetch_hint(name: str, err: Exception) -> str:
+    first = str(err).strip().splitlines()[0][:200] if str(err).strip() else type(err).__name__
+    return (f"could not load --model {name!r}: {first}\n"
+            "  Without access to the Hugging Face hub, download the model elsewhere and pass its "
+            "local directory (config.json, weights, preprocessor_config.json), or use "
+            f"--model {TINY} for a CPU demo or --model {VIT_B16_RANDOM} for ViT-B/16 with random weights.")

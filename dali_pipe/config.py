@@ -286,15 +286,21 @@ def add_subcommand(subparsers, name: str, summary: str, description: str, groups
                                               formatter_class=_Formatter), groups)
 
 
+def selected(groups) -> list[str]:
+    """The setting names a command exposes: whole groups by name, and single settings by field name."""
+    return [n for n, (g, _, _) in FIELDS.items() if g in groups or n in groups]
+
+
 def add_settings(p: argparse.ArgumentParser, groups):
-    """Add one argument per setting of `groups` to `p`, in one help section per settings class."""
+    """Add one argument per setting of `groups` (group names or single field names) to `p`, in one
+    help section per settings class."""
     sections = {}
-    for name, (group, f, tp) in FIELDS.items():
-        if group not in groups:
-            continue
+    several = len({FIELDS[n][0] for n in selected(groups)}) > 1
+    for name in selected(groups):
+        group, f, tp = FIELDS[name]
         if group not in sections:
             doc = (GROUPS[group].__doc__ or "").strip()
-            sections[group] = p.add_argument_group(group, doc) if len(groups) > 1 else p
+            sections[group] = p.add_argument_group(group, doc) if several else p
         section = sections[group]
         meta = f.metadata
         conv, expected = _converter(name)
@@ -371,8 +377,7 @@ def field_problems(s: Settings, names) -> list[str]:
 def validate(s: Settings, groups=TRAIN_GROUPS, problems: list[str] = ()) -> None:
     """Check every setting of `groups`; raise one UsageError listing every problem (with `problems`
     found earlier, such as unknown flags)."""
-    names = [n for n, (g, _, _) in FIELDS.items() if g in groups]
-    problems = list(problems) + field_problems(s, names)
+    problems = list(problems) + field_problems(s, selected(groups))
     if "model" in groups:
         if s.model.model == "none" and not s.bench.benchmark:
             problems.append("--model: 'none' only makes sense with --benchmark (it times the loaders without a model)")

@@ -83,7 +83,7 @@ def prepare(data: DataSettings, output: Path, *, num_threads: int) -> Manifest:
         from .config import SyncSettings
         from .sync import sync
 
-        sync(data.data, local_root(data), workers=SyncSettings.workers)
+        sync(data.data, local_root(data), workers=SyncSettings.workers, skip_missing=data.skip_missing)
     manifest = read(data)
     result = scan_manifest(manifest, data, num_threads=num_threads, progress=True)
     report(manifest, result, data, output)

@@ -70,11 +70,13 @@ def make_photo_dataset(root: Path | str, *, classes: int = 4, per_class: int = 4
             im = im.resize((max(1, round(cw * f)), max(1, round(ch * f))), Image.BICUBIC)
             im = ImageEnhance.Brightness(im).enhance(rng.uniform(0.7, 1.3))
             im = ImageEnhance.Color(im).enhance(rng.uniform(0.6, 1.4))
-            tmp = root / f"{rel}.tmp"
+            tmp = root / f"{rel}.tmp-{os.getpid()}"
             im.save(tmp, format="JPEG", quality=quality)
             os.replace(tmp, root / rel)
     header = "image_path\tlabel" if with_label_column else "image_path"
     text = header + "\n" + "\n".join(rows) + "\n"
     if not tsv.exists() or tsv.read_text() != text:
-        tsv.write_text(text)
+        tmp = tsv.with_name(f".{tsv.name}.tmp-{os.getpid()}")
+        tmp.write_text(text)
+        os.replace(tmp, tsv)
     return root

@@ -3,15 +3,16 @@
 The manifest is the single source of truth for what a run trains on: the S3 sync downloads only
 the files it lists, the scan checks only those, and the pipelines read only those.
 
-Columns: `image_path` (required, relative to the dataset root), `label` (optional; else the
-parent folder name), `split` (optional, train/val; else a deterministic stratified split).
+Columns (header names are stripped and case-insensitive): `image_path` (required, relative to
+the dataset root), `label` (optional; else the parent folder name; classes sort numerically when
+every label is an integer), `split` (optional, train/val; else a split by a hash of each path and
+the seed, stratified per class, that stays put as images are added).
 """
 from __future__ import annotations
 
 import csv
 import os
 import posixpath
-import random
 import warnings
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -112,7 +113,7 @@ def read_table(tsv: Path | str) -> "pandas.DataFrame":  # noqa: F821
     except pd.errors.ParserError as e:
         raise ManifestError(f"{tsv}: not a tab-separated table ({e}). Each line needs the same "
                             "number of tab-separated fields as the header.") from None
-    df.columns = [str(c).strip() for c in df.columns]
+    df.columns = [str(c).strip().lower() for c in df.columns]
     df = df.fillna("")  # short lines leave missing fields
     df["_line"] = range(2, len(df) + 2)
     for c in df.columns.drop("_line"):
@@ -121,23 +122,33 @@ def read_table(tsv: Path | str) -> "pandas.DataFrame":  # noqa: F821
     return df[~blank].reset_index(drop=True)
 
 
-def read_manifest(root: Path | str, *, val_fraction: float, seed: int, skip_missing: bool,
-                  tsv: Path | str | None = None) -> Manifest:
-    """Parse and check `root/dataset.tsv`. Raises ManifestError naming the row/column and the fix."""
-    root = Path(root)
-    tsv = Path(tsv) if tsv else root / MANIFEST_NAME
-    df = read_table(tsv)
-    if "image_path" not in df.columns:
-        cols = [c for c in df.columns if c != "_line"]
+COLUMNS = ("image_path", "label", "split")
+
+
+def check_columns(df, tsv) -> None:
+    """Header names are stripped and case-insensitive (read_table lowers them); a column that
+    nearly matches a known one (`lable`, `imagepath`) is a typo, not an extra column."""
+    import difflib
+
+    cols = [c for c in df.columns if c != "_line"]
+    if "image_path" not in cols:
         raise ManifestError(f"{tsv}: no 'image_path' column (found {cols}). Add a header line whose "
                             "first field is image_path, tab-separated.")
+    typos = [(c, close[0]) for c in cols if c not in COLUMNS
+             for close in [difflib.get_close_matches(c, COLUMNS, n=1, cutoff=0.75)] if close and close[0] not in cols]
+    if typos:
+        raise ManifestError(f"{tsv}: column(s) " + ", ".join(f"{c!r} (did you mean {k!r}?)" for c, k in typos)
+                            + f"; the known columns are {', '.join(COLUMNS)}.")
     if df.empty:
         raise ManifestError(f"{tsv}: no rows. List at least two classes of images under 'image_path'.")
 
+
+def parse_rows(df, root: Path, tsv) -> tuple[dict[str, tuple[int, str, str | None]], int]:
+    """{relative path: (line, label, split)} and the number of duplicate rows dropped."""
     problems: list[str] = []
-    rows: dict[str, tuple[int, str, str | None]] = {}  # rel path -> (line, label, split)
+    rows: dict[str, tuple[int, str, str | None]] = {}
     duplicates = 0
-    has_label = "label" in df.columns
+    labelled = "label" in df.columns and (df["label"] != "").any()
     has_split = "split" in df.columns
     for rec in df.to_dict("records"):
         line = rec["_line"]
@@ -146,14 +157,21 @@ def read_manifest(root: Path | str, *, val_fraction: float, seed: int, skip_miss
         except ValueError as e:
             problems.append(f"line {line}: {e}; refused. Paths must stay inside the dataset root.")
             continue
-        label = rec["label"] if has_label and rec["label"] else None
-        if label is None:
-            parent = posixpath.basename(posixpath.dirname(rel))
-            if not parent:
+        if os.path.isdir(root / rel):
+            problems.append(f"line {line}: {rel!r} is a directory; list the image files, one per row.")
+            continue
+        if labelled:
+            label = rec["label"]
+            if not label:
+                problems.append(f"line {line}: {rel!r} has an empty label while other rows have one; fill it "
+                                "in or drop the row.")
+                continue
+        else:
+            label = posixpath.basename(posixpath.dirname(rel))
+            if not label:
                 problems.append(f"line {line}: {rel!r} has no 'label' and no class folder; "
                                 "fill the label column or move it into a class folder.")
                 continue
-            label = parent
         split = None
         if has_split and rec["split"]:
             split = SPLITS.get(rec["split"].lower())
@@ -171,6 +189,25 @@ def read_manifest(root: Path | str, *, val_fraction: float, seed: int, skip_miss
     if problems:
         raise ManifestError(f"{tsv}: {len(problems)} bad row(s):\n  " + "\n  ".join(problems[:20])
                             + (f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""))
+    return rows, duplicates
+
+
+def sort_classes(labels) -> list[str]:
+    """Class names in order: numerically when every label is an integer ('2' before '10'), else as text."""
+    labels = set(labels)
+    if all(x.lstrip("-").isdigit() for x in labels):
+        return sorted(labels, key=int)
+    return sorted(labels)
+
+
+def read_manifest(root: Path | str, *, val_fraction: float, seed: int, skip_missing: bool,
+                  tsv: Path | str | None = None) -> Manifest:
+    """Parse and check `root/dataset.tsv`. Raises ManifestError naming the row/column and the fix."""
+    root = Path(root)
+    tsv = Path(tsv) if tsv else root / MANIFEST_NAME
+    df = read_table(tsv)
+    check_columns(df, tsv)
+    rows, duplicates = parse_rows(df, root, tsv)
     if duplicates:
         warnings.warn(f"{tsv}: dropped {duplicates} duplicate row(s) (same image_path, label and split).")
 
@@ -182,7 +219,7 @@ def read_manifest(root: Path | str, *, val_fraction: float, seed: int, skip_miss
     for rel in missing:
         del rows[rel]
 
-    classes = sorted({label for _, label, _ in rows.values()})
+    classes = sort_classes(label for _, label, _ in rows.values())
     if len(classes) < 2:
         raise ManifestError(f"{tsv}: found {len(classes)} class(es) {classes}; a classifier needs "
                             "at least two. Check the 'label' column or the class folders.")
@@ -190,7 +227,7 @@ def read_manifest(root: Path | str, *, val_fraction: float, seed: int, skip_miss
     samples = {rel: Sample(str((root / rel).resolve()), index[label], line)
                for rel, (line, label, _) in rows.items()}
 
-    if has_split and any(split for _, _, split in rows.values()):
+    if "split" in df.columns and any(split for _, _, split in rows.values()):
         unsplit = [rel for rel, (_, _, s) in rows.items() if s is None]
         if unsplit:
             raise ManifestError(f"{tsv}: the 'split' column is empty for {_preview(unsplit)}; "
@@ -198,30 +235,35 @@ def read_manifest(root: Path | str, *, val_fraction: float, seed: int, skip_miss
         train = [samples[r] for r, (_, _, s) in rows.items() if s == "train"]
         val = [samples[r] for r, (_, _, s) in rows.items() if s == "val"]
     else:
-        train, val = stratified_split(list(samples.values()), val_fraction, seed)
+        train, val = stratified_split(samples, val_fraction, seed)
     if not train:
         raise ManifestError(f"{tsv}: no training rows after the split; lower --val-fraction "
                             "or mark some rows split=train.")
     return Manifest(root, classes, train, val, missing, duplicates)
 
 
-def stratified_split(samples: list[Sample], val_fraction: float, seed: int) -> tuple[list[Sample], list[Sample]]:
-    """Per class, a seeded shuffle of the sorted paths; the first round(n*fraction) go to val.
+def _unit_hash(rel: str, seed: int) -> float:
+    """A number in [0, 1) that depends only on the file's relative path and the seed."""
+    import hashlib
 
-    Each class with at least two images keeps at least one in train and, when the fraction is
-    positive, gives at least one to val. The result depends only on the file list and the seed.
-    """
-    by_class: dict[int, list[Sample]] = defaultdict(list)
-    for s in sorted(samples, key=lambda s: s.path):
-        by_class[s.label].append(s)
-    rng = random.Random(seed)
+    digest = hashlib.sha256(f"{seed}:{rel}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64
+
+
+def stratified_split(samples: dict[str, Sample], val_fraction: float, seed: int) -> tuple[list[Sample], list[Sample]]:
+    """Each file goes to val when the hash of its path and the seed is below `val_fraction`, so
+    adding or removing images never moves the others between train and val. Per class, when the
+    hash gives no val image (or only val images), the file with the smallest (largest) hash is
+    moved, so each class with at least two images keeps at least one in each split."""
+    by_class: dict[int, list[tuple[float, Sample]]] = defaultdict(list)
+    for rel, s in samples.items():
+        by_class[s.label].append((_unit_hash(rel, seed), s))
     train, val = [], []
     for label in sorted(by_class):
-        group = by_class[label]
-        rng.shuffle(group)
-        n_val = round(len(group) * val_fraction)
+        group = sorted(by_class[label], key=lambda x: (x[0], x[1].path))
+        n_val = sum(h < val_fraction for h, _ in group)
         if val_fraction > 0 and len(group) >= 2:
             n_val = min(max(n_val, 1), len(group) - 1)
-        val += group[:n_val]
-        train += group[n_val:]
+        val += [s for _, s in group[:n_val]]
+        train += [s for _, s in group[n_val:]]
     return train, val

@@ -3,12 +3,20 @@
 - Fast: one LIST pass gives every size and ETag (no per-file HEAD), then parallel GETs on a
   shared connection pool; files already present with the same size and ETag (recorded in
   `.sync-state.json`) are skipped, so a rerun transfers nothing.
-- Safe: each file is written under a temporary name in its final folder and renamed when
-  complete, so an interrupted sync leaves no partial file and a rerun finishes it. Retries use
-  botocore's backoff. A row or key that would land outside the target is refused before any
-  download starts.
+- Safe: each file is written under a temporary name (with the writer's PID) in its final folder
+  and renamed when complete, so an interrupted sync leaves no partial file and a rerun finishes
+  it; a later sync removes temporary files whose writer is dead. The manifest lands last. A row
+  or key that would land outside the target is refused before any download starts. One sync at a
+  time per target (a second stops at once, naming the PID that holds it).
+- Bounded: connect and read timeouts and a small retry budget, so an endpoint that accepts
+  connections but never answers fails in about a minute with a message naming it. SIGTERM (or
+  Ctrl-C) cancels the downloads, removes their temporary files and re-raises.
 - boto3 reads the standard AWS environment (credentials, region, AWS_ENDPOINT_URL), so
   S3-compatible stores and the tests' local moto server work unchanged.
+
+Hand-written rather than s3transfer's `download_file`: the work here is choosing the files (from
+the manifest, skipping unchanged ones by size + ETag) and landing them atomically; each file is
+one GET, which s3transfer would only wrap.
 """
 from __future__ import annotations
 
@@ -23,9 +31,11 @@ from pathlib import Path
 
 from .errors import UserError
 from .manifest import MANIFEST_NAME, ManifestError, read_table, safe_relpath
+from .redact import redact
 
 STATE_NAME = ".sync-state.json"
 CHUNK = 1 << 20
+CONNECT_TIMEOUT, READ_TIMEOUT, MAX_ATTEMPTS = 5.0, 20.0, 3  # a silent endpoint fails in ~3 x 20 s
 
 
 class SyncError(UserError):
@@ -50,10 +60,10 @@ class SyncStats:
 
 def parse_s3_uri(uri: str) -> tuple[str, str]:
     if not uri.startswith("s3://"):
-        raise SyncError(f"{uri!r} is not an s3:// URI; use s3://bucket/prefix")
+        raise SyncError(f"{redact(uri)!r} is not an s3:// URI; use s3://bucket/prefix")
     bucket, _, prefix = uri[5:].partition("/")
     if not bucket:
-        raise SyncError(f"{uri!r} names no bucket; use s3://bucket/prefix")
+        raise SyncError(f"{redact(uri)!r} names no bucket; use s3://bucket/prefix")
     return bucket, prefix.strip("/")
 
 
@@ -63,24 +73,41 @@ def local_target(uri: str, cache_dir: Path) -> Path:
     return Path(cache_dir) / "s3" / bucket / prefix
 
 
-def make_client(workers: int, max_attempts: int = 8, connect_timeout: float = 5.0, read_timeout: float = 30.0):
+def make_client(workers: int, max_attempts: int | None = None, connect_timeout: float | None = None,
+                read_timeout: float | None = None):
+    """An S3 client for `workers` threads; timeouts and tries default to this module's bounds."""
     import boto3
     from botocore.config import Config
 
-    cfg = Config(max_pool_connections=max(10, workers), connect_timeout=connect_timeout, read_timeout=read_timeout,
-                 retries={"max_attempts": max_attempts, "mode": "standard"}, tcp_keepalive=True)
+    cfg = Config(max_pool_connections=max(10, workers), connect_timeout=connect_timeout or CONNECT_TIMEOUT,
+                 read_timeout=read_timeout or READ_TIMEOUT, tcp_keepalive=True,
+                 retries={"max_attempts": max_attempts or MAX_ATTEMPTS, "mode": "standard"})
     return boto3.session.Session().client("s3", config=cfg)
 
 
-def _explain(err: Exception, bucket: str, key: str) -> str:
+def endpoint() -> str:
+    return redact(os.environ.get("AWS_ENDPOINT_URL") or os.environ.get("AWS_ENDPOINT_URL_S3") or "the AWS S3 endpoint")
+
+
+def explain(err: Exception, bucket: str, key: str) -> str:
     """A message for a failed S3 call that names the bucket/key and the fix, never a secret."""
-    from botocore.exceptions import ClientError, EndpointConnectionError, NoCredentialsError, PartialCredentialsError
+    from botocore.exceptions import (
+        ClientError,
+        ConnectTimeoutError,
+        EndpointConnectionError,
+        NoCredentialsError,
+        PartialCredentialsError,
+        ReadTimeoutError,
+    )
 
     if isinstance(err, (NoCredentialsError, PartialCredentialsError)):
         return ("no usable AWS credentials: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE, "
                 "or run with an instance/SageMaker role that can read the bucket")
+    if isinstance(err, (ReadTimeoutError, ConnectTimeoutError)):
+        return (f"{endpoint()} did not answer for s3://{bucket}/{key} (timed out after {MAX_ATTEMPTS} tries); "
+                "check AWS_ENDPOINT_URL, the region and the network")
     if isinstance(err, EndpointConnectionError):
-        return f"cannot reach the S3 endpoint ({err.kwargs.get('endpoint_url', '?')}); check AWS_ENDPOINT_URL, the region and the network"
+        return f"cannot reach {endpoint()}; check AWS_ENDPOINT_URL, the region and the network"
     if isinstance(err, ClientError):
         code = err.response.get("Error", {}).get("Code", "")
         if code == "NoSuchBucket":
@@ -90,11 +117,16 @@ def _explain(err: Exception, bucket: str, key: str) -> str:
         if code in ("AccessDenied", "403", "InvalidAccessKeyId", "SignatureDoesNotMatch"):
             return f"access to s3://{bucket}/{key} was denied ({code}); check the credentials and the bucket policy"
         return f"S3 error {code or '?'} on s3://{bucket}/{key}"
-    return f"{type(err).__name__} on s3://{bucket}/{key}: {str(err)[:200]}"
+    return redact(f"{type(err).__name__} on s3://{bucket}/{key}: {str(err)[:200]}")
 
 
-def _atomic_write(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.part-{os.getpid()}-{threading.get_ident()}")
+def temp_name(path: Path) -> Path:
+    """The temporary name a file is written under: hidden, in its final folder, with our PID."""
+    return path.with_name(f".{path.name}.part-{threading.get_ident()}-{os.getpid()}")
+
+
+def atomic_write(path: Path, data: bytes) -> None:
+    tmp = temp_name(path)
     try:
         with open(tmp, "wb") as f:
             f.write(data)
@@ -104,15 +136,22 @@ def _atomic_write(path: Path, data: bytes) -> None:
         raise
 
 
-def _download(client, bucket: str, key: str, dest: Path, size: int) -> int:
-    """GET one object into dest via a temporary name; return bytes written."""
+class Cancelled(Exception):
+    """The sync is being stopped (SIGTERM, Ctrl-C, or another download failed hard)."""
+
+
+def download(client, bucket: str, key: str, dest: Path, size: int, stop: threading.Event | None = None) -> int:
+    """GET one object into dest via a temporary name; return bytes written. Checks `stop` between
+    chunks, so a cancelled sync ends within one chunk."""
     dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dest.with_name(f".{dest.name}.part-{os.getpid()}-{threading.get_ident()}")
+    tmp = temp_name(dest)
     try:
         body = client.get_object(Bucket=bucket, Key=key)["Body"]
         n = 0
         with open(tmp, "wb") as f:
             for chunk in body.iter_chunks(CHUNK):
+                if stop is not None and stop.is_set():
+                    raise Cancelled()
                 f.write(chunk)
                 n += len(chunk)
         if n != size:
@@ -124,117 +163,181 @@ def _download(client, bucket: str, key: str, dest: Path, size: int) -> int:
         raise
 
 
-def sync(uri: str, dest: Path | str, *, workers: int, progress: bool = True, client=None) -> SyncStats:
-    """Download s3://bucket/prefix/dataset.tsv and the files it lists into `dest`."""
+def clean_after_dead_syncs(dest: Path) -> None:
+    """A sync marks its target while it runs (`.sync-running-PID`); when a marker's process is
+    dead, that sync did not end cleanly: remove the temporary files it left (a walk of the target)."""
+    from .workdir import pid_alive, remove_dead_temps
+
+    dead = [m for m in dest.glob(".sync-running-*") if not pid_alive(int(m.name.rsplit("-", 1)[1]))]
+    if dead:
+        remove_dead_temps(dest, ".*.part-*", recursive=True)
+        remove_dead_temps(dest, f".{MANIFEST_NAME}.incoming-*")
+        for m in dead:
+            m.unlink(missing_ok=True)
+
+
+def fetch_manifest(client, bucket: str, base: str, dest: Path) -> tuple[Path, dict[str, int]]:
+    """Download dataset.tsv to a staging name (with our PID) and check every row: {rel path: line}."""
     from botocore.exceptions import BotoCoreError, ClientError
-    from tqdm import tqdm
 
-    start = time.perf_counter()
-    bucket, prefix = parse_s3_uri(uri)
-    dest = Path(dest)
-    client = client or make_client(workers)
-    base = f"{prefix}/" if prefix else ""
-    manifest_key = base + MANIFEST_NAME
+    key = base + MANIFEST_NAME
     try:
-        text = client.get_object(Bucket=bucket, Key=manifest_key)["Body"].read()
+        text = client.get_object(Bucket=bucket, Key=key)["Body"].read()
     except (BotoCoreError, ClientError) as e:
-        raise SyncError(_explain(e, bucket, manifest_key)) from None
-
-    # Parse and check every row before writing anything.
-    dest.mkdir(parents=True, exist_ok=True)
-    staged = dest / f".{MANIFEST_NAME}.incoming"
-    _atomic_write(staged, text)
+        raise SyncError(explain(e, bucket, key)) from None
+    staged = dest / f".{MANIFEST_NAME}.incoming-{os.getpid()}"
+    atomic_write(staged, text)
     try:
         df = read_table(staged)
+        if "image_path" not in df.columns:
+            raise SyncError(f"s3://{bucket}/{key} has no 'image_path' column; add one (tab-separated header)")
+        wanted: dict[str, int] = {}
+        refused = []
+        for p, line in zip(df["image_path"], df["_line"]):
+            try:
+                wanted.setdefault(safe_relpath(p, dest), line)
+            except ValueError as e:
+                refused.append(f"line {line}: {e}")
+        if refused:
+            raise SyncError(f"s3://{bucket}/{key}: refused {len(refused)} row(s) that would land outside {dest}; "
+                            "nothing was downloaded:\n  " + "\n  ".join(refused[:10]))
     except ManifestError as e:
         staged.unlink(missing_ok=True)
-        raise SyncError(f"s3://{bucket}/{manifest_key}: {str(e).split(': ', 1)[-1]}") from None
-    if "image_path" not in df.columns:
+        raise SyncError(f"s3://{bucket}/{key}: {str(e).split(': ', 1)[-1]}") from None
+    except BaseException:
         staged.unlink(missing_ok=True)
-        raise SyncError(f"s3://{bucket}/{manifest_key} has no 'image_path' column; add one (tab-separated header)")
-    wanted: dict[str, int] = {}
-    refused = []
-    for p, line in zip(df["image_path"], df["_line"]):
-        try:
-            wanted.setdefault(safe_relpath(p, dest), line)
-        except ValueError as e:
-            refused.append(f"line {line}: {e}")
-    if refused:
-        staged.unlink(missing_ok=True)
-        raise SyncError(f"s3://{bucket}/{manifest_key}: refused {len(refused)} row(s) that would land outside "
-                        f"{dest}; nothing was downloaded:\n  " + "\n  ".join(refused[:10]))
+        raise
+    return staged, wanted
 
-    # One LIST pass for sizes and ETags.
+
+def list_objects(client, bucket: str, base: str) -> dict[str, tuple[int, str]]:
+    """{key relative to the prefix: (size, ETag)} in one paginated LIST."""
+    from botocore.exceptions import BotoCoreError, ClientError
+
     remote: dict[str, tuple[int, str]] = {}
     try:
         for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=base):
             for obj in page.get("Contents", []):
                 remote[obj["Key"][len(base):]] = (obj["Size"], obj["ETag"].strip('"'))
     except (BotoCoreError, ClientError) as e:
-        staged.unlink(missing_ok=True)
-        raise SyncError(_explain(e, bucket, base)) from None
+        raise SyncError(explain(e, bucket, base)) from None
+    return remote
 
-    state_path = dest / STATE_NAME
-    try:
-        state = json.loads(state_path.read_text())
-    except (OSError, ValueError):
-        state = {}
-    stats = SyncStats(listed=len(wanted))
-    todo = []
-    missing = []
-    for rel in wanted:
-        if rel not in remote:
-            missing.append(rel)
-            continue
-        size, etag = remote[rel]
-        local = dest / rel
-        if state.get(rel) == [size, etag] and local.is_file() and local.stat().st_size == size:
-            stats.skipped += 1
-        else:
-            todo.append((rel, size, etag))
-    stats.missing = len(missing)
-    if missing:
-        print(f"sync: {len(missing)} file(s) listed in {MANIFEST_NAME} are not in s3://{bucket}/{base}, "
-              f"e.g. {missing[:3]}", file=sys.stderr)
 
-    lock = threading.Lock()
-    last_save = [time.monotonic()]
+class _State:
+    """`.sync-state.json`: size and ETag of each file fetched, saved every few seconds and at the end."""
 
-    def save_state(force: bool = False):
-        if force or time.monotonic() - last_save[0] > 2.0:
-            _atomic_write(state_path, json.dumps(state).encode())
-            last_save[0] = time.monotonic()
+    def __init__(self, dest: Path):
+        self.path = dest / STATE_NAME
+        try:
+            self.data = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            self.data = {}
+        self._lock, self._saved = threading.Lock(), time.monotonic()
 
-    failures = []
+    def unchanged(self, rel: str, size: int, etag: str, local: Path) -> bool:
+        return self.data.get(rel) == [size, etag] and local.is_file() and local.stat().st_size == size
+
+    def record(self, rel: str, size: int, etag: str) -> None:
+        with self._lock:
+            self.data[rel] = [size, etag]
+            if time.monotonic() - self._saved > 2.0:
+                self.save()
+
+    def save(self) -> None:
+        atomic_write(self.path, json.dumps(self.data).encode())
+        self._saved = time.monotonic()
+
+
+def fetch_files(client, bucket: str, base: str, dest: Path, todo: list[tuple[str, int, str]], state: _State,
+                stats: SyncStats, *, workers: int, progress: bool) -> list[str]:
+    """Download `todo` in parallel; returns the failures. A BaseException in this thread (SIGTERM,
+    Ctrl-C) cancels the rest: pending downloads never start, running ones stop within a chunk."""
+    from botocore.exceptions import BotoCoreError, ClientError
+    from tqdm import tqdm
+
+    failures: list[str] = []
+    stop = threading.Event()
     bar = tqdm(total=sum(s for _, s, _ in todo), unit="B", unit_scale=True, unit_divisor=1024, desc="sync",
                disable=not progress or not todo, file=sys.stderr, mininterval=0.5)
+    pool = ThreadPoolExecutor(max_workers=workers)
     try:
-        with ThreadPoolExecutor(max_workers=workers) as pool:
-            futs = {pool.submit(_download, client, bucket, base + rel, dest / rel, size): (rel, size, etag)
-                    for rel, size, etag in todo}
-            for fut in as_completed(futs):
-                rel, size, etag = futs[fut]
-                try:
-                    n = fut.result()
-                except (BotoCoreError, ClientError, OSError) as e:
-                    failures.append(f"{rel}: {_explain(e, bucket, base + rel)}")
-                    continue
-                with lock:
-                    state[rel] = [size, etag]
-                    stats.downloaded += 1
-                    stats.bytes += n
-                    save_state()
-                bar.update(n)
-                bar.set_postfix_str(f"{stats.downloaded + stats.skipped}/{stats.listed} files", refresh=False)
+        futs = {pool.submit(download, client, bucket, base + rel, dest / rel, size, stop): (rel, size, etag)
+                for rel, size, etag in todo}
+        for fut in as_completed(futs):
+            rel, size, etag = futs[fut]
+            try:
+                n = fut.result()
+            except (BotoCoreError, ClientError, OSError) as e:
+                failures.append(f"{rel}: {explain(e, bucket, base + rel)}")
+                continue
+            state.record(rel, size, etag)
+            stats.downloaded += 1
+            stats.bytes += n
+            bar.update(n)
+            bar.set_postfix_str(f"{stats.downloaded + stats.skipped}/{stats.listed} files", refresh=False)
+    except BaseException:
+        stop.set()
+        raise
     finally:
+        pool.shutdown(wait=True, cancel_futures=True)
         bar.close()
-        save_state(force=True)
-    stats.seconds = time.perf_counter() - start
-    if failures:
-        staged.unlink(missing_ok=True)
-        raise SyncError(f"{len(failures)} of {len(todo)} download(s) failed (completed files are kept; rerun "
-                        f"the sync to finish):\n  " + "\n  ".join(failures[:5]))
-    os.replace(staged, dest / MANIFEST_NAME)  # the manifest lands last: a complete set
+        state.save()
+    return failures
+
+
+def sync(uri: str, dest: Path | str, *, workers: int, skip_missing: bool = False, progress: bool = True,
+         client=None) -> SyncStats:
+    """Download s3://bucket/prefix/dataset.tsv and the files it lists into `dest`.
+
+    Files listed but absent in S3 stop the sync (nothing is trained on a partial set) unless
+    `skip_missing`, which reports them and lets training skip them (--skip-missing)."""
+    from .workdir import lock, unlock
+
+    start = time.perf_counter()
+    bucket, prefix = parse_s3_uri(uri)
+    dest = Path(dest)
+    lock(dest, "sync", "wait for it to finish")
+    running = dest / f".sync-running-{os.getpid()}"
+    try:
+        clean_after_dead_syncs(dest)
+        running.touch()
+        client = client or make_client(workers)
+        base = f"{prefix}/" if prefix else ""
+        if progress:
+            print(f"sync: reading s3://{bucket}/{base}{MANIFEST_NAME} from {endpoint()}", file=sys.stderr, flush=True)
+        staged, wanted = fetch_manifest(client, bucket, base, dest)
+        try:
+            remote = list_objects(client, bucket, base)
+            state = _State(dest)
+            stats = SyncStats(listed=len(wanted))
+            todo, missing = [], []
+            for rel in wanted:
+                if rel not in remote:
+                    missing.append(rel)
+                elif state.unchanged(rel, *remote[rel], dest / rel):
+                    stats.skipped += 1
+                else:
+                    todo.append((rel, *remote[rel]))
+            stats.missing = len(missing)
+            if missing and not skip_missing:
+                raise SyncError(f"{len(missing)} file(s) listed in {MANIFEST_NAME} are not in s3://{bucket}/{base}, "
+                                f"e.g. {missing[:3]}; upload them, fix the manifest, or pass --skip-missing to "
+                                "train without them")
+            if missing:
+                print(f"sync: {len(missing)} file(s) listed in {MANIFEST_NAME} are not in s3://{bucket}/{base} "
+                      f"(--skip-missing), e.g. {missing[:3]}", file=sys.stderr)
+            failures = fetch_files(client, bucket, base, dest, todo, state, stats, workers=workers, progress=progress)
+            stats.seconds = time.perf_counter() - start
+            if failures:
+                raise SyncError(f"{len(failures)} of {len(todo)} download(s) failed (completed files are kept; "
+                                "rerun the sync to finish):\n  " + "\n  ".join(failures[:5]))
+            os.replace(staged, dest / MANIFEST_NAME)  # the manifest lands last: a complete set
+        finally:
+            staged.unlink(missing_ok=True)
+    finally:  # a clean end, even a failed one: our temporary files are gone (a kill -9 never gets here)
+        running.unlink(missing_ok=True)
+        unlock(dest)
     if progress:
         print(stats.summary(), file=sys.stderr)
     return stats

@@ -46,6 +46,31 @@ def lock(directory: Path | str, what: str, hint: str) -> None:
     _held[key] = fd
 
 
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_dead_temps(directory: Path | str, pattern: str, *, recursive: bool = False) -> list[Path]:
+    """Remove temporary files matching `pattern` whose writer is dead: their names end in -PID."""
+    removed = []
+    directory = Path(directory)
+    for tmp in (directory.rglob(pattern) if recursive else directory.glob(pattern)):
+        try:
+            pid = int(tmp.name.rsplit("-", 1)[1])
+        except (IndexError, ValueError):
+            continue
+        if pid != os.getpid() and not pid_alive(pid):
+            tmp.unlink(missing_ok=True)
+            removed.append(tmp)
+    return removed
+
+
 def unlock(directory: Path | str) -> None:
     fd = _held.pop(str(Path(directory).resolve()), None)
     if fd is not None:

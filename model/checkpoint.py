@@ -30,6 +30,7 @@ import pytorch_lightning as pl
 from pytorch_lightning.utilities.exceptions import SIGTERMException
 
 from dali_pipe.errors import UserError
+from dali_pipe.workdir import remove_dead_temps
 
 LAST = "last.ckpt"
 SIDECAR = "last.json"
@@ -41,30 +42,6 @@ class RunMismatchError(UserError):
 
 class CheckpointSaveError(UserError):
     """A checkpoint could not be written; the previous one is kept."""
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def remove_stale_temps(directory: Path, pattern: str) -> list[Path]:
-    """Remove temp files matching `pattern` whose writer (the PID after the last '-') is dead."""
-    removed = []
-    for tmp in Path(directory).glob(pattern):
-        try:
-            pid = int(tmp.name.rsplit("-", 1)[1].split(".")[0])
-        except (IndexError, ValueError):
-            continue
-        if pid != os.getpid() and not pid_alive(pid):
-            tmp.unlink(missing_ok=True)
-            removed.append(tmp)
-    return removed
 
 
 # -- the resume decision --------------------------------------------------------------------------
@@ -116,7 +93,7 @@ def plan_resume(resume: str, checkpoint_dir: Path, fingerprint: dict, targets: d
     checkpoint_dir = Path(checkpoint_dir)
     last = checkpoint_dir / LAST
     if may_modify:
-        remove_stale_temps(checkpoint_dir, f".{LAST}.tmp-*")
+        remove_dead_temps(checkpoint_dir, f".{LAST}.tmp-*")
     if resume == "never":
         if last.is_file() and may_modify:
             aside = checkpoint_dir / f"last-{time.strftime('%Y%m%d-%H%M%S')}.ckpt"
@@ -179,8 +156,9 @@ class SpotSafeCheckpoint(pl.Callback):
         except OSError as e:
             tmp.unlink(missing_ok=True)
             (self.dir / f".{SIDECAR}.tmp-{os.getpid()}").unlink(missing_ok=True)
-            raise CheckpointSaveError(f"could not write a checkpoint to {self.dir} ({e.strerror or e}); the previous "
-                                      "checkpoint is kept. Free space there or pass another --checkpoint-dir.") from None
+            raise CheckpointSaveError(f"could not write a checkpoint to {self.dir} ({e.strerror or e}); the "
+                                      "previous checkpoint is kept. Free space there or pass another "
+                                      "--checkpoint-dir.") from None
         self.saves.append((trainer.global_step, start, time.perf_counter() - start))
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:

@@ -27,7 +27,6 @@ from dali_pipe.config import ModelSettings
 
 from .loading import load_model
 
-
 METRICS = tuple(f"{split}_{k}" for split in ("train", "val") for k in ("loss", "acc", "n"))
 
 

@@ -60,3 +60,11 @@ def test_model_none_times_loaders_only(photo_root, tmp_path, cache_dir):
     rep = _bench(photo_root, tmp_path / "b", "--model", "none", "--loaders", "dali,baseline")
     assert set(rep["loaders"]) == {"dali", "baseline"} and list(rep["ratios"]) == ["dali_vs_baseline"]
     assert "loader ceiling" in rep["loaders"]["dali"]["diagnosis"][0]
+
+
+def test_batch_larger_than_the_data_is_refused_not_spun_on(photo_root, tmp_path, cache_dir):
+    from dali_pipe.datamodule import BatchTooLargeError
+
+    with pytest.raises(BatchTooLargeError, match="--batch-size 64 is larger than the 43 training images"):
+        train.main(["--benchmark", "--data", str(photo_root), "--output", str(tmp_path / "b"), "--device", "cpu",
+                    "--batch-size", "64", "--model", "none", "--loaders", "dali,baseline"])

@@ -110,3 +110,10 @@ def test_help_and_bad_flags_load_only_the_settings():
     assert "--epochs: 'x' is not an integer" in r.stderr
     r = subprocess.run([sys.executable, "train.py", "--help"], capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert r.returncode == 0 and "--batch-size" in r.stdout
+
+
+def test_train_mode_is_only_the_first_argument():
+    """A flag's value never falls into the SageMaker 'train' mode; 'train' elsewhere is an unknown argument."""
+    assert _parse(["--weight-decay", "0.05"]).model.weight_decay == 0.05
+    with pytest.raises(UsageError, match="unrecognized arguments: train"):
+        _parse(["--epochs", "2", "train"])

@@ -15,13 +15,13 @@ def test_datamodule_batches_and_labels(photo_root, tmp_path, cache_dir):
     dm.prepare_data()
     dm.setup("fit")
     assert dm.classes == ["astronaut", "chelsea", "coffee", "rocket"]
-    assert len(dm.manifest.train) == 36 and len(dm.manifest.val) == 12
+    assert len(dm.manifest.train) == 38 and len(dm.manifest.val) == 10
     for _ in range(3):
         train = list(dm.train_dataloader())
-        assert len(train) == len(dm.train_dataloader()) == 36 // 8
+        assert len(train) == len(dm.train_dataloader()) == 38 // 8
         x, y = train[0]
         assert x.shape == (8, 3, 16, 16) and y.dtype.is_floating_point is False and str(y.dtype) == "torch.int64"
-        assert sum(len(y) for _, y in dm.val_dataloader()) == 12
+        assert sum(len(y) for _, y in dm.val_dataloader()) == 10
     assert (tmp_path / "out" / "bad_images.tsv").read_text().strip() == "image_path\treason"
 
 
@@ -30,5 +30,5 @@ def test_batch_larger_than_a_ranks_share_is_refused(photo_root, tmp_path, cache_
 
     dm = datamodule(photo_root, tmp_path / "out", batch_size=64, cache_dir=cache_dir, spec=SPEC)
     dm.prepare_data()
-    with pytest.raises(BatchTooLargeError, match="--batch-size 64 is larger than the 44 training images"):
+    with pytest.raises(BatchTooLargeError, match="--batch-size 64 is larger than the 43 training images"):
         dm.setup("fit")

@@ -49,25 +49,67 @@ def test_split_column_is_used(tmp_path):
 
 
 def test_stratified_split_is_deterministic_and_per_class(tmp_path):
-    """Same seed, same split; every class gets val rows; a different seed changes it."""
+    """Same seed, same split; every class gets val rows; a different seed changes it; about the fraction."""
     files = [f"c{c}/{i}.jpg" for c in range(3) for i in range(20)]
     root = _write(tmp_path / "d", "image_path\n" + "\n".join(files), files)
     a = read_manifest(root, val_fraction=0.2, seed=1)
     b = read_manifest(root, val_fraction=0.2, seed=1)
     c = read_manifest(root, val_fraction=0.2, seed=2)
     assert [s.path for s in a.val] == [s.path for s in b.val]
-    assert [s.path for s in a.val] != [s.path for s in c.val]
+    assert {s.path for s in a.val} != {s.path for s in c.val}
     assert sorted({s.label for s in a.val}) == [0, 1, 2]
-    assert len(a.val) == 12 and len(a.train) == 48
+    assert 6 <= len(a.val) <= 20 and len(a.val) + len(a.train) == 60
     assert not {s.path for s in a.val} & {s.path for s in a.train}
 
 
-def test_stratified_split_keeps_small_classes_in_train():
+def test_split_stays_put_as_images_are_added(tmp_path):
+    """Adding images never moves the existing ones between train and val."""
+    files = [f"c{c}/{i}.jpg" for c in range(2) for i in range(30)]
+    root = _write(tmp_path / "d", "image_path\n" + "\n".join(files), files)
+    before = {s.path: "val" for s in read_manifest(root, val_fraction=0.2).val}
+    more = files + [f"c{c}/new{i}.jpg" for c in range(2) for i in range(15)]
+    _write(root, "image_path\n" + "\n".join(more), more)
+    after = read_manifest(root, val_fraction=0.2)
+    val_after = {s.path for s in after.val}
+    assert set(before) <= val_after and not set(before) & {s.path for s in after.train}
+
+
+def test_stratified_split_keeps_small_classes_in_both_splits():
     from dali_pipe.manifest import Sample
 
-    samples = [Sample(f"/x/{c}{i}", c, 2) for c in range(2) for i in range(2)]
+    samples = {f"{c}/{i}.jpg": Sample(f"/x/{c}{i}", c, 2) for c in range(2) for i in range(2)}
     train, val = stratified_split(samples, 0.9, 0)
     assert len(train) == 2 and len(val) == 2
+    train, val = stratified_split(samples, 0.01, 0)
+    assert len(train) == 2 and len(val) == 2
+
+
+def test_headers_are_case_insensitive_and_typos_are_named(tmp_path):
+    files = ["cat/a.jpg", "dog/a.jpg", "cat/b.jpg", "dog/b.jpg"]
+    text = " Image_Path \tLABEL\tSplit\n" + "".join(f"{f}\t{f[:3]}x\t{'val' if 'b' in f else 'train'}\n" for f in files)
+    m = read_manifest(_write(tmp_path / "d", text, files))
+    assert m.classes == ["catx", "dogx"] and len(m.val) == 2
+    with pytest.raises(ManifestError, match=r"column\(s\) 'lable' \(did you mean 'label'\?\)"):
+        read_manifest(_write(tmp_path / "e", "image_path\tlable\n" + "".join(f"{f}\tq\n" for f in files), files))
+
+
+def test_empty_label_in_a_labelled_manifest_names_the_line(tmp_path):
+    files = ["cat/a.jpg", "dog/a.jpg", "dog/b.jpg"]
+    text = "image_path\tlabel\ncat/a.jpg\tcat\ndog/a.jpg\t\ndog/b.jpg\tdog\n"
+    with pytest.raises(ManifestError, match=r"line 3: 'dog/a.jpg' has an empty label"):
+        read_manifest(_write(tmp_path / "d", text, files))
+
+
+def test_integer_labels_sort_numerically(tmp_path):
+    files = [f"x/{i}.jpg" for i in range(4)]
+    text = "image_path\tlabel\n" + "".join(f"{f}\t{lab}\n" for f, lab in zip(files, ["10", "2", "1", "2"]))
+    assert read_manifest(_write(tmp_path / "d", text, files), val_fraction=0).classes == ["1", "2", "10"]
+
+
+def test_a_directory_row_is_named_as_such(tmp_path):
+    root = _write(tmp_path / "d", "image_path\ncat/a.jpg\ndog\n", ["cat/a.jpg", "dog/a.jpg"])
+    with pytest.raises(ManifestError, match=r"line 3: 'dog' is a directory"):
+        read_manifest(root)
 
 
 @pytest.mark.parametrize("text,files,needle", [

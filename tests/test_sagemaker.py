@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from dali_pipe.cli.sagemaker import build_argv
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -14,6 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _opt_ml(tmp_path, photo_root, hp: dict, resources=None):
     base = tmp_path / "opt_ml"
+    tmp_path.mkdir(parents=True, exist_ok=True)
     cfg = base / "input" / "config"
     cfg.mkdir(parents=True)
     (cfg / "hyperparameters.json").write_text(json.dumps(hp))
@@ -24,8 +27,8 @@ def _opt_ml(tmp_path, photo_root, hp: dict, resources=None):
     return base
 
 
-def _run(base, cache_dir, *args, timeout=600):
-    env = {**os.environ, "SAGEMAKER_BASE_DIR": str(base), "DALI_PIPE_CACHE": str(cache_dir)}
+def _run(base, cache_dir, *args, timeout=600, env=None):
+    env = {**os.environ, "SAGEMAKER_BASE_DIR": str(base), "DALI_PIPE_CACHE": str(cache_dir), **(env or {})}
     return subprocess.run([sys.executable, str(ROOT / "train.py"), "train", *args], capture_output=True, text=True,
                           env=env, timeout=timeout)
 
@@ -52,7 +55,7 @@ def test_bad_hyperparameter_writes_failure(tmp_path, photo_root, cache_dir):
     assert r.returncode != 0
     failure = (base / "output" / "failure").read_text()
     assert "epochs" in failure and "banana" in failure and len(failure) <= 1024
-    assert "Traceback" not in r.stderr
+    assert "Traceback" not in r.stderr and "Traceback" not in failure
 
 
 def test_two_host_resourceconfig_sets_rank_and_master(tmp_path):
@@ -75,6 +78,59 @@ def test_sm_env_and_s3_data_hyperparameter(tmp_path):
                                       "SM_CURRENT_HOST": "h1"})
     assert argv[argv.index("--data") + 1] == "s3://b/p" and "--num-nodes" not in argv
     assert argv[argv.index("--output") + 1] == "/m" and argv[argv.index("--devices") + 1] == "4"
+
+
+def test_hyperparameters_as_sagemaker_sends_them(tmp_path, capsys):
+    """Framework estimators JSON-encode values and add sagemaker_* keys; tuning jobs add
+    _tuning_objective_metric. Values unwrap, SageMaker's keys are ignored with one note."""
+    base = tmp_path / "opt_ml"
+    (base / "input" / "config").mkdir(parents=True)
+    hp = {"model": '"tiny"', "epochs": "3", "batch_size": 16, "monitor": "true", "lr": "0.001",
+          "sagemaker_program": '"train.py"', "sagemaker_region": '"us-east-1"', "sagemaker_submit_directory": '"s3://x"',
+          "_tuning_objective_metric": "validation:accuracy"}
+    (base / "input" / "config" / "hyperparameters.json").write_text(json.dumps(hp))
+    (base / "input" / "config" / "inputdataconfig.json").write_text(
+        json.dumps({"training": {"TrainingInputMode": "FastFile"}}))
+    argv, _ = build_argv(base, [], {})
+    assert argv[:10] == ["--model", "tiny", "--epochs", "3", "--batch-size", "16", "--monitor", "true", "--lr", "0.001"]
+    note = capsys.readouterr().out
+    assert "ignoring 4 key(s) set by SageMaker itself: _tuning_objective_metric, sagemaker_program" in note
+    from dali_pipe.cli import parse_train
+
+    assert parse_train([a for a in argv if not a.startswith("/")][:10]).model.model == "tiny"
+
+
+def test_bad_hyperparameters_are_each_named(tmp_path):
+    from dali_pipe.cli.sagemaker import SageMakerError
+
+    base = tmp_path / "opt_ml"
+    (base / "input" / "config").mkdir(parents=True)
+    (base / "input" / "config" / "hyperparameters.json").write_text(json.dumps(
+        {"batchsize": "8", "model": None, "aws-secret-access-key": "wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY",
+         "output": "/x"}))
+    with pytest.raises(SageMakerError) as e:
+        build_argv(base, [], {})
+    msg = str(e.value)
+    assert "unknown hyperparameter 'batchsize' (did you mean 'batch-size'?)" in msg
+    assert "hyperparameter 'model' is null" in msg and "'output' is set by the SageMaker contract" in msg
+    assert "unknown hyperparameter 'aws-secret-access-key'" in msg and "wJalr" not in msg
+    assert "environment, not hyperparameters" in msg
+
+
+def test_secrets_never_reach_stdout_stderr_or_failure(tmp_path, photo_root, cache_dir):
+    """A secret in a bad hyperparameter's value; then user:pass@ in AWS_ENDPOINT_URL when S3 fails."""
+    secret = "wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY"
+    env = {"AWS_ENDPOINT_URL": "http://admin:s3cr3tpass@127.0.0.1:9", "AWS_ACCESS_KEY_ID": "AKIAABCDEFGHIJKLMNOP",
+           "AWS_SECRET_ACCESS_KEY": secret, "AWS_DEFAULT_REGION": "us-east-1"}
+    runs = [({"epochs": f"--token={secret}", "model": "tiny", "device": "cpu"}, "--epochs"),
+            ({"model": "tiny", "device": "cpu", "data": "s3://bucket/prefix"}, "cannot reach http://[redacted]@127.0.0.1:9")]
+    for i, (hp, expected) in enumerate(runs):
+        base = _opt_ml(tmp_path / str(i), photo_root, hp)
+        r = _run(base, cache_dir, timeout=180, env=env)
+        failure = (base / "output" / "failure").read_text()
+        for text in (r.stdout, r.stderr, failure):
+            assert secret not in text and "s3cr3tpass" not in text and "AKIAABCDEFGHIJKLMNOP" not in text, text
+        assert expected in failure and "Traceback" not in failure and r.returncode == 1, failure
 
 
 def test_failure_text_is_redacted_and_bounded(tmp_path):

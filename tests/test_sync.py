@@ -78,18 +78,18 @@ def test_interrupted_sync_leaves_no_partial_file_and_rerun_completes(s3, photo_r
     dest = tmp_path / "local"
     import dali_pipe.sync as mod
 
-    real = mod._download
+    real = mod.download
     count = {"n": 0}
     lock = threading.Lock()
 
-    def flaky(client, bucket, key, path, size):
+    def flaky(client, bucket, key, path, size, stop=None):
         with lock:
             count["n"] += 1
             if count["n"] == 20:
                 server.stop()
-        return real(client, bucket, key, path, size)
+        return real(client, bucket, key, path, size, stop)
 
-    monkeypatch.setattr(mod, "_download", flaky)
+    monkeypatch.setattr(mod, "download", flaky)
     with pytest.raises(SyncError, match="rerun"):
         sync("s3://data/ds", dest, workers=4, progress=False, client=make_client(4, max_attempts=2,
                                                                                    connect_timeout=1))
@@ -97,7 +97,7 @@ def test_interrupted_sync_leaves_no_partial_file_and_rerun_completes(s3, photo_r
     assert not (dest / "dataset.tsv").exists()  # the manifest lands only when the set is complete
     partial = len([p for p in dest.rglob("*.jpg")])
     assert 0 < partial < 48
-    monkeypatch.setattr(mod, "_download", real)
+    monkeypatch.setattr(mod, "download", real)
     server.start()  # a fresh port: point boto3 at it
     os.environ["AWS_ENDPOINT_URL"] = "http://%s:%d" % server.get_host_and_port()
     done = sync("s3://data/ds", dest, workers=4, progress=False)
@@ -168,4 +168,121 @@ def test_benchmark_from_s3(s3, photo_root, tmp_path, cache_dir):
     rep = train.main(["--benchmark", "--data", "s3://data/ds", "--model", "none", "--loaders", "dali",
                       "--steps", "3", "--warmup", "1", "--batch-size", "4", "--device", "cpu",
                       "--output", str(tmp_path / "b"), "--cache-dir", str(cache_dir)])
-    assert rep["loaders"]["dali"]["images_per_sec"] > 0 and rep["config"]["images"] == 44  # the training split
+    assert rep["loaders"]["dali"]["images_per_sec"] > 0 and rep["config"]["images"] == 43  # the training split
+
+
+def test_missing_objects_fail_unless_skip_missing(s3, photo_root, tmp_path):
+    """Listed files absent from S3: a non-zero exit naming them; --skip-missing syncs the rest."""
+    _upload(photo_root, extra_rows="coffee/ghost_1.jpg\ncoffee/ghost_2.jpg\n")
+    with pytest.raises(SyncError, match=r"2 file\(s\) listed in dataset.tsv are not in s3://data/ds/.*--skip-missing"):
+        sync("s3://data/ds", tmp_path / "a", workers=4, progress=False)
+    assert not (tmp_path / "a" / "dataset.tsv").exists()
+    r = subprocess.run([sys.executable, "-m", "dali_pipe", "sync", "s3://data/ds", str(tmp_path / "b"), "--no-progress"],
+                       capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert r.returncode == 2 and "ghost_1.jpg" in r.stderr and "Traceback" not in r.stderr
+    stats = sync("s3://data/ds", tmp_path / "c", workers=4, progress=False, skip_missing=True)
+    assert stats.missing == 2 and stats.downloaded == 48 and (tmp_path / "c" / "dataset.tsv").is_file()
+
+
+def test_sigterm_mid_sync_exits_cleanly_and_the_rerun_finishes(photo_root, tmp_path, monkeypatch):
+    """SIGTERM while downloading (every request takes 0.2 s): exit 143 without a traceback and without
+    a temporary file; the next sync completes the set."""
+    import signal
+    import time
+
+    from s3server import delayed_server
+
+    server = delayed_server(0.2)
+    url = "http://%s:%d" % server.get_host_and_port()
+    for k, v in {"AWS_ENDPOINT_URL": url, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+                 "AWS_DEFAULT_REGION": "us-east-1"}.items():
+        monkeypatch.setenv(k, v)
+    try:
+        _upload(photo_root)
+        dest = tmp_path / "L"
+        p = subprocess.Popen([sys.executable, "-m", "dali_pipe", "sync", "s3://data/ds", str(dest), "--workers", "2"],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+        deadline = time.time() + 60
+        while time.time() < deadline and len(list(dest.rglob("*.jpg"))) < 4:
+            time.sleep(0.05)
+        p.send_signal(signal.SIGTERM)
+        _, err = p.communicate(timeout=60)
+        assert p.returncode == 143 and "Traceback" not in err and "stopped by SIGTERM" in err
+        assert not [q for q in dest.rglob("*") if ".part-" in q.name or ".incoming-" in q.name]
+        assert not (dest / "dataset.tsv").exists() and 0 < len(list(dest.rglob("*.jpg"))) < 48
+        server.delay = 0
+        done = sync("s3://data/ds", dest, workers=4, progress=False)
+        assert done.downloaded + done.skipped == 48 and _tree(dest) == _tree(photo_root)
+    finally:
+        server.stop()
+
+
+def test_temp_files_of_dead_syncs_are_removed_and_live_ones_kept(s3, photo_root, tmp_path):
+    _upload(photo_root)
+    dest = tmp_path / "L"
+    (dest / "coffee").mkdir(parents=True)
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead_pid = int(dead.stdout)
+    (dest / "coffee" / f".coffee_0001.jpg.part-1-{dead_pid}").write_bytes(b"half")
+    (dest / f".dataset.tsv.incoming-{dead_pid}").write_bytes(b"half")
+    (dest / f".sync-running-{dead_pid}").touch()
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        (dest / "coffee" / f".coffee_0002.jpg.part-1-{live.pid}").write_bytes(b"busy")
+        sync("s3://data/ds", dest, workers=4, progress=False)
+        left = sorted(q.name for q in dest.rglob(".*") if q.is_file() and not q.name.startswith((".sync-state",
+                                                                                                ".dali_pipe")))
+        assert left == [f".coffee_0002.jpg.part-1-{live.pid}"], left
+    finally:
+        live.kill()
+
+
+def test_a_second_sync_into_the_same_target_stops_naming_the_first(s3, photo_root, tmp_path):
+    from dali_pipe.workdir import BusyError
+
+    _upload(photo_root)
+    dest = tmp_path / "L"
+    holder = subprocess.Popen([sys.executable, "-c", f"import sys, time; sys.path.insert(0, {str(ROOT)!r})\n"
+                               "from dali_pipe.workdir import lock\n"
+                               f"lock({str(dest)!r}, 'sync', 'x'); print('held', flush=True); time.sleep(60)"],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(BusyError, match=rf"in use by another sync \(PID {holder.pid}\)"):
+            sync("s3://data/ds", dest, workers=4, progress=False)
+    finally:
+        holder.kill()
+
+
+def test_an_endpoint_that_never_answers_fails_fast_and_names_it(tmp_path, monkeypatch):
+    """A server that accepts connections and never replies: the bounded timeouts and tries end the
+    sync with a message naming the endpoint, its credentials redacted."""
+    import socket
+    import time
+
+    import dali_pipe.sync as mod
+
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(64)
+    port = silent.getsockname()[1]
+    monkeypatch.setattr(mod, "READ_TIMEOUT", 0.5)
+    monkeypatch.setattr(mod, "MAX_ATTEMPTS", 2)
+    for k, v in {"AWS_ENDPOINT_URL": f"http://admin:s3cr3tpass@127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "testing",
+                 "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}.items():
+        monkeypatch.setenv(k, v)
+    t = time.perf_counter()
+    try:
+        with pytest.raises(SyncError) as e:
+            sync("s3://data/ds", tmp_path / "L", workers=2, progress=False)
+    finally:
+        silent.close()
+    assert time.perf_counter() - t < 15
+    msg = str(e.value)
+    assert f"http://[redacted]@127.0.0.1:{port} did not answer" in msg and "s3cr3tpass" not in msg
+
+
+def test_the_default_timeouts_bound_a_silent_endpoint_to_about_a_minute():
+    import dali_pipe.sync as mod
+
+    assert mod.CONNECT_TIMEOUT + mod.MAX_ATTEMPTS * mod.READ_TIMEOUT <= 65

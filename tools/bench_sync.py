@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path[:0] = [str(ROOT), str(ROOT / "tools")]
 
 
 def main() -> None:
@@ -33,25 +33,7 @@ def main() -> None:
     p.add_argument("--latency-ms", type=float, nargs="+", default=[0.0, 20.0],
                    help="per-request server delays to measure at, one pass each")
     args = p.parse_args()
-    from moto.moto_server.threaded_moto_server import ThreadedMotoServer
-    from moto.moto_server.werkzeug_app import DomainDispatcherApplication, MotoRequestHandler, create_backend_app
-    from werkzeug.serving import make_server
-
-    class DelayedMotoServer(ThreadedMotoServer):
-        """moto's threaded S3 server, each request delayed by `self.delay` seconds."""
-        delay = 0.0
-
-        def _server_entry(self):
-            app = DomainDispatcherApplication(create_backend_app)
-
-            def delayed(environ, start_response):
-                time.sleep(self.delay)
-                return app(environ, start_response)
-
-            self._server = make_server(self._ip_address, self._port, delayed, True,
-                                       request_handler=MotoRequestHandler)
-            self._server_ready_event.set()
-            self._server.serve_forever()
+    from s3server import delayed_server
 
     from dali_pipe.demo import make_photo_dataset
     from dali_pipe.sync import make_client
@@ -61,8 +43,7 @@ def main() -> None:
     import logging
 
     logging.getLogger("werkzeug").setLevel(logging.ERROR)
-    server = DelayedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
+    server = delayed_server()
     url = "http://%s:%d" % server.get_host_and_port()
     os.environ.update(AWS_ENDPOINT_URL=url, AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench",
                       AWS_DEFAULT_REGION="us-east-1")

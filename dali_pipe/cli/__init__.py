@@ -48,9 +48,14 @@ def prepared(s: Settings) -> Settings:
         from pathlib import Path
 
         from ..demo import make_photo_dataset
+        from ..workdir import lock, unlock
 
-        s.data.data = str(make_photo_dataset(Path(s.data.cache_dir) / "demo-photos", classes=4, per_class=100,
-                                             seed=s.data.seed))
+        root = Path(s.data.cache_dir) / "demo-photos"
+        lock(root, "demo run generating its photos", "wait a few seconds and rerun")
+        try:
+            s.data.data = str(make_photo_dataset(root, classes=4, per_class=100, seed=s.data.seed))
+        finally:
+            unlock(root)
         print(f"demo: no --data given; training on generated photos in {s.data.data}")
     return s
 
@@ -72,11 +77,36 @@ def main(argv: list[str] | None = None) -> dict:
     return run(s)
 
 
+class Terminated(SystemExit):
+    """SIGTERM outside training (sync, scan, export): unwind, removing temporary files, and exit 143."""
+
+    def __init__(self):
+        super().__init__(143)
+
+
+def _terminate(signum, frame):
+    raise Terminated()
+
+
 def cli(entry=main) -> int:
-    """Entry point: user errors become one clear message and exit status 2, not a traceback."""
+    """Entry point: secrets never printed, SIGTERM handled from the first line, and user errors as
+    one clear message with exit status 2 instead of a traceback."""
+    import signal
+
+    from ..redact import RedactingStream, redact
+
+    if not isinstance(sys.stdout, RedactingStream):
+        sys.stdout, sys.stderr = RedactingStream(sys.stdout), RedactingStream(sys.stderr)
+    signal.signal(signal.SIGTERM, _terminate)  # training replaces it with its own (save, then exit 0)
     try:
         entry()
     except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {redact(e)}", file=sys.stderr)
         return 2
+    except Terminated:
+        print("stopped by SIGTERM", file=sys.stderr)
+        return 143
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
     return 0

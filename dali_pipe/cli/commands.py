@@ -11,11 +11,14 @@ SYNC_DOC = ("Download s3://bucket/prefix/dataset.tsv and every file it lists int
             "from the standard AWS environment.")
 
 
+COMMANDS = {"sync": ("sync", "skip_missing")}  # the settings each command exposes
+
+
 def parser():
     p = new_parser("python -m dali_pipe", "Data commands of dali_pipe.")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     add_subcommand(sub, "sync", "download dataset.tsv and only the files it lists, in parallel, resumably",
-                   SYNC_DOC, ("sync",))
+                   SYNC_DOC, COMMANDS["sync"])
     return p
 
 
@@ -24,11 +27,12 @@ def main(argv: list[str] | None = None) -> int:
     command = ns.command
     del ns.command
     s = settings_from(ns)
-    validate(s, (command,), problems)
+    validate(s, COMMANDS[command], problems)
     if command == "sync":
         from ..sync import sync
 
-        stats = sync(s.sync.uri, s.sync.local_dir, workers=s.sync.workers, progress=not s.sync.no_progress)
+        stats = sync(s.sync.uri, s.sync.local_dir, workers=s.sync.workers, skip_missing=s.data.skip_missing,
+                     progress=not s.sync.no_progress)
         if s.sync.no_progress:
             print(stats.summary())
     return 0

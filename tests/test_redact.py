@@ -7,8 +7,8 @@ import pytest
 
 from dali_pipe.redact import RedactingStream, redact, redact_argv
 
-SECRETS = ["hunter2", "AKIAABCDEFGHIJKLMNOP", "wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY", "hf_abcdefghijklmnopqrstuvwxyz123",
-           "s3cr3tpass"]
+SECRETS = ["hunter2", "AKIAABCDEFGHIJKLMNOP", "wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY",
+           "hf_abcdefghijklmnopqrstuvwxyz123", "s3cr3tpass"]
 
 
 @pytest.mark.parametrize("text", [

@@ -177,8 +177,8 @@ def test_missing_objects_fail_unless_skip_missing(s3, photo_root, tmp_path):
     with pytest.raises(SyncError, match=r"2 file\(s\) listed in dataset.tsv are not in s3://data/ds/.*--skip-missing"):
         sync("s3://data/ds", tmp_path / "a", workers=4, progress=False)
     assert not (tmp_path / "a" / "dataset.tsv").exists()
-    r = subprocess.run([sys.executable, "-m", "dali_pipe", "sync", "s3://data/ds", str(tmp_path / "b"), "--no-progress"],
-                       capture_output=True, text=True, cwd=ROOT, timeout=300)
+    r = subprocess.run([sys.executable, "-m", "dali_pipe", "sync", "s3://data/ds", str(tmp_path / "b"),
+                        "--no-progress"], capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert r.returncode == 2 and "ghost_1.jpg" in r.stderr and "Traceback" not in r.stderr
     stats = sync("s3://data/ds", tmp_path / "c", workers=4, progress=False, skip_missing=True)
     assert stats.missing == 2 and stats.downloaded == 48 and (tmp_path / "c" / "dataset.tsv").is_file()

@@ -28,8 +28,8 @@ def main() -> None:
     from dali_pipe.config import DataSettings, ModelSettings, PipelineSettings
     from dali_pipe.datamodule import DaliDataModule
     from dali_pipe.spec import ImageSpec
-    from model.module import ImageClassifier
     from model.loading import load_processor
+    from model.module import ImageClassifier
 
     rss = []
 

@@ -36,6 +36,9 @@ PRECISIONS = ("auto", "32-true", "16-mixed", "bf16-mixed")
 DEVICES = ("auto", "gpu", "cpu")
 SCAN_MODES = ("off", "fast", "full")
 LOADERS = ("dali", "baseline", "synthetic")
+AUTO_AUGMENTS = ("none", "rand", "trivial", "auto")  # RandAugment, TrivialAugmentWide, AutoAugment (ImageNet policy)
+SELECT = ("best", "last")
+SPLIT_CHOICES = ("val", "train", "all")
 DEFAULT_MODEL = "google/vit-base-patch16-224"
 TINY = "tiny"  # small random-init ViT for CPU demos and tests
 VIT_B16_RANDOM = "vit-b16-random"  # ViT-B/16 shape with random weights, for offline benchmarks
@@ -122,6 +125,18 @@ class PipelineSettings:
     num_threads: int | None = setting(None, "DALI CPU threads per process; default: the cores available to "
                                             "each local rank minus one, at most 8 (benchmark: all --cpus "
                                             "cores, as many as the baseline's workers)", check=AT_LEAST_1)
+    crop_scale: tuple[float, float] = setting((0.08, 1.0), "training crop: the share of the image's area a random "
+                                                           "crop covers, from MIN to MAX", nargs=2,
+                                              metavar=("MIN", "MAX"),
+                                              check=(lambda v: 0 < v[0] <= v[1] <= 1, "must be 0 < MIN <= MAX <= 1"))
+    auto_augment: str = setting("none", "training augmentation policy after the crop: RandAugment (rand), "
+                                        "TrivialAugmentWide (trivial) or AutoAugment's ImageNet policy (auto)",
+                                choices=AUTO_AUGMENTS)
+    ra_num_ops: int = setting(2, "RandAugment: operations per image", check=AT_LEAST_1)
+    ra_magnitude: int = setting(9, "RandAugment: magnitude, 0-30",
+                                check=(lambda v: 0 <= v <= 30, "must be between 0 and 30"))
+    random_erase: float = setting(0.0, "training: probability of erasing a random rectangle (after normalising)",
+                                  check=UNIT_INTERVAL)
 
 
 @dataclass
@@ -139,6 +154,16 @@ class ModelSettings:
                                   check=NON_NEGATIVE)
     warmup_fraction: float = setting(0.05, "share of the optimizer steps spent in linear warmup before "
                                            "the cosine decay", check=FRACTION_0_1)
+    label_smoothing: float = setting(0.0, "label smoothing of the training targets (composes with mixup/cutmix)",
+                                     check=FRACTION_0_1)
+    mixup_alpha: float = setting(0.0, "mixup: Beta(alpha, alpha) mixing of image pairs in each batch (0: off)",
+                                 check=NON_NEGATIVE)
+    cutmix_alpha: float = setting(0.0, "cutmix: Beta(alpha, alpha) boxes pasted between image pairs (0: off; "
+                                       "with mixup, each batch takes one of the two)", check=NON_NEGATIVE)
+    grad_accum: int = setting(1, "batches per optimizer step (gradient accumulation)", check=AT_LEAST_1)
+    clip_grad_norm: float | None = setting(None, "clip the gradient norm to this value (default: off)",
+                                           check=POSITIVE)
+    compile: bool = setting(False, "torch.compile the model (first steps are slower while it compiles)")
     precision: str = setting("auto", "auto: bf16-mixed on sm80+, 16-mixed on older GPUs (T4), 32-true on CPU",
                              choices=PRECISIONS)
 
@@ -153,6 +178,9 @@ class RunSettings:
                                                "OUTPUT/checkpoints (SageMaker: /opt/ml/checkpoints)")
     checkpoint_every_steps: int = setting(0, "also checkpoint every N optimizer steps (0: only at the end and "
                                              "on SIGTERM)", check=(lambda v: v >= 0, "must be 0 (off) or positive"))
+    select: str = setting("best", "which model OUTPUT gets: the epoch with the best validation accuracy (ties: "
+                                  "the later epoch; last when there is no validation data) or the last one",
+                          choices=SELECT)
     resume: str = setting("auto", "auto: resume from CHECKPOINT_DIR/last.ckpt when it belongs to this run (same data, "
                                   "classes, model, batch size, processes and seed); never: start over, moving the old "
                                   "checkpoint aside; or the path of a checkpoint to resume",
@@ -191,8 +219,26 @@ class SyncSettings:
     no_progress: bool = setting(False, "no progress bar; print a summary line instead")
 
 
+@dataclass
+class EvalSettings:
+    """`python -m dali_pipe evaluate`."""
+    split: str = setting("val", "which images to evaluate: the validation split (as training made it: same "
+                                "--val-fraction and --seed, or the split column), the training split, or all",
+                         choices=SPLIT_CHOICES)
+    eval_output: str = setting("runs/eval", "output dir: metrics.json, confusion.png, bad_images.tsv",
+                               flag="--output", metavar="DIR")
+
+
+@dataclass
+class PredictSettings:
+    """`python -m dali_pipe predict`."""
+    top_k: int = setting(1, "predictions per image (label, score; then label_2, score_2, ...)", check=AT_LEAST_1)
+    predict_output: str = setting("runs/predict", "output dir: predictions.tsv, bad_images.tsv", flag="--output",
+                                  metavar="DIR")
+
+
 GROUPS = {"data": DataSettings, "pipeline": PipelineSettings, "model": ModelSettings, "run": RunSettings,
-          "bench": BenchmarkSettings, "sync": SyncSettings}
+          "bench": BenchmarkSettings, "sync": SyncSettings, "eval": EvalSettings, "predict": PredictSettings}
 
 
 @dataclass
@@ -204,6 +250,8 @@ class Settings:
     run: RunSettings = field(default_factory=RunSettings)
     bench: BenchmarkSettings = field(default_factory=BenchmarkSettings)
     sync: SyncSettings = field(default_factory=SyncSettings)
+    eval: EvalSettings = field(default_factory=EvalSettings)
+    predict: PredictSettings = field(default_factory=PredictSettings)
 
 
 TRAIN_GROUPS = ("data", "pipeline", "model", "run", "bench")
@@ -287,8 +335,8 @@ def add_subcommand(subparsers, name: str, summary: str, description: str, groups
 
 
 def selected(groups) -> list[str]:
-    """The setting names a command exposes: whole groups by name, and single settings by field name."""
-    return [n for n, (g, _, _) in FIELDS.items() if g in groups or n in groups]
+    """The setting names a command exposes: whole groups by name, and single settings by flag ('--model')."""
+    return [n for n, (g, _, _) in FIELDS.items() if g in groups or flag_of(n) in groups]
 
 
 def add_settings(p: argparse.ArgumentParser, groups):

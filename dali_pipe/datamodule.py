@@ -17,7 +17,7 @@ import pytorch_lightning as pl
 from .config import DataSettings, PipelineSettings
 from .errors import UserError
 from .manifest import Manifest, Sample, read_manifest
-from .pipeline import PipelineOptions, build_pipeline, resources_for_rank
+from .pipeline import Augment, PipelineOptions, build_pipeline, resources_for_rank
 from .scan import ScanResult, scan, write_report
 from .spec import ImageSpec
 
@@ -76,9 +76,9 @@ def check_bad_fraction(result: ScanResult, data: DataSettings, output: Path) -> 
                         "--max-bad-fraction.")
 
 
-def prepare(data: DataSettings, output: Path, *, num_threads: int) -> Manifest:
+def prepare(data: DataSettings, output: Path, *, num_threads: int) -> tuple[Manifest, ScanResult]:
     """Once per node: sync s3:// data, scan, write the report, enforce --max-bad-fraction.
-    Returns the manifest without the bad files."""
+    Returns the manifest without the bad files, and the scan's result."""
     if data.data.startswith("s3://"):
         from .config import SyncSettings
         from .sync import sync
@@ -88,7 +88,7 @@ def prepare(data: DataSettings, output: Path, *, num_threads: int) -> Manifest:
     result = scan_manifest(manifest, data, num_threads=num_threads, progress=True)
     report(manifest, result, data, output)
     check_bad_fraction(result, data, output)
-    return manifest.without(set(result.bad))
+    return manifest.without(set(result.bad)), result
 
 
 def check_batch(n: int, batch_size: int, num_shards: int) -> None:
@@ -105,6 +105,7 @@ class DaliDataModule(pl.LightningDataModule):
         self.manifest: Manifest | None = None
         self._train = self._val = None
         self._prepared = False
+        self.scan_result: ScanResult | None = None  # what prepare_data's scan found (the main process's)
 
     @property
     def classes(self) -> list[str]:
@@ -122,7 +123,7 @@ class DaliDataModule(pl.LightningDataModule):
         if self._prepared:
             return
         threads = resources_for_rank(self.pipeline, local_world_size=self._rank()[3]).num_threads
-        prepare(self.data, self.output, num_threads=threads)
+        self.manifest, self.scan_result = prepare(self.data, self.output, num_threads=threads)
         self._prepared = True
 
     def setup_manifest(self, world_size: int | None = None) -> Manifest:
@@ -151,7 +152,8 @@ class DaliDataModule(pl.LightningDataModule):
         opts = PipelineOptions(
             batch_size=self.data.batch_size, device=self.pipeline.device,
             resources=resources_for_rank(self.pipeline, local_world_size=local_world, training=training),
-            device_id=local_rank if gpu else None, seed=self.data.seed, shard_id=rank, num_shards=world)
+            augment=Augment.from_settings(self.pipeline), device_id=local_rank if gpu else None,
+            seed=self.data.seed, shard_id=rank, num_shards=world)
         files, labels = [s.path for s in samples], [s.label for s in samples]
         return DaliLoader(lambda checkpoint: build_pipeline(files, labels, self.spec, opts, training=training,
                                                             checkpoint=checkpoint), training=training)

@@ -2,9 +2,14 @@
 and `resources_for_rank()`, the one place that sizes its threads, queues and decoder memory.
 
 On the GPU the CPU only reads file bytes: nvJPEG decodes (`device="mixed"`, a random-crop ROI
-decode for training), the GPU resizes, flips and normalises, and images and labels come out on
+decode for training), the GPU resizes, augments and normalises, and images and labels come out on
 the GPU. On the CPU the same graph runs with CPU operators, which is how the tests and CPU-only
 machines use it.
+
+Training augmentation, all on the device that decodes: random-resized crop (`--crop-scale`),
+flip, an optional policy from `nvidia.dali.auto_aug` (`--auto-augment rand|trivial|auto`), and
+random erasing after normalisation (`--random-erase`). Validation is never augmented. Mixup and
+cutmix mix whole batches, so they run in the training step (model/mixing.py).
 """
 from __future__ import annotations
 
@@ -44,11 +49,29 @@ def resources_for_rank(settings: PipelineSettings, *, local_world_size: int = 1,
 
 
 @dataclass(frozen=True)
+class Augment:
+    """The training augmentation (from PipelineSettings; see its docs)."""
+    crop_scale: tuple[float, float]
+    auto_augment: str
+    ra_num_ops: int
+    ra_magnitude: int
+    random_erase: float
+
+    @classmethod
+    def from_settings(cls, s: PipelineSettings) -> "Augment":
+        return cls(tuple(s.crop_scale), s.auto_augment, s.ra_num_ops, s.ra_magnitude, s.random_erase)
+
+
+ERASE_AREA, ERASE_LOG_RATIO = (0.02, 0.33), (-1.2040, 1.1939)  # torchvision's RandomErasing: scale, log(0.3), log(3.3)
+
+
+@dataclass(frozen=True)
 class PipelineOptions:
     """Everything one rank's pipeline is built with, besides the file list and the image spec."""
     batch_size: int  # samples per batch on this rank
     device: str  # "gpu": mixed decode + GPU ops, outputs on the GPU; "cpu": all on CPU
     resources: Resources
+    augment: Augment
     device_id: int | None = None  # CUDA device (local rank) for "gpu"
     seed: int = 0  # sample-order and augmentation seed (the augmentation adds shard_id)
     shard_id: int = 0  # global rank
@@ -87,7 +110,9 @@ def build_pipeline(files: list[str], labels: list[int], spec: ImageSpec, opts: P
         files, labels = [files[i] for i in order], [labels[i] for i in order]
     res = opts.resources
 
-    @pipeline_def(enable_checkpointing=True)
+    aug = opts.augment
+
+    @pipeline_def(enable_checkpointing=True, enable_conditionals=training)
     def image_pipeline():
         jpegs, lab = fn.readers.file(
             files=files, labels=labels, name=READER_NAME,
@@ -103,12 +128,15 @@ def build_pipeline(files: list[str], labels: list[int], spec: ImageSpec, opts: P
         if training:
             images = fn.decoders.image_random_crop(
                 jpegs, device=decoder, output_type=types.RGB,
-                random_area=[0.08, 1.0], random_aspect_ratio=[3 / 4, 4 / 3], num_attempts=10, **hints)
+                random_area=list(aug.crop_scale), random_aspect_ratio=[3 / 4, 4 / 3], num_attempts=10, **hints)
             images = fn.resize(images, resize_x=spec.width, resize_y=spec.height,
                                interp_type=interp, antialias=True)
+            images = _auto_augment(images, aug, (spec.height, spec.width))
             images = fn.crop_mirror_normalize(
                 images, dtype=types.FLOAT, output_layout="CHW", mean=mean, std=std,
                 mirror=fn.random.coin_flip(probability=0.5))
+            if aug.random_erase > 0:
+                images = _random_erase(images, aug.random_erase)
         else:
             images = fn.decoders.image(jpegs, device=decoder, output_type=types.RGB, **hints)
             if spec.resize_shorter:  # shorter side to resize_shorter, then a center crop
@@ -126,3 +154,38 @@ def build_pipeline(files: list[str], labels: list[int], spec: ImageSpec, opts: P
         batch_size=opts.batch_size, num_threads=res.num_threads,
         device_id=opts.device_id if opts.device == "gpu" else None,
         seed=opts.seed + opts.shard_id, prefetch_queue_depth=res.prefetch_queue_depth, checkpoint=checkpoint)
+
+
+def _auto_augment(images, aug: Augment, shape: tuple[int, int]):
+    """The --auto-augment policy on uint8 HWC images (needs the pipeline's conditionals)."""
+    if aug.auto_augment == "none":
+        return images
+    import warnings
+
+    from nvidia.dali.auto_aug import auto_augment, rand_augment, trivial_augment
+
+    with warnings.catch_warnings():  # auto_aug still calls a few operators by their old experimental names
+        warnings.filterwarnings("ignore", message=".*moved out from the experimental phase.*")
+        if aug.auto_augment == "rand":
+            return rand_augment.rand_augment(images, n=aug.ra_num_ops, m=aug.ra_magnitude, shape=shape)
+        if aug.auto_augment == "trivial":
+            return trivial_augment.trivial_augment_wide(images, shape=shape)
+        return auto_augment.auto_augment(images, policy_name="image_net", shape=shape)
+
+
+def _random_erase(images, p: float):
+    """torchvision's RandomErasing on normalised CHW images: with probability p, one rectangle of
+    2-33% of the area, aspect ratio 0.3-3.3, filled with 0 (the mean)."""
+    from nvidia.dali import fn
+    from nvidia.dali import math as dmath
+
+    area = fn.random.uniform(range=ERASE_AREA)
+    ratio = dmath.exp(fn.random.uniform(range=ERASE_LOG_RATIO))
+    h = dmath.min(dmath.sqrt(area * ratio), 1.0)
+    w = dmath.min(dmath.sqrt(area / ratio), 1.0)
+    shape = fn.stack(h, w)
+    anchor = fn.random.uniform(range=(0.0, 1.0), shape=2) * (1.0 - shape)
+    if fn.random.coin_flip(probability=p):
+        images = fn.erase(images, anchor=anchor, shape=shape, axis_names="HW", normalized_anchor=True,
+                          normalized_shape=True, fill_value=0.0)
+    return images

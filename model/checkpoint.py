@@ -144,7 +144,7 @@ class SpotSafeCheckpoint(pl.Callback):
         tmp = self.dir / f".{LAST}.tmp-{os.getpid()}"
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
-            trainer.save_checkpoint(tmp)  # every rank calls it (it holds a barrier); rank 0 writes
+            trainer.save_checkpoint(tmp, weights_only=False)  # every rank calls it (a barrier); rank 0 writes
             if trainer.is_global_zero:
                 with open(tmp, "rb") as f:
                     os.fsync(f.fileno())

@@ -44,6 +44,7 @@ def load_processor(name: str):
         return cls(size={"height": side, "width": side}, image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5])
     from transformers import AutoImageProcessor
 
+    load_config(name)  # refuses a checkpoint that is no image classifier before anything else
     try:
         return AutoImageProcessor.from_pretrained(name)
     except (OSError, ValueError) as e:
@@ -113,3 +114,17 @@ def _fetch_hint(name: str, err: Exception) -> str:
             "  Without access to the Hugging Face hub, download the model elsewhere and pass its "
             "local directory (config.json, weights, preprocessor_config.json), or use "
             f"--model {TINY} for a CPU demo or --model {VIT_B16_RANDOM} for ViT-B/16 with random weights.")
+
+
+def load_trained(name: str):
+    """A trained classifier as saved (its own head and label map), for evaluate and predict."""
+    if name in BUILTIN_MODELS:
+        raise ModelLoadError(f"--model {name!r} is a random-init built-in with no classes of its own; pass the folder "
+                             "a training run wrote (train.py's --output) or a hub id.")
+    from transformers import AutoModelForImageClassification
+
+    load_config(name)
+    try:
+        return AutoModelForImageClassification.from_pretrained(name)
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(_fetch_hint(name, e)) from None

@@ -26,17 +26,22 @@ import torch.nn.functional as F
 from dali_pipe.config import ModelSettings
 
 from .loading import load_model
+from .mixing import MixSettings, mix
 
 METRICS = tuple(f"{split}_{k}" for split in ("train", "val") for k in ("loss", "acc", "n"))
 
 
 class ImageClassifier(pl.LightningModule):
-    def __init__(self, settings: ModelSettings, classes: list[str] | None = None):
+    def __init__(self, settings: ModelSettings, *, seed: int, classes: list[str] | None = None):
+        """`seed` keys the mixup/cutmix draws (--seed); `classes` default to the DataModule's."""
         super().__init__()
         self.settings = settings
         self.save_hyperparameters({"model": dataclasses.asdict(settings), "classes": classes})
         self.classes = classes
         self.model = None
+        object.__setattr__(self, "_forward", None)  # model or its torch.compile wrapper; not a second submodule
+        self.mixing = MixSettings(settings.mixup_alpha, settings.cutmix_alpha, settings.label_smoothing)
+        self.seed = seed
         self.epoch_metrics: list[dict] = []  # one dict per finished epoch, as printed
         self._last_val: dict | None = None
 
@@ -50,13 +55,14 @@ class ImageClassifier(pl.LightningModule):
         if self.classes is None:
             self.classes = list(self.trainer.datamodule.classes)
         self.model = load_model(self.settings.model, self.classes)
+        object.__setattr__(self, "_forward", torch.compile(self.model) if self.settings.compile else self.model)
         for split in ("train", "val"):
             setattr(self, f"{split}_loss", SumMetric(nan_strategy="disable"))  # sum of loss * samples
             setattr(self, f"{split}_acc", MulticlassAccuracy(len(self.classes), average="micro", validate_args=False))
             setattr(self, f"{split}_n", SumMetric(nan_strategy="disable"))
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
-        return self.model(pixel_values=images).logits
+        return self._forward(pixel_values=images).logits
 
     # -- steps -------------------------------------------------------------------------------
     def _update(self, split: str, loss: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor) -> None:
@@ -67,8 +73,14 @@ class ImageClassifier(pl.LightningModule):
 
     def training_step(self, batch, batch_idx):
         images, labels = batch  # images (B,3,H,W) float on cuda:local_rank or CPU; labels (B,) int64, same device
-        logits = self(images)
-        loss = F.cross_entropy(logits.float(), labels)
+        if self.mixing.active:  # soft targets (B, C); train_acc then compares with the un-mixed labels
+            images, targets = mix(images, labels, len(self.classes), self.mixing,
+                                  key=(self.seed, self.global_rank, self.current_epoch, batch_idx))
+            logits = self(images)
+            loss = F.cross_entropy(logits.float(), targets)
+        else:
+            logits = self(images)
+            loss = F.cross_entropy(logits.float(), labels, label_smoothing=self.settings.label_smoothing)
         self._update("train", loss, logits, labels)
         self.log("train_loss_step", loss, on_step=True, on_epoch=False, logger=True)
         return loss

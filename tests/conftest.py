@@ -49,3 +49,22 @@ def cache_dir(tmp_path, monkeypatch) -> Path:
     d = tmp_path / "cache"
     monkeypatch.setenv("DALI_PIPE_CACHE", str(d))
     return d
+
+
+@pytest.fixture(scope="session")
+def trained(photo_root, tmp_path_factory) -> Path:
+    """A tiny ViT trained for 4 epochs on photo_root (val fraction 0.25): the folder train.py wrote."""
+    import os
+
+    import train
+
+    out = tmp_path_factory.mktemp("trained")
+    old = os.environ.get("DALI_PIPE_CACHE")
+    os.environ["DALI_PIPE_CACHE"] = str(out / "cache")
+    try:
+        train.main(["--data", str(photo_root), "--model", "tiny", "--device", "cpu", "--epochs", "4",
+                    "--batch-size", "8", "--num-threads", "1", "--val-fraction", "0.25", "--lr", "2e-3",
+                    "--output", str(out / "model")])
+    finally:
+        os.environ.pop("DALI_PIPE_CACHE") if old is None else os.environ.update(DALI_PIPE_CACHE=old)
+    return out / "model"

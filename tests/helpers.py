@@ -4,13 +4,16 @@ from __future__ import annotations
 from pathlib import Path
 
 from dali_pipe.config import DataSettings, ModelSettings, PipelineSettings
-from dali_pipe.pipeline import PipelineOptions, resources_for_rank
+from dali_pipe.pipeline import Augment, PipelineOptions, resources_for_rank
 
 
-def cpu_options(batch_size: int, *, threads: int = 1, training: bool = True, **kw) -> PipelineOptions:
-    """PipelineOptions for a CPU pipeline with `threads` DALI threads."""
-    res = resources_for_rank(PipelineSettings(device="cpu", num_threads=threads), training=training)
-    return PipelineOptions(batch_size=batch_size, device="cpu", resources=res, **kw)
+def cpu_options(batch_size: int, *, threads: int = 1, training: bool = True, augment: dict | None = None,
+                **kw) -> PipelineOptions:
+    """PipelineOptions for a CPU pipeline with `threads` DALI threads (and PipelineSettings `augment`)."""
+    settings = PipelineSettings(device="cpu", num_threads=threads, **(augment or {}))
+    res = resources_for_rank(settings, training=training)
+    return PipelineOptions(batch_size=batch_size, device="cpu", resources=res, augment=Augment.from_settings(settings),
+                           **kw)
 
 
 def datamodule(data, output, *, batch_size: int, cache_dir, spec, device: str = "cpu", threads: int = 1, **data_kw):

@@ -119,7 +119,7 @@ class T:
     global_step = current_epoch = 1
     is_global_zero = True
     def __init__(self, slow): self.slow = slow
-    def save_checkpoint(self, path):
+    def save_checkpoint(self, path, weights_only=None):
         if not self.slow:
             torch.save({{"global_step": 1, "w": torch.arange(10)}}, path); return
         with open(path, "wb") as f:

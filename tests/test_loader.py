@@ -22,8 +22,8 @@ def _indexed(photo_root):
     return files, list(range(len(files)))
 
 
-def _loader(files, labels, batch, training, shard=0, shards=1):
-    opts = cpu_options(batch, threads=2, training=training, shard_id=shard, num_shards=shards, seed=3)
+def _loader(files, labels, batch, training, shard=0, shards=1, augment=None):
+    opts = cpu_options(batch, threads=2, training=training, shard_id=shard, num_shards=shards, seed=3, augment=augment)
     return DaliLoader(lambda ck: build_pipeline(files, labels, SPEC, opts, training=training, checkpoint=ck),
                       training=training)
 
@@ -97,19 +97,22 @@ def _sequence(loader, epochs):
     return [[(y.tolist(), round(float(x.sum()), 2)) for x, y in loader] for _ in range(epochs)]
 
 
-@pytest.mark.parametrize("epoch,batches", [(0, 2), (1, 0), (0, 48 // 7), (1, 3)])
-def test_restored_loader_continues_the_uninterrupted_sequence(photo_root, epoch, batches):
+HEAVY = {"auto_augment": "trivial", "random_erase": 0.5, "crop_scale": (0.35, 1.0)}
+
+
+@pytest.mark.parametrize("epoch,batches,augment", [(0, 2, None), (1, 0, None), (0, 48 // 7, None), (1, 3, HEAVY)])
+def test_restored_loader_continues_the_uninterrupted_sequence(photo_root, epoch, batches, augment):
     """State taken after `epoch` full epochs plus `batches` batches: a loader rebuilt from it yields
     exactly what the uninterrupted loader yields from there on (samples and augmented pixels)."""
     files, labels = _indexed(photo_root)
-    reference = _sequence(_loader(files, labels, 7, training=True), 3)
-    first = _loader(files, labels, 7, training=True)
+    reference = _sequence(_loader(files, labels, 7, training=True, augment=augment), 3)
+    first = _loader(files, labels, 7, training=True, augment=augment)
     for _ in range(epoch):
         list(first)
     it = iter(first)
     head = [(y.tolist(), round(float(x.sum()), 2)) for _, (x, y) in zip(range(batches), it)]
     state = first.state()
-    second = _loader(files, labels, 7, training=True)
+    second = _loader(files, labels, 7, training=True, augment=augment)
     second.restore(state)
     # the rest of the interrupted epoch (none when it was fully yielded: Lightning then starts the next)
     rest = [(y.tolist(), round(float(x.sum()), 2)) for x, y in second] if batches < len(second) else []

@@ -25,7 +25,7 @@ def _trainer(**kw):
 def test_validation_metrics_are_sample_weighted_over_uneven_batches():
     """val_loss/val_acc over batches of 5 and 3 equal a per-sample mean computed by hand."""
     torch.manual_seed(0)
-    module = ImageClassifier(tiny_settings(), classes=CLASSES)
+    module = ImageClassifier(tiny_settings(), seed=0, classes=CLASSES)
     module.configure_model()
     batches = _batches([5, 3])
     _trainer().validate(module, dataloaders=batches, verbose=False)
@@ -40,7 +40,7 @@ def test_validation_metrics_are_sample_weighted_over_uneven_batches():
 
 def test_training_epoch_metrics_and_metric_line(capsys):
     torch.manual_seed(0)
-    module = ImageClassifier(tiny_settings(), classes=CLASSES)
+    module = ImageClassifier(tiny_settings(), seed=0, classes=CLASSES)
     _trainer(max_epochs=2).fit(module, train_dataloaders=_batches([4, 4, 2]))
     assert [r["epoch"] for r in module.epoch_metrics] == [1, 2]
     assert all(r["train_samples"] == 10 for r in module.epoch_metrics)
@@ -50,7 +50,7 @@ def test_training_epoch_metrics_and_metric_line(capsys):
 
 
 def test_weight_decay_spares_biases_and_norms_and_schedule_warms_up_then_decays():
-    module = ImageClassifier(tiny_settings(weight_decay=0.05, warmup_fraction=0.2, lr=1e-3), classes=CLASSES)
+    module = ImageClassifier(tiny_settings(weight_decay=0.05, warmup_fraction=0.2, lr=1e-3), seed=0, classes=CLASSES)
     trainer = _trainer(max_steps=10)
     trainer.fit(module, train_dataloaders=_batches([2] * 10))
     opt = trainer.optimizers[0]

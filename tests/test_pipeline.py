@@ -6,7 +6,7 @@ import pytest
 from helpers import cpu_options
 
 from dali_pipe.config import PipelineSettings
-from dali_pipe.pipeline import PipelineOptions, build_pipeline, resources_for_rank
+from dali_pipe.pipeline import Augment, PipelineOptions, build_pipeline, resources_for_rank
 from dali_pipe.spec import ImageSpec
 
 SPEC = ImageSpec(64, 48, mean=(0.5, 0.4, 0.3), std=(0.2, 0.25, 0.3))
@@ -20,9 +20,10 @@ TOL = {  # (mean, p99, max) of |dali - reference| in normalised units
 }
 
 
-def _options(batch: int, device: str, threads: int = 1) -> PipelineOptions:
-    res = resources_for_rank(PipelineSettings(device=device, num_threads=threads))
-    return PipelineOptions(batch_size=batch, device=device, resources=res, device_id=0 if device == "gpu" else None)
+def _options(batch: int, device: str, threads: int = 1, **augment) -> PipelineOptions:
+    settings = PipelineSettings(device=device, num_threads=threads, **augment)
+    return PipelineOptions(batch_size=batch, device=device, resources=resources_for_rank(settings),
+                           augment=Augment.from_settings(settings), device_id=0 if device == "gpu" else None)
 
 
 def _files(root, n=None):
@@ -108,3 +109,51 @@ def test_resize_shorter_then_center_crop(photo_root):
     spec = ImageSpec(32, 32, (0.5,) * 3, (0.5,) * 3, resize_shorter=40)
     out, _ = _run(build_pipeline(files, labels, spec, cpu_options(4, training=False), training=False))
     assert out.shape == (4, 3, 32, 32)
+
+
+def _halves(tmp_path, n=8):
+    """n copies of a 300x200 PNG: left half black, right half white."""
+    from PIL import Image
+
+    x = np.zeros((200, 300, 3), np.uint8)
+    x[:, 150:] = 255
+    files = []
+    for i in range(n):
+        p = tmp_path / f"{i}.png"
+        Image.fromarray(x).save(p)
+        files.append(str(p))
+    return files
+
+
+def _batch(files, training, **augment):
+    spec = ImageSpec(32, 32, (0.5,) * 3, (0.5,) * 3)
+    opts = _options(len(files), "cpu", **augment)
+    return _run(build_pipeline(files, list(range(len(files))), spec, opts, training=training))[0]
+
+
+def test_crop_scale_bounds_the_crop(tmp_path):
+    """Full-area crops always show both halves; crops of 1-2% of the area mostly show one."""
+    files = _halves(tmp_path, 16)
+
+    def both(out):  # images holding black and white pixels
+        return sum(bool((img < -0.9).any() and (img > 0.9).any()) for img in out)
+
+    assert both(_batch(files, True, crop_scale=(1.0, 1.0))) == 16
+    assert both(_batch(files, True, crop_scale=(0.01, 0.02))) <= 8
+
+
+def test_auto_augment_changes_training_pixels_and_never_validation(photo_root):
+    files, _ = _files(photo_root, 8)
+    for policy in ("rand", "trivial", "auto"):
+        assert not np.allclose(_batch(files, True), _batch(files, True, auto_augment=policy)), policy
+        np.testing.assert_array_equal(_batch(files, False), _batch(files, False, auto_augment=policy,
+                                                                   random_erase=1.0))
+
+
+def test_random_erase_fills_a_rectangle_with_the_mean(tmp_path):
+    files = _halves(tmp_path, 8)
+    erased = _batch(files, True, crop_scale=(1.0, 1.0), random_erase=1.0)
+    plain = _batch(files, True, crop_scale=(1.0, 1.0))
+    zeros = [(img == 0).all(axis=0).mean() for img in erased]
+    assert all(0.01 <= z <= 0.4 for z in zeros), zeros  # 2-33% of the area (resampling blurs the edge)
+    assert all((img == 0).all(axis=0).mean() < 0.01 for img in plain)

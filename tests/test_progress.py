@@ -17,7 +17,7 @@ def test_lines_carry_loss_lr_rate_wait_and_eta(capsys):
                       for _ in range(8))
     trainer = pl.Trainer(accelerator="cpu", logger=False, enable_checkpointing=False, enable_model_summary=False,
                          max_epochs=2, callbacks=[PlainProgressBar(every_s=3600)])
-    trainer.fit(ImageClassifier(tiny_settings(), classes=["a", "b"]), train_dataloaders=batches)
+    trainer.fit(ImageClassifier(tiny_settings(), seed=0, classes=["a", "b"]), train_dataloaders=batches)
     lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("progress: ")]
     assert len(lines) == 8  # a line at each quarter of each epoch
     pat = (r"progress: epoch 2/2 step 8/8 \(100%\), loss \d+\.\d{4}, lr \d\.\d\de[-+]\d\d, \d+\.\d images/s, "

@@ -78,7 +78,7 @@ def test_cli_documented_form_and_clean_errors(photo_root, tmp_path, cache_dir):
                        capture_output=True, text=True, env=env, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.count("METRIC epoch=") == 2 and (out / "config.json").is_file()
-    assert "model, image processor and label map written to" in r.stdout
+    assert "image processor, label map and metrics.json written to" in r.stdout
 
     bad = tmp_path / "bad"
     bad.mkdir()
@@ -134,3 +134,39 @@ def test_local_model_path_finetunes_and_missing_path_is_clear(photo_root, tmp_pa
 
     with pytest.raises(ModelLoadError, match="local directory.*--model tiny"):
         train.main(args + ["--model", str(tmp_path / "no-such-model"), "--output", str(tmp_path / "x")])
+
+
+def test_week_one_recipe_trains_and_the_best_epoch_is_selected(photo_root, tmp_path, cache_dir, capsys):
+    """Every recipe flag at once trains on the CPU; OUT holds the epoch with the best val_acc (ties: the
+    later), metrics.json says which and why; TensorBoard gets the learning rate."""
+    out = tmp_path / "o"
+    res = train.main(["--data", str(photo_root), "--model", "tiny", "--device", "cpu", "--epochs", "3",
+                      "--batch-size", "8", "--num-threads", "1", "--output", str(out), "--val-fraction", "0.25",
+                      "--label-smoothing", "0.1", "--mixup-alpha", "0.2", "--cutmix-alpha", "1.0",
+                      "--auto-augment", "trivial", "--random-erase", "0.25", "--weight-decay", "0.05",
+                      "--grad-accum", "2", "--clip-grad-norm", "1.0", "--crop-scale", "0.35", "1.0"])
+    assert res["global_step"] == 3 * (38 // 8 // 2)
+    text = capsys.readouterr().out
+    assert "batch: 8 per process x 1 process(es) x 2 accumulation = 16 per optimizer step; 2 steps per epoch, 6 in " \
+           "all" in text
+    assert "data: 4 classes (astronaut, chelsea, coffee, rocket); 38 train + 10 val images; scan fast: 0 of 48" in text
+    metrics = json.loads((out / "metrics.json").read_text())
+    accs = [e["val_acc"] for e in metrics["epochs"]]
+    best = max(i for i, a in enumerate(accs) if a == max(accs)) + 1
+    assert metrics["selected"] == {"epoch": best, "val_acc": max(accs),
+                                   "rule": "the best validation accuracy (ties: the later epoch)"}
+    assert (out / "model.safetensors").read_bytes() == (out / "checkpoints" / "best" / "model.safetensors").read_bytes()
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tb = EventAccumulator(str(out / "tensorboard")).Reload()
+    assert any(tag.startswith("lr") for tag in tb.Tags()["scalars"]), tb.Tags()["scalars"]
+
+
+def test_select_last_and_no_validation_data(photo_root, tmp_path, cache_dir):
+    cases = ((["--select", "last"], "the last epoch"),
+             (["--val-fraction", "0"], "the last epoch (no validation data, so no best one)"))
+    for i, (extra, rule) in enumerate(cases):
+        out = tmp_path / str(i)
+        train.main(["--data", str(photo_root), "--model", "tiny", "--device", "cpu", "--epochs", "1", "--batch-size",
+                    "8", "--num-threads", "1", "--output", str(out), *extra])
+        assert json.loads((out / "metrics.json").read_text())["selected"] == {"rule": rule}

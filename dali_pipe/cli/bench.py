@@ -87,7 +87,7 @@ def run(s: Settings) -> dict:
             trainer = make_trainer(s, [timer], logger=False, devices=1, num_nodes=1, strategy="auto",
                                    max_steps=warmup + steps, max_epochs=-1, limit_val_batches=0,
                                    num_sanity_val_steps=0, enable_progress_bar=False)
-            trainer.fit(ImageClassifier(s.model, classes=classes), train_dataloaders=data)
+            trainer.fit(ImageClassifier(s.model, seed=s.data.seed, classes=classes), train_dataloaders=data)
             m = {**timer.report, "gpu_note": timer.sampler.gpu_note}
             timeline, wait = timer.timeline, timer.steps.wait_s
             if name == "synthetic" and m["data_wait_fraction"] < 0.10:

@@ -11,7 +11,20 @@ SYNC_DOC = ("Download s3://bucket/prefix/dataset.tsv and every file it lists int
             "from the standard AWS environment.")
 
 
-COMMANDS = {"sync": ("sync", "skip_missing")}  # the settings each command exposes
+COMMANDS = {  # the settings each command exposes: groups by name, single settings by flag
+    "sync": ("sync", "--skip-missing"),
+    "evaluate": ("eval", "--model", "--precision", "--data", "--cache-dir", "--batch-size", "--val-fraction", "--seed",
+                 "--scan", "--max-pixels", "--max-bad-fraction", "--skip-missing", "--device", "--num-threads"),
+    "predict": ("predict", "--model", "--precision", "--data", "--cache-dir", "--batch-size", "--scan", "--max-pixels",
+                "--device", "--num-threads"),
+}
+EVALUATE_DOC = ("Evaluate a trained model (the folder train.py wrote) on a labelled dataset, through the same DALI "
+                "validation pipeline as training: accuracy, top-5, loss, per-class precision/recall/F1 and the "
+                "confusion matrix in OUTPUT/metrics.json, the matrix drawn in OUTPUT/confusion.png.")
+PREDICT_DOC = ("Label images with a trained model: a folder of images, a dataset folder or .tsv manifest "
+               "(image_path column; labels ignored), or s3://bucket/prefix with a dataset.tsv. Writes "
+               "OUTPUT/predictions.tsv (image_path, label, score and the next --top-k); unreadable images are "
+               "listed in OUTPUT/bad_images.tsv.")
 
 
 def parser():
@@ -19,6 +32,9 @@ def parser():
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     add_subcommand(sub, "sync", "download dataset.tsv and only the files it lists, in parallel, resumably",
                    SYNC_DOC, COMMANDS["sync"])
+    add_subcommand(sub, "evaluate", "metrics and a confusion matrix of a trained model on labelled data", EVALUATE_DOC,
+                   COMMANDS["evaluate"])
+    add_subcommand(sub, "predict", "label a folder of images with a trained model", PREDICT_DOC, COMMANDS["predict"])
     return p
 
 
@@ -35,4 +51,12 @@ def main(argv: list[str] | None = None) -> int:
                      progress=not s.sync.no_progress)
         if s.sync.no_progress:
             print(stats.summary())
+    elif command == "evaluate":
+        from .evaluate import run
+
+        run(s)
+    elif command == "predict":
+        from .predict import run
+
+        run(s)
     return 0

@@ -12,6 +12,7 @@ the other local ranks, which skip what only one process may do):
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 import warnings
@@ -20,11 +21,26 @@ from pathlib import Path
 from ..config import Settings
 
 
+class _DropMessages(logging.Filter):
+    def __init__(self, *needles: str):
+        super().__init__()
+        self.needles = needles
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not any(n in record.getMessage() for n in self.needles)
+
+
 def quiet_known_noise() -> None:
-    """Warnings a user can do nothing about."""
+    """Messages a user can do nothing about, silenced where they come from."""
     warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*")  # Lightning on torch 2.13
     # our loader is resumable through the DataModule's state, which Lightning does not look at for this warning
     warnings.filterwarnings("ignore", message=r".*your dataloader is not resumable.*")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # "Loading weights" / "Writing model shards" bars, one per save or load
+    rank_zero = logging.getLogger("pytorch_lightning.utilities.rank_zero")
+    if not any(isinstance(f, _DropMessages) for f in rank_zero.filters):
+        rank_zero.addFilter(_DropMessages("litlogger"))  # an advertisement printed by every Trainer
 
 
 def world_size(s: Settings) -> int:
@@ -51,10 +67,14 @@ def make_trainer(s: Settings, callbacks: list, *, logger=True, **overrides):
     kw = dict(accelerator=s.pipeline.device, devices=s.run.devices, num_nodes=s.run.num_nodes,
               strategy="ddp" if world > 1 else "auto", precision=s.model.precision,
               max_epochs=s.model.epochs, max_steps=s.model.max_steps, use_distributed_sampler=False,
-              logger=logger, enable_checkpointing=False, callbacks=callbacks, log_every_n_steps=10,
-              enable_progress_bar=True, enable_model_summary=False)
+              accumulate_grad_batches=s.model.grad_accum, gradient_clip_val=s.model.clip_grad_norm,
+              gradient_clip_algorithm="norm", logger=logger, enable_checkpointing=False, callbacks=callbacks,
+              log_every_n_steps=LOG_EVERY, enable_progress_bar=True, enable_model_summary=False)
     kw.update(overrides)
     return pl.Trainer(**kw)
+
+
+LOG_EVERY = 50  # optimizer steps between loss points in TensorBoard (each one reads the loss: a GPU sync)
 
 
 def bytes_needed(params: int) -> int:
@@ -81,12 +101,14 @@ def run(s: Settings) -> dict:
 
 def _fit(s: Settings, out: Path, ckpt_dir: Path, main: bool) -> dict:
     import pytorch_lightning as pl
+    from pytorch_lightning.callbacks import LearningRateMonitor
     from pytorch_lightning.utilities.exceptions import SIGTERMException
 
     from model.checkpoint import SpotSafeCheckpoint, plan_resume
     from model.loading import load_processor, parameter_count
     from model.module import ImageClassifier
     from model.progress import PlainProgressBar
+    from model.selection import BestModel
 
     from ..datamodule import DaliDataModule
     from ..spec import ImageSpec
@@ -101,9 +123,9 @@ def _fit(s: Settings, out: Path, ckpt_dir: Path, main: bool) -> dict:
     if main:
         dm.prepare_data()
     manifest = dm.setup_manifest(world_size(s))
+    params = parameter_count(s.model.model, manifest.classes)
     if main:
-        need = bytes_needed(parameter_count(s.model.model, manifest.classes))
-        check_writable(ckpt_dir, "--checkpoint-dir", need)
+        check_writable(ckpt_dir, "--checkpoint-dir", bytes_needed(params))
     fingerprint = {"samples": manifest.digest(), "classes": manifest.classes, "model": s.model.model,
                    "image_size": [spec.height, spec.width], "batch_size": s.data.batch_size,
                    "world_size": world_size(s), "seed": s.data.seed}
@@ -113,18 +135,24 @@ def _fit(s: Settings, out: Path, ckpt_dir: Path, main: bool) -> dict:
         print(f"nothing to do: already trained to {plan.done_step} steps with these settings "
               f"(model in {out}); pass --resume never to train again from scratch")
         return {"nothing_to_do": True, "global_step": plan.done_step}
-    if plan.note and main:
-        print(plan.note)
+    if main:
+        print(summary(s, manifest, dm.scan_result, params))
+        if plan.note:
+            print(plan.note)
 
-    module = ImageClassifier(s.model)
+    module = ImageClassifier(s.model, seed=s.data.seed)
     ckpt = SpotSafeCheckpoint(ckpt_dir, every_steps=s.run.checkpoint_every_steps, fingerprint=fingerprint,
                               targets=targets)
-    callbacks = [ckpt] if sys.stderr.isatty() else [ckpt, PlainProgressBar()]  # tqdm on a terminal, lines in logs
+    best = BestModel(ckpt_dir)
+    callbacks = [ckpt, best, LearningRateMonitor(logging_interval="step")]
+    if not sys.stderr.isatty():
+        callbacks.append(PlainProgressBar())  # lines in logs; Lightning's tqdm bar on a terminal
     if s.run.monitor:
         from ..monitor import MonitorCallback
 
         callbacks.append(MonitorCallback(out))
-    trainer = make_trainer(s, callbacks)
+    steps = len(manifest.train) // world_size(s) // s.data.batch_size // s.model.grad_accum
+    trainer = make_trainer(s, callbacks, log_every_n_steps=max(1, min(LOG_EVERY, steps)))
     try:
         trainer.fit(module, datamodule=dm, ckpt_path=plan.ckpt_path)
     except SIGTERMException:
@@ -134,9 +162,13 @@ def _fit(s: Settings, out: Path, ckpt_dir: Path, main: bool) -> dict:
         return {"interrupted": True, "global_step": trainer.global_step}
     problems = [str(ckpt.final_error)] if ckpt.final_error else []
     if trainer.is_global_zero:
+        folder, selected = best.choice(s.run.select if manifest.val else "none")
         try:  # even when the final checkpoint failed: the model is what the user came for
-            save_model(module, processor, out)
-            print(f"model, image processor and label map written to {out}")
+            model = type(module.model).from_pretrained(folder) if folder else module.model
+            save_model(model, processor, out, {"selected": selected, "epochs": module.epoch_metrics,
+                                               "global_step": trainer.global_step})
+            which = f"epoch {selected['epoch']}, {selected['rule']}" if "epoch" in selected else selected["rule"]
+            print(f"model ({which}), image processor, label map and metrics.json written to {out}")
         except OSError as e:
             problems.append(f"the model could not be written to {out} ({e.strerror or e}); the checkpoint in "
                             f"{ckpt_dir} holds the trained weights")
@@ -148,18 +180,38 @@ def _fit(s: Settings, out: Path, ckpt_dir: Path, main: bool) -> dict:
     return {**last, "global_step": trainer.global_step}
 
 
-def save_model(module, processor, out: Path) -> None:
-    """save_pretrained form (config.json with id2label, weights, preprocessor_config.json) + label_map.json,
-    written into a temporary folder first, then moved into OUT file by file: a failure leaves no
-    partial file in OUT (the temporary folder is removed)."""
+def summary(s: Settings, manifest, scan_result, params: int) -> str:
+    """The start-up summary: data, scan, device, model, batch and steps."""
+    world = world_size(s)
+    steps = len(manifest.train) // world // s.data.batch_size // s.model.grad_accum
+    total = steps * s.model.epochs if s.model.max_steps < 0 else min(steps * s.model.epochs, s.model.max_steps)
+    names = ", ".join(manifest.classes[:6]) + (", ..." if len(manifest.classes) > 6 else "")
+    scan = (f"scan {s.data.scan}: {len(scan_result.bad)} of {scan_result.total} excluded" if scan_result
+            else f"scan {s.data.scan}")
+    effective = s.data.batch_size * world * s.model.grad_accum
+    return "\n".join([
+        f"data: {len(manifest.classes)} classes ({names}); {len(manifest.train)} train + {len(manifest.val)} val "
+        f"images; {scan}",
+        f"device: {s.pipeline.device}, precision {s.model.precision}, {world} process(es)",
+        f"model: {s.model.model}, {params / 1e6:.2f} M parameters",
+        f"batch: {s.data.batch_size} per process x {world} process(es) x {s.model.grad_accum} accumulation = "
+        f"{effective} per optimizer step; {steps} steps per epoch, {total} in all"])
+
+
+def save_model(model, processor, out: Path, metrics: dict) -> None:
+    """save_pretrained form (config.json with id2label, weights, preprocessor_config.json),
+    label_map.json and metrics.json (every epoch's metrics and which one the model is), written into
+    a temporary folder first, then moved into OUT file by file: a failure leaves no partial file in
+    OUT (the temporary folder is removed)."""
     import shutil
 
     tmp = out / f".model-tmp-{os.getpid()}"
     try:
         tmp.mkdir(parents=True, exist_ok=True)
-        module.model.save_pretrained(tmp)
+        model.save_pretrained(tmp)
         processor.save_pretrained(tmp)
-        (tmp / "label_map.json").write_text(json.dumps(module.model.config.id2label, indent=1, sort_keys=True))
+        (tmp / "label_map.json").write_text(json.dumps(model.config.id2label, indent=1, sort_keys=True))
+        (tmp / "metrics.json").write_text(json.dumps(metrics, indent=1))
         for f in sorted(tmp.iterdir()):
             os.replace(f, out / f.name)
     finally:

@@ -1,0 +1,100 @@
+"""`python -m dali_pipe predict`: label a folder of images (or a manifest's image_path rows) with a
+trained model, through the same DALI validation pipeline as training. Writes PRED/predictions.tsv,
+one row per readable image; unreadable ones go to PRED/bad_images.tsv instead of stopping the run."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from ..config import Settings
+from ..errors import UserError
+
+IMAGE_EXTENSIONS = {".jpg", ".jpeg", ".png", ".bmp", ".tif", ".tiff", ".webp"}
+
+
+class InputError(UserError):
+    """--data names nothing to predict."""
+
+
+def list_images(data: str, cache_dir: str) -> tuple[Path, list[str]]:
+    """(root, image paths relative to it): a manifest's image_path rows (a dataset dir, a .tsv file or
+    s3://bucket/prefix), or every image file under a folder."""
+    from ..manifest import MANIFEST_NAME, read_table, safe_relpath
+
+    if data.startswith("s3://"):
+        from .. import sync as s3
+        from ..config import SyncSettings
+
+        root = s3.local_target(data, Path(cache_dir))
+        s3.sync(data, root, workers=SyncSettings.workers, skip_missing=True)
+        tsv = root / MANIFEST_NAME
+    else:
+        p = Path(data)
+        if p.is_file():
+            root, tsv = p.parent, p
+        elif (p / MANIFEST_NAME).is_file():
+            root, tsv = p, p / MANIFEST_NAME
+        elif p.is_dir():
+            rels = sorted(str(f.relative_to(p)) for f in p.rglob("*")
+                          if f.suffix.lower() in IMAGE_EXTENSIONS and f.is_file() and not f.name.startswith("."))
+            if not rels:
+                raise InputError(f"--data {data!r} holds no image files ({', '.join(sorted(IMAGE_EXTENSIONS))})")
+            return p, rels
+        else:
+            raise InputError(f"--data {data!r} is neither a folder of images, a dataset folder, nor a .tsv manifest")
+    df = read_table(tsv)
+    if "image_path" not in df.columns:
+        raise InputError(f"{tsv}: no 'image_path' column; add a header line with image_path")
+    rels = []
+    for p, line in zip(df["image_path"], df["_line"]):
+        try:
+            rels.append(safe_relpath(p, root))
+        except ValueError as e:
+            raise InputError(f"{tsv}: line {line}: {e}") from None
+    return root, list(dict.fromkeys(rels))
+
+
+def run(s: Settings) -> dict:
+    import torch
+
+    from model.loading import load_processor, load_trained
+
+    from ..datamodule import DaliDataModule
+    from ..manifest import Sample
+    from ..scan import scan, write_report
+    from ..spec import ImageSpec
+    from .infer import prepared, run_model
+
+    s = prepared(s, s.predict.predict_output)
+    out = Path(s.predict.predict_output)
+    model = load_trained(s.model.model)
+    root, rels = list_images(s.data.data, s.data.cache_dir)
+    paths = [str((root / r).resolve()) for r in rels]
+    result = scan(paths, s.data.scan if s.data.scan != "off" else "fast", max_pixels=s.data.max_pixels,
+                  cache_path=Path(s.data.cache_dir) / "scan-cache.json")
+    bad = {p: ("missing" if not os.path.exists(p) else reason) for p, reason in result.bad.items()}
+    write_report(bad, root.resolve(), out)
+    good = [(r, p) for r, p in zip(rels, paths) if p not in bad]
+    if not good:
+        raise InputError(f"none of the {len(rels)} image(s) under {s.data.data!r} is readable; see "
+                         f"{out / 'bad_images.tsv'}")
+    dm = DaliDataModule(s.data, s.pipeline, ImageSpec.from_processor(load_processor(s.model.model)), out)
+    loader = dm.loader([Sample(p, i, i) for i, (_, p) in enumerate(good)], training=False)
+    logits, index = run_model(model, loader, s.pipeline.device, s.model.precision)
+    k = min(s.predict.top_k, logits.shape[1])
+    scores, ids = torch.softmax(logits, 1).topk(k, dim=1)
+    id2label = {int(i): v for i, v in model.config.id2label.items()}
+    head = ["image_path", "label", "score"] + [f"{c}_{j}" for j in range(2, k + 1) for c in ("label", "score")]
+    rows = ["\t".join(head)]
+    for row, i in enumerate(index.tolist()):
+        cells = [good[i][0]]
+        for j in range(k):
+            cells += [id2label.get(int(ids[row, j]), str(int(ids[row, j]))), f"{float(scores[row, j]):.6f}"]
+        rows.append("\t".join(cells))
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = out / f".predictions.tsv.tmp-{os.getpid()}"
+    tmp.write_text("\n".join(rows) + "\n")
+    os.replace(tmp, out / "predictions.tsv")
+    print(f"predict: {len(good)} image(s) labelled in {out / 'predictions.tsv'}"
+          + (f"; {len(bad)} unreadable listed in {out / 'bad_images.tsv'}" if bad else ""))
+    return {"predicted": len(good), "bad": len(bad)}

@@ -1,0 +1,74 @@
+"""`python -m dali_pipe evaluate` and the metrics behind it, checked against transformers' pipeline()."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from dali_pipe.cli.commands import main
+from model import evaluation
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_metrics_from_known_logits():
+    logits = torch.tensor([[5.0, 0, 0, 0, 0, 0], [0, 5, 0, 0, 0, 0], [0, 5, 0, 0, 0, 0], [0, 0, 5, 4, 0, 0]])
+    labels = torch.tensor([0, 1, 0, 3])
+    m = evaluation.compute(logits, labels, {i: f"c{i}" for i in range(6)})
+    assert m["accuracy"] == 0.5 and m["top5"] == 1.0 and m["images"] == 4
+    assert m["confusion"]["classes"] == ["c0", "c1", "c2", "c3"]
+    assert m["confusion"]["matrix"] == [[1, 1, 0, 0], [0, 1, 0, 0], [0, 0, 0, 0], [0, 0, 1, 0]]
+    assert m["per_class"]["c1"] == {"precision": 0.5, "recall": 1.0, "f1": pytest.approx(2 / 3), "support": 1}
+    assert m["per_class"]["c2"]["support"] == 0 and m["per_class"]["c3"]["recall"] == 0.0
+    assert evaluation.top_confusions(m)[:2] == [("c0", "c1", 1), ("c3", "c2", 1)]
+
+
+def test_many_classes_get_a_table_of_top_confusions(tmp_path):
+    g = torch.Generator().manual_seed(0)
+    logits, labels = torch.randn(400, 80, generator=g), torch.randint(0, 80, (400,), generator=g)
+    m = evaluation.compute(logits, labels, {i: f"class{i}" for i in range(80)})
+    evaluation.write(m, tmp_path)
+    assert (tmp_path / "confusion.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert json.loads((tmp_path / "metrics.json").read_text())["images"] == 400
+
+
+def test_evaluate_matches_transformers_pipeline(trained, photo_root, tmp_path, cache_dir, capsys):
+    """The val split through DALI agrees with pipeline('image-classification') on the same files,
+    up to a few images (the two resize kernels differ)."""
+    from transformers import pipeline
+
+    out = tmp_path / "eval"
+    main(["evaluate", "--model", str(trained), "--data", str(photo_root), "--device", "cpu", "--val-fraction",
+          "0.25", "--output", str(out), "--num-threads", "1"])
+    m = json.loads((out / "metrics.json").read_text())
+    assert m["images"] == 10 and set(m["per_class"]) == {"astronaut", "chelsea", "coffee", "rocket"}
+    assert "top5" not in m and (out / "confusion.png").is_file()
+    assert "evaluate: 10 images, accuracy" in capsys.readouterr().out
+
+    from dali_pipe.manifest import read_manifest
+
+    val = read_manifest(photo_root, val_fraction=0.25, seed=0, skip_missing=False).val
+    classes = read_manifest(photo_root, val_fraction=0.25, seed=0, skip_missing=False).classes
+    clf = pipeline("image-classification", model=str(trained), device=-1)
+    ref = [clf(s.path, top_k=1)[0]["label"] == classes[s.label] for s in val]
+    assert abs(sum(ref) - round(m["accuracy"] * 10)) <= 2, (sum(ref), m["accuracy"])
+
+
+def test_unknown_labels_are_named(trained, tmp_path, cache_dir):
+    from dali_pipe.cli.evaluate import LabelError
+    from dali_pipe.demo import make_photo_dataset
+
+    other = make_photo_dataset(tmp_path / "d", classes=5, per_class=3)  # adds 'hubble_deep_field'
+    with pytest.raises(LabelError, match=r"1 label\(s\) the model was not trained on: \['hubble_deep_field'\]"):
+        main(["evaluate", "--model", str(trained), "--data", str(other), "--device", "cpu", "--split", "all",
+              "--output", str(tmp_path / "e")])
+
+
+def test_cli_errors_are_one_line(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "dali_pipe", "evaluate", "--data", str(tmp_path)], capture_output=True,
+                       text=True, cwd=ROOT, timeout=60)
+    assert r.returncode == 2 and "--model: required" in r.stderr and "Traceback" not in r.stderr

@@ -1,0 +1,52 @@
+"""Model loading: built-ins, any transformers image classifier, head resizing, refusals."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import train
+from model.loading import ModelLoadError, load_model, load_processor, parameter_count
+
+
+def _convnext(path, labels=("x", "y", "z")):
+    from transformers import ConvNextConfig, ConvNextForImageClassification, ConvNextImageProcessorPil
+
+    cfg = ConvNextConfig(num_channels=3, depths=[1, 1, 1, 1], hidden_sizes=[8, 16, 24, 32], num_labels=len(labels),
+                         id2label=dict(enumerate(labels)), label2id={c: i for i, c in enumerate(labels)})
+    ConvNextForImageClassification(cfg).save_pretrained(path)
+    ConvNextImageProcessorPil(size={"shortest_edge": 64}, crop_pct=0.875).save_pretrained(path)
+    return path
+
+
+def test_builtin_models_and_meta_parameter_count():
+    assert type(load_model("tiny", ["a", "b"])).__name__ == "ViTForImageClassification"
+    assert parameter_count("vit-b16-random", ["c"] * 1000) == 86_567_656  # ViT-B/16 with a 1000-class head
+    assert load_processor("tiny").size["height"] == 64
+
+
+def test_a_convnext_trains_with_its_own_config_and_a_new_head(photo_root, tmp_path, cache_dir, capsys):
+    from dali_pipe.spec import ImageSpec
+
+    src = _convnext(tmp_path / "convnext")
+    spec = ImageSpec.from_processor(load_processor(str(src)))
+    assert (spec.height, spec.width, spec.resize_shorter, spec.interp) == (64, 64, 73, "cubic")  # 64 / crop_pct
+    out = tmp_path / "out"
+    res = train.main(["--data", str(photo_root), "--model", str(src), "--device", "cpu", "--epochs", "1",
+                      "--batch-size", "8", "--num-threads", "1", "--output", str(out), "--lr", "1e-3"])
+    assert res["global_step"] == 43 // 8
+    err = capsys.readouterr().err
+    assert "its head predicts 3 classes; a new head for your 4 classes is trained from scratch" in err
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["model_type"] == "convnext" and cfg["id2label"]["3"] == "rocket"
+
+
+def test_a_checkpoint_that_is_no_image_classifier_is_refused(tmp_path):
+    from transformers import BertConfig, BertModel
+
+    BertModel(BertConfig(vocab_size=16, hidden_size=8, num_hidden_layers=1, num_attention_heads=1,
+                         intermediate_size=8)).save_pretrained(tmp_path / "bert")
+    with pytest.raises(ModelLoadError, match="'bert' checkpoint, which transformers cannot build as an image class"):
+        load_processor(str(tmp_path / "bert"))
+    with pytest.raises(ModelLoadError, match="local directory"):
+        load_model(str(tmp_path / "missing"), ["a", "b"])

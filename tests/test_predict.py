@@ -1,0 +1,33 @@
+"""`python -m dali_pipe predict`: one row per readable image, bad ones listed, top-k columns."""
+from __future__ import annotations
+
+import shutil
+
+from dali_pipe.cli.commands import main
+
+
+def test_predict_a_folder_with_a_bad_file(trained, photo_root, tmp_path, cache_dir):
+    folder = tmp_path / "imgs"
+    for p in sorted(photo_root.glob("*/*.jpg"))[:9]:
+        dest = folder / p.parent.name / p.name
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(p, dest)
+    (folder / "broken.jpg").write_bytes(b"\xff\xd8\xff not really")
+    out = tmp_path / "pred"
+    main(["predict", "--model", str(trained), "--data", str(folder), "--device", "cpu", "--top-k", "2",
+          "--output", str(out), "--batch-size", "4"])
+    rows = [r.split("\t") for r in (out / "predictions.tsv").read_text().splitlines()]
+    assert rows[0] == ["image_path", "label", "score", "label_2", "score_2"]
+    assert len(rows) == 10 and sorted(r[0] for r in rows[1:]) == sorted(
+        str(p.relative_to(folder)) for p in folder.glob("*/*.jpg"))
+    classes = {"astronaut", "chelsea", "coffee", "rocket"}
+    assert all(r[1] in classes and r[3] in classes and r[1] != r[3] and float(r[2]) >= float(r[4]) for r in rows[1:])
+    assert (out / "bad_images.tsv").read_text().splitlines()[1].startswith("broken.jpg\t")
+
+
+def test_predict_a_manifest_without_labels(trained, photo_root, tmp_path, cache_dir):
+    out = tmp_path / "pred"
+    main(["predict", "--model", str(trained), "--data", str(photo_root / "dataset.tsv"), "--device", "cpu",
+          "--output", str(out)])
+    rows = (out / "predictions.tsv").read_text().splitlines()
+    assert rows[0] == "image_path\tlabel\tscore" and len(rows) == 49

@@ -115,6 +115,9 @@ class DataSettings:
     max_pixels: int = setting(89_478_485, "reject images with more pixels (decompression bombs)", check=AT_LEAST_1)
     max_bad_fraction: float = setting(0.05, "abort when a larger share of images is bad", check=UNIT_INTERVAL)
     skip_missing: bool = setting(False, "train without files listed but missing (reported)")
+    packed_s3: str = setting("auto", "s3:// packed data: sync the shards to the cache dir when they fit on its disk "
+                                     "(auto), always (sync), or read them from S3 as needed (stream)",
+                             choices=("auto", "sync", "stream"))
 
 
 @dataclass
@@ -219,6 +222,33 @@ class SyncSettings:
     no_progress: bool = setting(False, "no progress bar; print a summary line instead")
 
 
+def parse_size(s: str) -> int:
+    """'150MB', '1.5GiB', '500k' or a plain number of bytes."""
+    import re
+
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kmgt]?)(i?)b?\s*", str(s), re.I)
+    if not m:
+        raise ValueError(s)
+    power = " kmgt".index(m.group(2).lower() or " ")
+    return int(float(m.group(1)) * (1024 if m.group(3) else 1000) ** power)
+
+
+@dataclass
+class PackSettings:
+    """`python -m dali_pipe pack`."""
+    src: str = setting(None, "dataset root holding dataset.tsv, or s3://bucket/prefix", positional=True)
+    dst: str = setting(None, "where the shards go: a directory or s3://bucket/prefix", positional=True)
+    max_side: int = setting(384, "downscale images whose longer side exceeds this many pixels (aspect kept); "
+                                 "smaller RGB JPEGs are copied byte for byte", check=AT_LEAST_1)
+    quality: int = setting(90, "JPEG quality of re-encoded images",
+                           check=(lambda v: 1 <= v <= 100, "must be between 1 and 100"))
+    shard_size: int = setting(150_000_000, "target shard size (150MB, 1GiB, or bytes); AWS advises objects of about "
+                                           "150 MB for S3 throughput", parse=parse_size,
+                              expected="a size such as 150MB or 1GiB", check=AT_LEAST_1)
+    pack_workers: int | None = setting(None, "processes that decode and resize (default: the cores available)",
+                                       check=AT_LEAST_1, flag="--workers", metavar="N")
+
+
 @dataclass
 class EvalSettings:
     """`python -m dali_pipe evaluate`."""
@@ -238,7 +268,8 @@ class PredictSettings:
 
 
 GROUPS = {"data": DataSettings, "pipeline": PipelineSettings, "model": ModelSettings, "run": RunSettings,
-          "bench": BenchmarkSettings, "sync": SyncSettings, "eval": EvalSettings, "predict": PredictSettings}
+          "bench": BenchmarkSettings, "sync": SyncSettings, "eval": EvalSettings, "predict": PredictSettings,
+          "pack": PackSettings}
 
 
 @dataclass
@@ -252,6 +283,7 @@ class Settings:
     sync: SyncSettings = field(default_factory=SyncSettings)
     eval: EvalSettings = field(default_factory=EvalSettings)
     predict: PredictSettings = field(default_factory=PredictSettings)
+    pack: PackSettings = field(default_factory=PackSettings)
 
 
 TRAIN_GROUPS = ("data", "pipeline", "model", "run", "bench")
@@ -435,9 +467,9 @@ def validate(s: Settings, groups=TRAIN_GROUPS, problems: list[str] = ()) -> None
             if not Path(data).is_dir():
                 problems.append(f"--data: {data!r} is not a directory; pass the folder that holds dataset.tsv, "
                                 "or s3://bucket/prefix")
-            elif not (Path(data) / "dataset.tsv").is_file():
-                problems.append(f"--data: {data!r} has no dataset.tsv; put the manifest (an image_path column) "
-                                "at the dataset root")
+            elif not (Path(data) / "dataset.tsv").is_file() and not (Path(data) / "packed.json").is_file():
+                problems.append(f"--data: {data!r} has no dataset.tsv (nor packed.json); put the manifest (an "
+                                "image_path column) at the dataset root, or pack it (python -m dali_pipe pack)")
     if "pipeline" in groups and s.pipeline.device == "gpu" and not _cuda_available():
         problems.append("--device: 'gpu' but no CUDA GPU is visible; use --device cpu (or auto)")
     if problems:

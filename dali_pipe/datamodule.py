@@ -17,7 +17,8 @@ import pytorch_lightning as pl
 from .config import DataSettings, PipelineSettings
 from .errors import UserError
 from .manifest import Manifest, Sample, read_manifest
-from .pipeline import Augment, PipelineOptions, build_pipeline, resources_for_rank
+from .packed import PackedSet, fetch, is_packed, open_packed
+from .pipeline import Augment, Files, PipelineOptions, Shards, build_pipeline, resources_for_rank
 from .scan import ScanResult, scan, write_report
 from .spec import ImageSpec
 
@@ -39,8 +40,10 @@ def local_root(data: DataSettings) -> Path:
     return Path(data.data)
 
 
-def read(data: DataSettings) -> Manifest:
-    """The manifest of the (local) dataset, split as the settings say."""
+def read(data: DataSettings) -> Manifest | PackedSet:
+    """The manifest of the (local) dataset, split as the settings say; or the pack at --data."""
+    if is_packed(data.data, data.cache_dir):
+        return open_packed(data.data, data.cache_dir)
     return read_manifest(local_root(data), val_fraction=data.val_fraction, seed=data.seed,
                          skip_missing=data.skip_missing)
 
@@ -79,8 +82,13 @@ def check_bad_fraction(result: ScanResult, data: DataSettings, output: Path) -> 
 def prepare(data: DataSettings, output: Path, *, num_threads: int) -> tuple[Manifest, ScanResult]:
     """Once per node: sync s3:// data, scan, write the report, enforce --max-bad-fraction.
     Returns the manifest without the bad files, and the scan's result."""
+    from .config import SyncSettings
+
+    if is_packed(data.data, data.cache_dir):  # scanned when packed: fetch what is needed, nothing to scan
+        fetch(data.data, data.cache_dir, mode=data.packed_s3, workers=SyncSettings.workers)
+        packed = open_packed(data.data, data.cache_dir)
+        return packed, ScanResult(total=len(packed.train) + len(packed.val))
     if data.data.startswith("s3://"):
-        from .config import SyncSettings
         from .sync import sync
 
         sync(data.data, local_root(data), workers=SyncSettings.workers, skip_missing=data.skip_missing)
@@ -131,8 +139,11 @@ class DaliDataModule(pl.LightningDataModule):
         the batch size for `world_size` ranks (default: the trainer's)."""
         if self.manifest is None:
             manifest = read(self.data)
-            result = scan_manifest(manifest, self.data, num_threads=1, progress=False)
-            self.manifest = manifest.without(set(result.bad))
+            if isinstance(manifest, PackedSet):
+                self.manifest = manifest
+            else:
+                result = scan_manifest(manifest, self.data, num_threads=1, progress=False)
+                self.manifest = manifest.without(set(result.bad))
         check_batch(len(self.manifest.train), self.data.batch_size, world_size or self._rank()[1])
         return self.manifest
 
@@ -154,8 +165,9 @@ class DaliDataModule(pl.LightningDataModule):
             resources=resources_for_rank(self.pipeline, local_world_size=local_world, training=training),
             augment=Augment.from_settings(self.pipeline), device_id=local_rank if gpu else None,
             seed=self.data.seed, shard_id=rank, num_shards=world)
-        files, labels = [s.path for s in samples], [s.label for s in samples]
-        return DaliLoader(lambda checkpoint: build_pipeline(files, labels, self.spec, opts, training=training,
+        source = (samples if isinstance(samples, Shards)
+                  else Files([s.path for s in samples], [s.label for s in samples]))
+        return DaliLoader(lambda checkpoint: build_pipeline(source, self.spec, opts, training=training,
                                                             checkpoint=checkpoint), training=training)
 
     # -- resume: each rank's loader position lives in the Lightning checkpoint -----------------

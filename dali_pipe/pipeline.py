@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from .config import PipelineSettings, cores
 from .spec import ImageSpec
 
@@ -46,6 +48,37 @@ def resources_for_rank(settings: PipelineSettings, *, local_world_size: int = 1,
     threads = settings.num_threads or max(1, min(MAX_THREADS, n // max(1, local_world_size) - 1))
     return Resources(num_threads=threads, prefetch_queue_depth=QUEUE_DEPTH[training],
                      device_memory_padding=DALI_DEVICE_PADDING, host_memory_padding=DALI_HOST_PADDING)
+
+
+@dataclass(frozen=True)
+class Files:
+    """Images as files: absolute paths and integer labels."""
+    files: list[str]
+    labels: list[int]
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+
+@dataclass(frozen=True)
+class Shards:
+    """Images packed in WebDataset tars (`python -m dali_pipe pack`): tar paths (local or s3://),
+    their local DALI index files, and a lookup from the pack's class indices to the model's (evaluate)."""
+    paths: tuple[str, ...]
+    index_paths: tuple[str, ...]
+    samples: int
+    remap: tuple[int, ...] | None = None
+
+    def __len__(self) -> int:
+        return self.samples
+
+    def __add__(self, other: "Shards") -> "Shards":
+        return Shards(self.paths + other.paths, self.index_paths + other.index_paths, self.samples + other.samples,
+                      self.remap)
+
+
+SHUFFLE_BUFFER = 1024  # shards: DALI's random_shuffle window (its webdataset reader ignores shuffle_after_epoch)
+LABEL_DIGITS = 6  # a shard's .cls member: the class index as six ASCII digits
 
 
 @dataclass(frozen=True)
@@ -89,35 +122,56 @@ def seeded_order(n: int, seed: int) -> list[int]:
     return order
 
 
-def build_pipeline(files: list[str], labels: list[int], spec: ImageSpec, opts: PipelineOptions,
-                   *, training: bool, checkpoint: str | None = None):
-    """Build (not yet run) a DALI pipeline over `files` with integer `labels`, restored from a DALI
-    `checkpoint` when given (checkpointing is always on; DALI documents no cost for it).
+def build_pipeline(source: Files | Shards, spec: ImageSpec, opts: PipelineOptions, *, training: bool,
+                   checkpoint: str | None = None):
+    """Build (not yet run) a DALI pipeline over `source`, restored from a DALI `checkpoint` when
+    given (checkpointing is always on; DALI documents no cost for it).
 
-    Training reads with `shuffle_after_epoch`: DALI permutes the whole list before every epoch,
-    the same way on every rank, and each rank reads its slice, so the ranks' shards are disjoint
-    and cover the data. (A `random_shuffle` buffer would mix the shard padding into the epoch.)
-    Shards are padded (`pad_last_batch`) so epochs have clean boundaries; the loader trims the
-    padding and, for training, the partial batch (see loader.py).
+    Files, training: `shuffle_after_epoch`, so DALI permutes the whole list before every epoch,
+    the same way on every rank, and each rank reads its slice: the ranks' shards are disjoint and
+    cover the data. Shards (packed tars), training: DALI's webdataset reader has no
+    `shuffle_after_epoch` (2.4 accepts and ignores it), so the samples, already in a seeded random
+    order from packing, pass a `random_shuffle` buffer of SHUFFLE_BUFFER, and the tar order is
+    permuted by --seed. Either way DALI pads each rank's share (`pad_last_batch`) so epochs have
+    clean boundaries; the loader trims the padding and, for training, the partial batch (loader.py).
+    Both keep each sample once per epoch (tests/test_loader.py).
     """
     if opts.device not in ("gpu", "cpu"):
         raise ValueError(f"device must be 'gpu' or 'cpu', got {opts.device!r}")
     from nvidia.dali import fn, pipeline_def, types
 
-    labels = [int(x) for x in labels]
-    if training:
-        order = seeded_order(len(files), opts.seed)
-        files, labels = [files[i] for i in order], [labels[i] for i in order]
+    if training and isinstance(source, Files):
+        order = seeded_order(len(source.files), opts.seed)
+        source = Files([source.files[i] for i in order], [int(source.labels[i]) for i in order])
+    elif training:
+        order = seeded_order(len(source.paths), opts.seed)
+        source = Shards(tuple(source.paths[i] for i in order), tuple(source.index_paths[i] for i in order),
+                        source.samples, source.remap)
     res = opts.resources
-
     aug = opts.augment
+
+    def read():
+        if isinstance(source, Files):
+            return fn.readers.file(
+                files=source.files, labels=[int(x) for x in source.labels], name=READER_NAME,
+                shard_id=opts.shard_id, num_shards=opts.num_shards, pad_last_batch=True,
+                shuffle_after_epoch=training)
+        shuffle = dict(random_shuffle=True, initial_fill=SHUFFLE_BUFFER) if training else {}
+        jpegs, cls = fn.readers.webdataset(
+            paths=list(source.paths), index_paths=list(source.index_paths), ext=["jpg", "cls"], name=READER_NAME,
+            shard_id=opts.shard_id, num_shards=opts.num_shards, pad_last_batch=True,
+            missing_component_behavior="error", **shuffle)
+        digits = fn.cast(cls, dtype=types.INT32) - ord("0")
+        powers = types.Constant(np.array([10 ** k for k in range(LABEL_DIGITS - 1, -1, -1)], dtype=np.int32))
+        lab = fn.reductions.sum(digits * powers, axes=0)
+        if source.remap is not None:  # the pack's class index -> the model's
+            lab = fn.lookup_table(lab, keys=list(range(len(source.remap))), values=list(source.remap),
+                                  default_value=-1)
+        return jpegs, lab
 
     @pipeline_def(enable_checkpointing=True, enable_conditionals=training)
     def image_pipeline():
-        jpegs, lab = fn.readers.file(
-            files=files, labels=labels, name=READER_NAME,
-            shard_id=opts.shard_id, num_shards=opts.num_shards, pad_last_batch=True,
-            shuffle_after_epoch=training)
+        jpegs, lab = read()
         decoder = "mixed" if opts.device == "gpu" else "cpu"
         hints = dict(device_memory_padding=res.device_memory_padding, host_memory_padding=res.host_memory_padding,
                      hw_decoder_load=HW_DECODER_LOAD) if decoder == "mixed" else {}

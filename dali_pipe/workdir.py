@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -56,15 +57,18 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
+_PID = re.compile(r"-(\d+)(\.[0-9A-Za-z]+)?$")  # ...-PID, or ...-PID.suffix (s3transfer's own temp name)
+
+
 def remove_dead_temps(directory: Path | str, pattern: str, *, recursive: bool = False) -> list[Path]:
     """Remove temporary files matching `pattern` whose writer is dead: their names end in -PID."""
     removed = []
     directory = Path(directory)
     for tmp in (directory.rglob(pattern) if recursive else directory.glob(pattern)):
-        try:
-            pid = int(tmp.name.rsplit("-", 1)[1])
-        except (IndexError, ValueError):
+        m = _PID.search(tmp.name)
+        if not m:
             continue
+        pid = int(m.group(1))
         if pid != os.getpid() and not pid_alive(pid):
             tmp.unlink(missing_ok=True)
             removed.append(tmp)

@@ -45,6 +45,53 @@ def photo_root(tmp_path_factory) -> Path:
 
 
 @pytest.fixture
+def s3(monkeypatch):
+    """A fresh moto S3 server on a free loopback port; the AWS env points boto3 at it."""
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    url = f"http://{host}:{port}"
+    for k, v in {"AWS_ENDPOINT_URL": url, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+                 "AWS_DEFAULT_REGION": "us-east-1"}.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.delenv("AWS_PROFILE", raising=False)
+    yield server, url
+    server.stop()
+
+
+@pytest.fixture
+def s3_process(monkeypatch):
+    """moto's S3 server in its own process (DALI's own S3 client must not wait on this process's GIL,
+    as it would with the threaded server); the AWS env points boto3 and DALI at it."""
+    import socket
+    import subprocess
+    import time
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    for _ in range(200):
+        try:
+            socket.create_connection(("127.0.0.1", port), 0.2).close()
+            break
+        except OSError:
+            time.sleep(0.05)
+    url = f"http://127.0.0.1:{port}"
+    for k, v in {"AWS_ENDPOINT_URL": url, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+                 "AWS_DEFAULT_REGION": "us-east-1"}.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.delenv("AWS_PROFILE", raising=False)
+    yield url
+    proc.terminate()
+    proc.wait(timeout=30)
+
+
+@pytest.fixture
 def cache_dir(tmp_path, monkeypatch) -> Path:
     d = tmp_path / "cache"
     monkeypatch.setenv("DALI_PIPE_CACHE", str(d))

@@ -47,3 +47,19 @@ def test_two_ranks_shard_exactly_and_resume_exactly_after_sigterm(photo_root, tm
     metric = [ln for ln in r.stdout.splitlines() if ln.startswith("METRIC epoch=2")]
     assert metric and "train_samples=40" in metric[0] and "val_samples=7" in metric[0], metric
     assert Counter(x["rank"] for x in records if x["kind"] == "val")[1] > 0, "rank 1 validated its shard"
+
+
+@pytest.mark.slow
+def test_two_ranks_on_packed_data_cover_each_sample_once(photo_root, tmp_path):
+    from dali_pipe.cli.commands import main
+
+    data = rt.indexed_dataset(photo_root, tmp_path / "data")
+    packed = tmp_path / "packed"
+    os.environ.setdefault("DALI_PIPE_CACHE", str(tmp_path / "cache"))
+    main(["pack", str(data), str(packed), "--max-side", "64", "--shard-size", "40kB", "--workers", "1"])
+    out, trace = tmp_path / "out", tmp_path / "trace.jsonl"
+    r = _run(packed, out, trace, "none", tmp_path / "cache")
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    rows = [x.split("\t") for x in (data / "dataset.tsv").read_text().splitlines()[1:]]
+    rt.assert_each_sample_once_per_epoch(rt.read(trace), train={x[1] for x in rows if x[2] == "train"},
+                                         epochs=EPOCHS, batch=BATCH, world=2, val={x[1] for x in rows if x[2] == "val"})

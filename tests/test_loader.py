@@ -7,7 +7,7 @@ import pytest
 from helpers import cpu_options
 
 from dali_pipe.loader import DaliLoader
-from dali_pipe.pipeline import build_pipeline
+from dali_pipe.pipeline import Files, build_pipeline
 from dali_pipe.spec import ImageSpec
 
 SPEC = ImageSpec(16, 16, (0.5,) * 3, (0.5,) * 3)
@@ -24,7 +24,7 @@ def _indexed(photo_root):
 
 def _loader(files, labels, batch, training, shard=0, shards=1, augment=None):
     opts = cpu_options(batch, threads=2, training=training, shard_id=shard, num_shards=shards, seed=3, augment=augment)
-    return DaliLoader(lambda ck: build_pipeline(files, labels, SPEC, opts, training=training, checkpoint=ck),
+    return DaliLoader(lambda ck: build_pipeline(Files(files, labels), SPEC, opts, training=training, checkpoint=ck),
                       training=training)
 
 
@@ -125,7 +125,7 @@ def test_seed_sets_the_order_and_epochs_differ(photo_root):
 
     def order(seed):
         opts = cpu_options(8, seed=seed)
-        loader = DaliLoader(lambda ck: build_pipeline(files, labels, SPEC, opts, training=True, checkpoint=ck),
+        loader = DaliLoader(lambda ck: build_pipeline(Files(files, labels), SPEC, opts, training=True, checkpoint=ck),
                             training=True)
         return [[i for _, y in loader for i in y.tolist()] for _ in range(2)]
 

@@ -6,7 +6,7 @@ import pytest
 from helpers import cpu_options
 
 from dali_pipe.config import PipelineSettings
-from dali_pipe.pipeline import Augment, PipelineOptions, build_pipeline, resources_for_rank
+from dali_pipe.pipeline import Augment, Files, PipelineOptions, build_pipeline, resources_for_rank
 from dali_pipe.spec import ImageSpec
 
 SPEC = ImageSpec(64, 48, mean=(0.5, 0.4, 0.3), std=(0.2, 0.25, 0.3))
@@ -56,7 +56,7 @@ def test_validation_matches_pil_reference(photo_root, device):
     """Decode + resize + normalise equals PIL + numpy within the stated mean/p99/max tolerances."""
     files, labels = _files(photo_root, 8)
     opts = _options(8, device)
-    out, out_labels = _run(build_pipeline(files, labels, SPEC, opts, training=False))
+    out, out_labels = _run(build_pipeline(Files(files, labels), SPEC, opts, training=False))
     ref = np.stack([_reference(f, SPEC) for f in files])
     assert out.shape == (8, 3, 64, 48) and out.dtype == np.float32
     err = np.abs(out - ref)
@@ -72,7 +72,7 @@ def test_training_output_shape_dtype_and_range(photo_root, device):
     """Random crop + flip stay inside the normalised [0,1] pixel range; batches differ per run."""
     files, labels = _files(photo_root)
     opts = _options(16, device, threads=2)
-    pipe = build_pipeline(files, labels, SPEC, opts, training=True)
+    pipe = build_pipeline(Files(files, labels), SPEC, opts, training=True)
     a, la = _run(pipe)
     second = pipe.run()[0]
     b = np.stack([np.asarray(t) for t in (second.as_cpu() if device == "gpu" else second)])
@@ -97,7 +97,7 @@ def test_training_crop_is_a_crop_of_the_image(tmp_path):
         Image.fromarray(x).save(p)
         files.append(str(p))
     spec = ImageSpec(32, 32, (0.5,) * 3, (0.5,) * 3)
-    out, _ = _run(build_pipeline(files, [0, 1, 0, 1], spec, cpu_options(4), training=True))
+    out, _ = _run(build_pipeline(Files(files, [0, 1, 0, 1]), spec, cpu_options(4), training=True))
     # every output pixel is black (-1), white (+1) or an interpolated edge; never outside [-1, 1]
     assert out.min() >= -1 - 1e-5 and out.max() <= 1 + 1e-5
     assert ((np.abs(np.abs(out) - 1) < 1e-3).mean()) > 0.8
@@ -107,7 +107,7 @@ def test_resize_shorter_then_center_crop(photo_root):
     """Processors with shortest_edge + crop_size get resize-shorter then a center crop."""
     files, labels = _files(photo_root, 4)
     spec = ImageSpec(32, 32, (0.5,) * 3, (0.5,) * 3, resize_shorter=40)
-    out, _ = _run(build_pipeline(files, labels, spec, cpu_options(4, training=False), training=False))
+    out, _ = _run(build_pipeline(Files(files, labels), spec, cpu_options(4, training=False), training=False))
     assert out.shape == (4, 3, 32, 32)
 
 
@@ -128,7 +128,7 @@ def _halves(tmp_path, n=8):
 def _batch(files, training, **augment):
     spec = ImageSpec(32, 32, (0.5,) * 3, (0.5,) * 3)
     opts = _options(len(files), "cpu", **augment)
-    return _run(build_pipeline(files, list(range(len(files))), spec, opts, training=training))[0]
+    return _run(build_pipeline(Files(files, list(range(len(files)))), spec, opts, training=training))[0]
 
 
 def test_crop_scale_bounds_the_crop(tmp_path):

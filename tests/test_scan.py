@@ -44,14 +44,14 @@ def test_odd_formats_come_out_as_3_channel_model_size(corpus, tmp_path):
     import numpy as np
     from helpers import cpu_options
 
-    from dali_pipe.pipeline import build_pipeline
+    from dali_pipe.pipeline import Files, build_pipeline
     from dali_pipe.spec import ImageSpec
 
     root, expected = corpus
     odd = [str(root / p) for p, r in expected.items() if r is None]
     spec = ImageSpec(64, 64, (0.5,) * 3, (0.5,) * 3)
     for training in (False, True):
-        pipe = build_pipeline(odd, list(range(len(odd))), spec,
+        pipe = build_pipeline(Files(odd, list(range(len(odd)))), spec,
                               cpu_options(len(odd), training=training), training=training)
         pipe.build()
         images, labels = pipe.run()
@@ -123,12 +123,12 @@ def test_undetected_bad_file_gets_a_clear_error_pointing_to_full_scan(corpus, tm
     from helpers import cpu_options
 
     from dali_pipe.loader import DaliLoader, PipelineDecodeError
-    from dali_pipe.pipeline import build_pipeline
+    from dali_pipe.pipeline import Files, build_pipeline
     from dali_pipe.spec import ImageSpec
 
     root, _ = corpus
     files = [str(root / "odd/gray.jpg"), str(root / "bad/bad_huffman.jpg")]
-    pipe = build_pipeline(files, [0, 1], ImageSpec(32, 32, (0.5,) * 3, (0.5,) * 3),
+    pipe = build_pipeline(Files(files, [0, 1]), ImageSpec(32, 32, (0.5,) * 3, (0.5,) * 3),
                           cpu_options(2, training=False), training=False)
     with pytest.raises(PipelineDecodeError, match="could not decode .*bad_huffman.jpg.*--scan full"):
         list(DaliLoader(lambda ck: pipe, training=False))

@@ -14,23 +14,6 @@ from dali_pipe.sync import SyncError, make_client, sync
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture
-def s3(monkeypatch):
-    """A fresh moto S3 server on a free loopback port; the AWS env points boto3 at it."""
-    from moto.server import ThreadedMotoServer
-
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    url = f"http://{host}:{port}"
-    for k, v in {"AWS_ENDPOINT_URL": url, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-                 "AWS_DEFAULT_REGION": "us-east-1"}.items():
-        monkeypatch.setenv(k, v)
-    monkeypatch.delenv("AWS_PROFILE", raising=False)
-    yield server, url
-    server.stop()
-
-
 def _upload(photo_root: Path, bucket="data", prefix="ds", extra_rows=""):
     client = make_client(8)
     client.create_bucket(Bucket=bucket)

@@ -15,9 +15,15 @@ COMMANDS = {  # the settings each command exposes: groups by name, single settin
     "sync": ("sync", "--skip-missing"),
     "evaluate": ("eval", "--model", "--precision", "--data", "--cache-dir", "--batch-size", "--val-fraction", "--seed",
                  "--scan", "--max-pixels", "--max-bad-fraction", "--skip-missing", "--device", "--num-threads"),
+    "pack": ("pack", "--val-fraction", "--seed", "--scan", "--max-pixels", "--max-bad-fraction", "--skip-missing",
+             "--cache-dir"),
     "predict": ("predict", "--model", "--precision", "--data", "--cache-dir", "--batch-size", "--scan", "--max-pixels",
                 "--device", "--num-threads"),
 }
+PACK_DOC = ("Pack a dataset (SRC: a folder with dataset.tsv, or s3://bucket/prefix) into WebDataset tar shards "
+            "with DALI index files and a packed.json at DST (a folder or s3://bucket/prefix): bad images are "
+            "left out (DST/bad_images.tsv), images larger than --max-side are downscaled, the train/val split is "
+            "fixed. Deterministic and resumable (rerun after an interruption). Train with --data DST.")
 EVALUATE_DOC = ("Evaluate a trained model (the folder train.py wrote) on a labelled dataset, through the same DALI "
                 "validation pipeline as training: accuracy, top-5, loss, per-class precision/recall/F1 and the "
                 "confusion matrix in OUTPUT/metrics.json, the matrix drawn in OUTPUT/confusion.png.")
@@ -32,6 +38,8 @@ def parser():
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     add_subcommand(sub, "sync", "download dataset.tsv and only the files it lists, in parallel, resumably",
                    SYNC_DOC, COMMANDS["sync"])
+    add_subcommand(sub, "pack", "pre-resized WebDataset shards that DALI reads from disk or S3", PACK_DOC,
+                   COMMANDS["pack"])
     add_subcommand(sub, "evaluate", "metrics and a confusion matrix of a trained model on labelled data", EVALUATE_DOC,
                    COMMANDS["evaluate"])
     add_subcommand(sub, "predict", "label a folder of images with a trained model", PREDICT_DOC, COMMANDS["predict"])
@@ -51,6 +59,10 @@ def main(argv: list[str] | None = None) -> int:
                      progress=not s.sync.no_progress)
         if s.sync.no_progress:
             print(stats.summary())
+    elif command == "pack":
+        from .pack import run
+
+        run(s)
     elif command == "evaluate":
         from .evaluate import run
 

@@ -2,6 +2,7 @@
 validation pipeline as training; writes EVAL/metrics.json and EVAL/confusion.png."""
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 from ..config import Settings
@@ -18,6 +19,7 @@ def run(s: Settings) -> dict:
 
     from ..datamodule import DaliDataModule
     from ..manifest import Sample
+    from ..pipeline import Shards
     from ..spec import ImageSpec
     from .infer import prepared, run_model
 
@@ -37,7 +39,10 @@ def run(s: Settings) -> dict:
         raise LabelError(f"--data has {len(unknown)} label(s) the model was not trained on: {unknown[:10]}; the "
                          f"model knows {len(label2id)} classes (config.json id2label)")
     remap = [label2id[c] for c in manifest.classes]
-    samples = [Sample(x.path, remap[x.label], x.line) for x in samples]
+    if isinstance(samples, Shards):  # packed: the pipeline maps the pack's class indices to the model's
+        samples = dataclasses.replace(samples, remap=tuple(remap))
+    else:
+        samples = [Sample(x.path, remap[x.label], x.line) for x in samples]
     logits, labels = run_model(model, dm.loader(samples, training=False), s.pipeline.device, s.model.precision)
     metrics = evaluation.compute(logits, labels, {int(k): v for k, v in model.config.id2label.items()})
     metrics.update(model=s.model.model, data=str(s.data.data), split=s.eval.split)

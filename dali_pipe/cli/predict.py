@@ -55,8 +55,6 @@ def list_images(data: str, cache_dir: str) -> tuple[Path, list[str]]:
 
 
 def run(s: Settings) -> dict:
-    import torch
-
     from model.loading import load_processor, load_trained
 
     from ..datamodule import DaliDataModule
@@ -68,6 +66,11 @@ def run(s: Settings) -> dict:
     s = prepared(s, s.predict.predict_output)
     out = Path(s.predict.predict_output)
     model = load_trained(s.model.model)
+    dm = DaliDataModule(s.data, s.pipeline, ImageSpec.from_processor(load_processor(s.model.model)), out)
+    from ..packed import is_packed
+
+    if is_packed(s.data.data, s.data.cache_dir):
+        return _predict_packed(s, dm, model, out)
     root, rels = list_images(s.data.data, s.data.cache_dir)
     paths = [str((root / r).resolve()) for r in rels]
     result = scan(paths, s.data.scan if s.data.scan != "off" else "fast", max_pixels=s.data.max_pixels,
@@ -78,16 +81,40 @@ def run(s: Settings) -> dict:
     if not good:
         raise InputError(f"none of the {len(rels)} image(s) under {s.data.data!r} is readable; see "
                          f"{out / 'bad_images.tsv'}")
-    dm = DaliDataModule(s.data, s.pipeline, ImageSpec.from_processor(load_processor(s.model.model)), out)
     loader = dm.loader([Sample(p, i, i) for i, (_, p) in enumerate(good)], training=False)
     logits, index = run_model(model, loader, s.pipeline.device, s.model.precision)
-    k = min(s.predict.top_k, logits.shape[1])
+    write_predictions(out, [good[i][0] for i in index.tolist()], logits, model, s.predict.top_k)
+    print(f"predict: {len(good)} image(s) labelled in {out / 'predictions.tsv'}"
+          + (f"; {len(bad)} unreadable listed in {out / 'bad_images.tsv'}" if bad else ""))
+    return {"predicted": len(good), "bad": len(bad)}
+
+
+def _predict_packed(s: Settings, dm, model, out: Path) -> dict:
+    """Every image of a pack (train and val shards), named by its key (its path without extension)."""
+    from ..pack import read_index_keys
+    from .infer import run_model
+
+    dm.prepare_data()
+    packed = dm.manifest
+    shards = packed.train + packed.val
+    keys = [k for idx in shards.index_paths for k in read_index_keys(Path(idx))]
+    logits, _ = run_model(model, dm.loader(shards, training=False), s.pipeline.device, s.model.precision)
+    write_predictions(out, keys, logits, model, s.predict.top_k)
+    print(f"predict: {len(keys)} packed image(s) labelled in {out / 'predictions.tsv'}")
+    return {"predicted": len(keys), "bad": 0}
+
+
+def write_predictions(out: Path, names: list[str], logits, model, top_k: int) -> None:
+    """PRED/predictions.tsv: image_path, label, score, then label_2, score_2, ... (softmax scores)."""
+    import torch
+
+    k = min(top_k, logits.shape[1])
     scores, ids = torch.softmax(logits, 1).topk(k, dim=1)
     id2label = {int(i): v for i, v in model.config.id2label.items()}
     head = ["image_path", "label", "score"] + [f"{c}_{j}" for j in range(2, k + 1) for c in ("label", "score")]
     rows = ["\t".join(head)]
-    for row, i in enumerate(index.tolist()):
-        cells = [good[i][0]]
+    for row, name in enumerate(names):
+        cells = [name]
         for j in range(k):
             cells += [id2label.get(int(ids[row, j]), str(int(ids[row, j]))), f"{float(scores[row, j]):.6f}"]
         rows.append("\t".join(cells))
@@ -95,6 +122,3 @@ def run(s: Settings) -> dict:
     tmp = out / f".predictions.tsv.tmp-{os.getpid()}"
     tmp.write_text("\n".join(rows) + "\n")
     os.replace(tmp, out / "predictions.tsv")
-    print(f"predict: {len(good)} image(s) labelled in {out / 'predictions.tsv'}"
-          + (f"; {len(bad)} unreadable listed in {out / 'bad_images.tsv'}" if bad else ""))
-    return {"predicted": len(good), "bad": len(bad)}

@@ -78,7 +78,8 @@ def spread(values: list[float]) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values), "rounds": values}
 
 
-RATIO_PAIRS = (("dali", "baseline"), ("dali", "synthetic"), ("baseline", "synthetic"))
+RATIO_PAIRS = (("dali", "baseline"), ("dali", "synthetic"), ("baseline", "synthetic"), ("packed", "dali"),
+               ("packed", "baseline"), ("packed", "synthetic"))
 
 
 def ratios(rounds: dict[str, list[float]]) -> dict[str, dict]:
@@ -157,7 +158,7 @@ def plot(report: dict, path: Path) -> None:
     rounds = [report["loaders"][n]["images_per_sec_rounds"] for n in names]
     med = [r["median"] for r in rounds]
     err = [[r["median"] - r["min"] for r in rounds], [r["max"] - r["median"] for r in rounds]]
-    colors = ["#76b900" if n == "dali" else "#888888" if n == "baseline" else "#4a90d9" for n in names]
+    colors = [{"dali": "#76b900", "packed": "#3d6b00", "baseline": "#888888"}.get(n, "#4a90d9") for n in names]
     bars = ax2.bar(names, med, yerr=err, capsize=4, color=colors)
     for b, v in zip(bars, med):
         ax2.annotate(f"{v:.0f}", (b.get_x() + b.get_width() / 2, v), ha="center", va="bottom",

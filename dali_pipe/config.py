@@ -35,7 +35,7 @@ from .errors import UserError
 PRECISIONS = ("auto", "32-true", "16-mixed", "bf16-mixed")
 DEVICES = ("auto", "gpu", "cpu")
 SCAN_MODES = ("off", "fast", "full")
-LOADERS = ("dali", "baseline", "synthetic")
+LOADERS = ("dali", "packed", "baseline", "synthetic")
 AUTO_AUGMENTS = ("none", "rand", "trivial", "auto")  # RandAugment, TrivialAugmentWide, AutoAugment (ImageNet policy)
 SELECT = ("best", "last")
 SPLIT_CHOICES = ("val", "train", "all")
@@ -209,6 +209,8 @@ class BenchmarkSettings:
                                      "(default: all)",
                                check=(lambda v: 1 <= v <= cores(),
                                       f"must be between 1 and {cores()} (the cores this process may use)"))
+    packed: str | None = setting(None, "benchmark: a pack of --data (python -m dali_pipe pack) that the 'packed' "
+                                       "loader reads with DALI, beside the raw files")
     repeat: int = setting(1, "benchmark: rounds; the loaders alternate within each round, and the report "
                              "gives the median and min-max of each loader and of each ratio", check=AT_LEAST_1)
 
@@ -458,6 +460,9 @@ def validate(s: Settings, groups=TRAIN_GROUPS, problems: list[str] = ()) -> None
     """Check every setting of `groups`; raise one UsageError listing every problem (with `problems`
     found earlier, such as unknown flags)."""
     problems = list(problems) + field_problems(s, selected(groups))
+    if "bench" in groups and isinstance(s.bench.loaders, str) and "packed" in s.bench.loaders.split(","):
+        if not s.bench.packed:
+            problems.append("--loaders: 'packed' needs --packed, a pack of --data (python -m dali_pipe pack DATA DIR)")
     if "model" in groups:
         if s.model.model == "none" and not s.bench.benchmark:
             problems.append("--model: 'none' only makes sense with --benchmark (it times the loaders without a model)")

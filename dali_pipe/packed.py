@@ -45,13 +45,12 @@ class PackedSet:
         return self  # bad images were left out when packing
 
 
-def is_packed(data: str, cache_dir: str | Path) -> bool:
-    """Whether --data is a pack (an s3:// prefix is asked once and remembered in the cache dir)."""
+def is_packed(data: str, cache_dir: str | Path | None = None) -> bool:
+    """Whether --data is a pack (an s3:// prefix is asked once, then remembered in the cache dir)."""
     if data.startswith("s3://"):
         from .sync import local_target
 
-        local = local_target(data, Path(cache_dir))
-        if (local / PACKED_NAME).is_file():
+        if cache_dir is not None and (local_target(data, Path(cache_dir)) / PACKED_NAME).is_file():
             return True
         return _remote_packed_json(data) is not None
     return (Path(data) / PACKED_NAME).is_file()
@@ -83,9 +82,15 @@ def fetch(data: str, cache_dir: str | Path, *, mode: str, workers: int, progress
     when `mode` (auto|sync|stream) says so. Returns the local folder."""
     if not data.startswith("s3://"):
         return Path(data)
-    from .sync import local_target, sync_objects
+    from .sync import local_target
 
-    local = local_target(data, Path(cache_dir))
+    return fetch_to(data, local_target(data, Path(cache_dir)), mode=mode, workers=workers, progress=progress)
+
+
+def fetch_to(data: str, local: Path, *, mode: str, workers: int, progress: bool = True) -> Path:
+    """`fetch` into a given folder (`python -m dali_pipe sync` of a pack)."""
+    from .sync import sync_objects
+
     local.mkdir(parents=True, exist_ok=True)
     raw = _remote_packed_json(data)
     if raw is None:

@@ -54,6 +54,12 @@ def test_planted_input_bound_and_compute_bound(big_root, tmp_path, cache_dir):
     assert diag["baseline"].startswith("baseline: input-bound"), diag
     assert "compute-bound" in diag["synthetic"], diag
     assert rep["loaders"]["dali"]["data_wait_fraction"] > 0.2
+    advice = [d for d in rep["diagnosis"] if "packing with --max-side 384" in d]
+    assert advice, rep["diagnosis"]
+    import re
+
+    raw, packed = map(float, re.search(r"ceiling from (\d+) to about (\d+) images/s", advice[0]).groups())
+    assert "median 2." in advice[0] and packed > raw  # ~2.5 Mpx photos; measured on the user's own files
 
 
 def test_model_none_times_loaders_only(photo_root, tmp_path, cache_dir):
@@ -68,3 +74,16 @@ def test_batch_larger_than_the_data_is_refused_not_spun_on(photo_root, tmp_path,
     with pytest.raises(BatchTooLargeError, match="--batch-size 64 is larger than the 43 training images"):
         train.main(["--benchmark", "--data", str(photo_root), "--output", str(tmp_path / "b"), "--device", "cpu",
                     "--batch-size", "64", "--model", "none", "--loaders", "dali,baseline"])
+
+
+def test_packed_loader_beside_the_raw_files(big_root, tmp_path, cache_dir):
+    """--loaders dali,packed,baseline --packed DIR: DALI over the pack, side by side with the raw files."""
+    from dali_pipe.cli.commands import main
+
+    main(["pack", str(big_root), str(tmp_path / "p"), "--max-side", "384"])
+    rep = _bench(big_root, tmp_path / "b", "--model", "none", "--loaders", "dali,packed,baseline",
+                 "--packed", str(tmp_path / "p"), "--cpus", "1", "--val-fraction", "0")
+    assert {"packed_vs_dali", "packed_vs_baseline", "dali_vs_baseline"} <= set(rep["ratios"])
+    assert rep["ratios"]["packed_vs_dali"]["median"] > 1.5
+    with pytest.raises(train.UsageError, match="'packed' needs --packed"):
+        _bench(big_root, tmp_path / "c", "--model", "none", "--loaders", "packed")

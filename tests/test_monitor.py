@@ -65,3 +65,22 @@ def test_monitor_callback_names_checkpoint_stalls(photo_root, tmp_path, cache_di
     assert lines and "training:" in lines[0]
     stall = [ln for ln in lines if "periodic stalls" in ln]
     assert stall and "line up with checkpoint saves" in stall[0], lines
+
+
+def test_monitor_prescribes_packing_for_large_photos(tmp_path, cache_dir, capsys):
+    """An input-bound --monitor verdict on ~2.5 Mpx photos measures a pack of them (the timing itself is
+    planted in test_benchmark; here the verdict is given)."""
+    from dali_pipe.cli import fit, parse_train
+    from dali_pipe.config import resolve
+    from dali_pipe.datamodule import read
+    from dali_pipe.demo import make_photo_dataset
+    from dali_pipe.spec import ImageSpec
+
+    big = make_photo_dataset(tmp_path / "big", classes=2, per_class=6, side=(1600, 1800))
+    s = resolve(parse_train(["--data", str(big), "--device", "cpu", "--model", "tiny", "--batch-size", "4"]))
+    report = {"diagnosis": ["training: input-bound, 60% of each step waits for data while the CPU is 99% busy"]}
+    fit.advise_packing(s, report, read(s.data), ImageSpec(64, 64, (0.5,) * 3, (0.5,) * 3))
+    line = capsys.readouterr().out.strip()
+    assert line.startswith("MONITOR input-bound on large photos (median 2.") and "--max-side 384" in line, line
+    fit.advise_packing(s, {"diagnosis": ["training: compute-bound (CPU)"]}, read(s.data), None)
+    assert capsys.readouterr().out == ""

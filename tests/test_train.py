@@ -68,7 +68,7 @@ def test_precision_auto():
     assert resolve_precision("16-mixed", "cpu") == "16-mixed"
 
 
-def test_cli_documented_form_and_clean_errors(photo_root, tmp_path, cache_dir):
+def test_cli_documented_form_and_clean_errors(photo_root, tmp_path, cache_dir, capsys):
     """`python train.py --data DIR --model tiny --epochs 2 --device cpu --output OUT` works as written;
     a bad manifest is one clear line on stderr and exit 2, not a traceback."""
     out = tmp_path / "OUT"
@@ -83,11 +83,13 @@ def test_cli_documented_form_and_clean_errors(photo_root, tmp_path, cache_dir):
     bad = tmp_path / "bad"
     bad.mkdir()
     (bad / "dataset.tsv").write_text("image_path\nonly/a.jpg\n")
-    r = subprocess.run([sys.executable, str(ROOT / "train.py"), "--data", str(bad), "--model", "tiny",
-                        "--device", "cpu", "--output", str(tmp_path / "o2")], capture_output=True, text=True,
-                       env=env, timeout=300)
-    assert r.returncode == 2 and "Traceback" not in r.stderr
-    assert "error:" in r.stderr and "missing" in r.stderr
+    from dali_pipe.cli import cli
+
+    rc = cli(lambda: train.main(["--data", str(bad), "--model", "tiny", "--device", "cpu", "--output",
+                                 str(tmp_path / "o2")]))  # train.py's entry, in this process
+    err = capsys.readouterr().err
+    assert rc == 2 and "Traceback" not in err
+    assert err.startswith("error: ") and "missing" in err
 
 
 @pytest.mark.gpu

@@ -1,19 +1,25 @@
 #!/usr/bin/env python3
-"""Measure `python -m dali_pipe sync` against `aws s3 sync` on the same local S3 server, in one run.
+"""Measure S3 -> disk sync side by side on one local S3 server, in one run, alternating rounds.
+
+    --compare cli     `python -m dali_pipe sync` of the raw files vs `aws s3 sync` of the same prefix
+    --compare packed  `python -m dali_pipe sync` of the raw files vs of their pack (`pack --max-side 384`)
 
 Starts moto's S3 server on 127.0.0.1, uploads a dataset of real photos (generated from
-scikit-image's photographs), then syncs it to fresh local folders with each tool, alternating,
-and prints the wall times and the ratio. Both read the same bucket through the same endpoint.
+scikit-image's photographs; and its pack for --compare packed), then syncs into fresh folders.
 `--latency-ms` delays every request in the server, to stand in for S3's per-request latency
-(loopback answers in microseconds; S3 takes tens of milliseconds to the first byte).
+(loopback answers in microseconds; S3 takes tens of milliseconds to the first byte). Prints each
+round, the median and min-max per tool, and the ratio of medians.
 
-    python tools/bench_sync.py [--files 420] [--side 600 900] [--rounds 2] [--workers 32] [--latency-ms 0 20]
+    python tools/bench_sync.py [--compare cli|packed] [--files 420] [--side 600 900] [--rounds 3]
+                               [--latency-ms 0 20] [--json OUT.json]
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -24,15 +30,26 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tools")]
 
 
+def upload(client, folder: Path, prefix: str) -> tuple[int, int]:
+    files = [q for q in folder.rglob("*") if q.is_file() and not q.name.startswith(".")]
+    for q in files:
+        client.put_object(Bucket="bench", Key=f"{prefix}/{q.relative_to(folder)}", Body=q.read_bytes())
+    return len(files), sum(q.stat().st_size for q in files)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--compare", choices=("cli", "packed"), default="cli")
     p.add_argument("--files", type=int, default=420, help="number of JPEGs (7 classes)")
     p.add_argument("--side", type=int, nargs=2, default=(600, 900), help="longer side range in px")
-    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--workers", type=int, default=32, help="dali_pipe sync threads")
     p.add_argument("--latency-ms", type=float, nargs="+", default=[0.0, 20.0],
                    help="per-request server delays to measure at, one pass each")
+    p.add_argument("--json", help="also write the measurements here")
     args = p.parse_args()
+    import logging
+
     from s3server import delayed_server
 
     from dali_pipe.demo import make_photo_dataset
@@ -40,8 +57,6 @@ def main() -> None:
 
     work = Path(tempfile.mkdtemp(prefix="bench_sync_"))
     src = make_photo_dataset(work / "src", classes=7, per_class=args.files // 7, side=tuple(args.side))
-    import logging
-
     logging.getLogger("werkzeug").setLevel(logging.ERROR)
     server = delayed_server()
     url = "http://%s:%d" % server.get_host_and_port()
@@ -49,40 +64,48 @@ def main() -> None:
                       AWS_DEFAULT_REGION="us-east-1")
     client = make_client(16)
     client.create_bucket(Bucket="bench")
-    files = [q for q in src.rglob("*") if q.is_file()]
-    for q in files:
-        client.put_object(Bucket="bench", Key=f"ds/{q.relative_to(src)}", Body=q.read_bytes())
-    total = sum(q.stat().st_size for q in files)
-    print(f"{len(files)} objects, {total / 1e6:.1f} MB on {url}")
-    aws = shutil.which("aws") or str(Path(sys.executable).parent / "aws")
+    n, size = upload(client, src, "raw")
+    print(f"raw: {n} objects, {size / 1e6:.1f} MB on {url}")
+    sync = [sys.executable, "-m", "dali_pipe", "sync", "--no-progress", "--workers", str(args.workers)]
+    tools = {"dali_pipe sync (raw)": sync + ["s3://bench/raw"]}
+    if args.compare == "cli":
+        aws = shutil.which("aws") or str(Path(sys.executable).parent / "aws")
+        tools = {"aws s3 sync (raw)": [aws, "s3", "sync", "--only-show-errors", "s3://bench/raw", "--endpoint-url",
+                                       url, "--dest"], **tools}
+    else:
+        subprocess.run([sys.executable, "-m", "dali_pipe", "pack", str(src), str(work / "packed"), "--max-side",
+                        "384", "--val-fraction", "0", "--cache-dir", str(work / "cache")], check=True, cwd=ROOT,
+                       stderr=subprocess.DEVNULL)
+        n, size = upload(client, work / "packed", "packed")
+        print(f"packed: {n} objects, {size / 1e6:.1f} MB")
+        tools["dali_pipe sync (packed)"] = sync + ["s3://bench/packed"]
 
     def command(name, dest):
-        if name.startswith("aws"):
-            return [aws, "s3", "sync", "--only-show-errors", "s3://bench/ds", str(dest), "--endpoint-url", url]
-        return [sys.executable, "-m", "dali_pipe", "sync", "s3://bench/ds", str(dest), "--no-progress",
-                "--workers", str(args.workers)]
+        cmd = tools[name]
+        if cmd[-1] == "--dest":  # aws s3 sync SRC DEST
+            return cmd[:-1][:5] + [str(dest)] + cmd[5:-1]
+        return cmd + [str(dest)]
 
+    report = {"compare": args.compare, "files": args.files, "side": args.side, "rounds": args.rounds, "results": {}}
     for latency in args.latency_ms:
         server.delay = latency / 1000
-        times = {"aws s3 sync": [], "dali_pipe sync": []}
+        times = {name: [] for name in tools}
         for r in range(args.rounds):
-            for name in (list(times) if r % 2 == 0 else list(reversed(times))):
-                dest = work / f"{name.split()[0]}_{latency}_{r}"
+            for name in (list(tools) if r % 2 == 0 else list(reversed(tools))):
+                dest = work / f"{len(times[name])}_{name.split()[0]}_{'p' if 'packed' in name else 'r'}_{latency}"
                 t = time.perf_counter()
                 subprocess.run(command(name, dest), check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
                 times[name].append(time.perf_counter() - t)
-                n = len([q for q in dest.rglob("*") if q.is_file() and not q.name.startswith(".")])
-                print(f"latency {latency:g} ms, round {r}: {name:15s} {times[name][-1]:6.2f} s  ({n} files)")
-        for name in times:  # a rerun with nothing to do
-            t = time.perf_counter()
-            subprocess.run(command(name, work / f"{name.split()[0]}_{latency}_0"), check=True, cwd=ROOT,
-                           stdout=subprocess.DEVNULL)
-            print(f"latency {latency:g} ms, no-op rerun: {name:15s} {time.perf_counter() - t:6.2f} s")
-        best = {k: min(v) for k, v in times.items()}
-        print(f"latency {latency:g} ms, best of {args.rounds}: aws s3 sync {best['aws s3 sync']:.2f} s, "
-              f"dali_pipe sync {best['dali_pipe sync']:.2f} s -> dali_pipe is "
-              f"{best['aws s3 sync'] / best['dali_pipe sync']:.2f}x as fast")
+                print(f"latency {latency:g} ms, round {r}: {name:24s} {times[name][-1]:6.2f} s")
+        med = {k: statistics.median(v) for k, v in times.items()}
+        a, b = list(tools)
+        print(f"latency {latency:g} ms, median of {args.rounds}: " + ", ".join(
+            f"{k} {med[k]:.2f} s ({min(times[k]):.2f}-{max(times[k]):.2f})" for k in tools)
+              + f" -> {b} is {med[a] / med[b]:.2f}x as fast as {a}")
+        report["results"][f"{latency:g}ms"] = {"seconds": times, "median_ratio": med[a] / med[b]}
     server.stop()
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1))
     shutil.rmtree(work, ignore_errors=True)
 
 

@@ -16,8 +16,9 @@ import statistics
 from pathlib import Path
 
 from ..benchmark import Synthetic, endless, environment, pin_cpus, plot, ratios, spread, table, time_loader
-from ..config import VIT_B16_RANDOM, Settings
+from ..config import VIT_B16_RANDOM, Settings, UsageError
 from ..monitor import MonitorCallback, Sampler, diagnose
+from ..pipeline import Shards
 
 
 def _release_gpu_memory(gpu: bool) -> None:
@@ -53,16 +54,29 @@ def run(s: Settings) -> dict:
     device = torch.device("cuda", 0) if gpu else torch.device("cpu")
     model_name = None if s.model.model == "none" else s.model.model
     spec = ImageSpec.from_processor(load_processor(model_name or VIT_B16_RANDOM))
-    dm = DaliDataModule(s.data, dataclasses.replace(s.pipeline, num_threads=threads), spec, out)
+    pipeline = dataclasses.replace(s.pipeline, num_threads=threads)
+    dm = DaliDataModule(s.data, pipeline, spec, out)
     dm.prepare_data()  # sync s3:// data, scan, report
     dm.setup_manifest()  # refuses a batch larger than the training split
-    train = dm.manifest.train
-    files, labels, classes = [x.path for x in train], [x.label for x in train], dm.manifest.classes
+    train, classes = dm.manifest.train, dm.manifest.classes
+    names = s.bench.loaders.split(",")
+    if isinstance(train, Shards) and "baseline" in names:
+        raise UsageError("invalid arguments:\n  --loaders: the classic baseline reads image files, and --data is a "
+                         "pack; pass the raw dataset as --data and the pack as --packed")
+    files = [x.path for x in train] if not isinstance(train, Shards) else []
+    labels = [x.label for x in train] if not isinstance(train, Shards) else []
     batch, warmup, steps = s.data.batch_size, s.bench.warmup, s.bench.steps
+    packed_dm = None
+    if "packed" in names:
+        packed_dm = DaliDataModule(dataclasses.replace(s.data, data=s.bench.packed), pipeline, spec, out / "packed")
+        packed_dm.prepare_data()
+        packed_dm.setup_manifest()
 
     def loader(name: str):
         if name == "dali":
             return dm.loader(train, training=True)
+        if name == "packed":
+            return packed_dm.loader(packed_dm.manifest.train, training=True)
         if name == "baseline":
             return classic_loader(files, labels, spec, batch_size=batch, workers=len(cores), pin_memory=gpu,
                                   seed=s.data.seed)
@@ -97,7 +111,6 @@ def run(s: Settings) -> dict:
         _release_gpu_memory(gpu)
         return {"metrics": m, "timeline": {"gpu": timeline, "wait_ms": [w * 1e3 for w in wait]}}
 
-    names = s.bench.loaders.split(",")
     rounds: dict[str, list[dict]] = {n: [] for n in names}
     for r in range(s.bench.repeat):
         for name in names if r % 2 == 0 else names[::-1]:
@@ -119,6 +132,17 @@ def run(s: Settings) -> dict:
                          f"DataLoader on {len(cores)} core(s).")
     if "dali_vs_synthetic" in ratio and model_name is not None:
         diagnosis.append(f"dali reaches {ratio['dali_vs_synthetic']['median']:.0%} of the synthetic-data ceiling.")
+    if "packed_vs_dali" in ratio:
+        diagnosis.append(f"dali over the pack delivers {ratio['packed_vs_dali']['median']:.2f}x the images/s of dali "
+                         "over the raw files.")
+    bound = any(results[n]["diagnosis"][0].startswith(f"{n}: input-bound") for n in ("dali", "baseline")
+                if n in results)
+    if bound and files:
+        from ..prescribe import prescription
+
+        advice = prescription(dm.manifest, spec, pipeline, batch_size=batch, cores=len(cores))
+        if advice:
+            diagnosis.append(advice)
 
     report = {
         "env": environment(cores, gpu, threads),

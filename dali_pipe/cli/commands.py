@@ -2,13 +2,15 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 from ..config import add_subcommand, new_parser, parse, settings_from, validate
 
-SYNC_DOC = ("Download s3://bucket/prefix/dataset.tsv and every file it lists into LOCAL_DIR. Files already present "
-            "and unchanged (size + ETag) are skipped; each file is written under a temporary name and renamed when "
-            "complete, so an interrupted sync can simply be rerun. Credentials, region and AWS_ENDPOINT_URL come "
-            "from the standard AWS environment.")
+SYNC_DOC = ("Download s3://bucket/prefix/dataset.tsv and every file it lists into LOCAL_DIR (or, for a pack, its "
+            "packed.json, shards and index files, with parallel ranged GETs). Files already present and unchanged "
+            "(size + ETag) are skipped; each file is written under a temporary name and renamed when complete, so "
+            "an interrupted sync can simply be rerun. Credentials, region and AWS_ENDPOINT_URL come from the "
+            "standard AWS environment.")
 
 
 COMMANDS = {  # the settings each command exposes: groups by name, single settings by flag
@@ -51,10 +53,17 @@ def main(argv: list[str] | None = None) -> int:
     command = ns.command
     del ns.command
     s = settings_from(ns)
+    if command in ("evaluate", "predict") and not s.model.model:
+        problems.append("--model: required: the folder a training run wrote (train.py's --output), or a hub id")
     validate(s, COMMANDS[command], problems)
     if command == "sync":
+        from ..packed import fetch_to, is_packed
         from ..sync import sync
 
+        if is_packed(s.sync.uri):  # a pack: its shards and index files, a few large GETs
+            fetch_to(s.sync.uri, Path(s.sync.local_dir), mode="sync", workers=s.sync.workers,
+                     progress=not s.sync.no_progress)
+            return 0
         stats = sync(s.sync.uri, s.sync.local_dir, workers=s.sync.workers, skip_missing=s.data.skip_missing,
                      progress=not s.sync.no_progress)
         if s.sync.no_progress:

@@ -147,10 +147,12 @@ def _fit(s: Settings, out: Path, ckpt_dir: Path, main: bool) -> dict:
     callbacks = [ckpt, best, LearningRateMonitor(logging_interval="step")]
     if not sys.stderr.isatty():
         callbacks.append(PlainProgressBar())  # lines in logs; Lightning's tqdm bar on a terminal
+    monitor = None
     if s.run.monitor:
         from ..monitor import MonitorCallback
 
-        callbacks.append(MonitorCallback(out))
+        monitor = MonitorCallback(out)
+        callbacks.append(monitor)
     steps = len(manifest.train) // world_size(s) // s.data.batch_size // s.model.grad_accum
     trainer = make_trainer(s, callbacks, log_every_n_steps=max(1, min(LOG_EVERY, steps)))
     try:
@@ -160,6 +162,8 @@ def _fit(s: Settings, out: Path, ckpt_dir: Path, main: bool) -> dict:
     if ckpt.interrupted:
         print(f"stopped by SIGTERM; checkpoint saved to {ckpt_dir}. Rerun the same command to resume.")
         return {"interrupted": True, "global_step": trainer.global_step}
+    if monitor and monitor.report and trainer.is_global_zero:
+        advise_packing(s, monitor.report, manifest, spec)
     problems = [str(ckpt.final_error)] if ckpt.final_error else []
     if trainer.is_global_zero:
         folder, selected = best.choice(s.run.select if manifest.val else "none")
@@ -178,6 +182,18 @@ def _fit(s: Settings, out: Path, ckpt_dir: Path, main: bool) -> dict:
         raise OutputError("training finished, but " + "; and ".join(problems))
     last = module.epoch_metrics[-1] if module.epoch_metrics else {}
     return {**last, "global_step": trainer.global_step}
+
+
+def advise_packing(s: Settings, report: dict, manifest, spec) -> None:
+    """--monitor found the loader input-bound: if the photos are large, measure what packing would give."""
+    from ..manifest import Manifest
+    from ..prescribe import prescription
+
+    if isinstance(manifest, Manifest) and report["diagnosis"][0].startswith("training: input-bound"):
+        advice = prescription(manifest, spec, s.pipeline, batch_size=s.data.batch_size,
+                              cores=len(os.sched_getaffinity(0)))
+        if advice:
+            print(f"MONITOR {advice}", flush=True)
 
 
 def summary(s: Settings, manifest, scan_result, params: int) -> str:

@@ -3,14 +3,11 @@ from __future__ import annotations
 
 from contextlib import nullcontext
 
-from ..config import Settings, UsageError, resolve
+from ..config import Settings, resolve
 
 
 def prepared(s: Settings, output: str) -> Settings:
-    """Resolved settings for an inference command (a --model is required)."""
-    if not s.model.model:
-        raise UsageError("invalid arguments:\n  --model: required: the folder a training run wrote (train.py's "
-                         "--output), or a hub id")
+    """Resolved settings for an inference command (commands.py checked that --model is given)."""
     s.run.output = output
     return resolve(s)
 

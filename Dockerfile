@@ -1,31 +1,38 @@
 # SageMaker bring-your-own-container image: `docker run IMAGE train` (SageMaker), or locally
-# `docker run --gpus all -v $PWD/opt_ml:/opt/ml IMAGE train`.
-# The CUDA 12 runtime comes with the wheels (torch cu124 pulls nvidia-*-cu12, DALI cuda120 carries
-# its own); the host driver (525 or newer) is mounted by the NVIDIA container runtime, so no driver
-# is installed here. torch's cu124 wheels include sm75 kernels: the T4 of ml.g4dn runs them.
-FROM python:3.11-slim-bookworm
+# `docker run --gpus all -v $PWD/opt_ml:/opt/ml IMAGE train`, or `docker run --gpus all IMAGE --data ...`.
+#
+# Base: NVIDIA's CUDA 12.8 image, which carries the forward-compatibility libraries
+# (/usr/local/cuda/compat); the entry point enables them when the host driver is older than CUDA 12.8
+# needs (g4dn and g5 hosts may run R470/R535). torch is PyTorch's CUDA 12.8 build of the locked
+# version (its wheels include sm_75 kernels for the T4); everything else is exactly requirements.lock,
+# the stack CI tests. The CPython is the one the tests run (3.11), installed by uv.
+FROM ghcr.io/astral-sh/uv:0.13.9 AS uv
+
+FROM nvidia/cuda:12.8.1-base-ubuntu24.04
 
 ENV PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \
-    PIP_NO_CACHE_DIR=1 \
-    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    UV_NO_CACHE=1 \
+    UV_PYTHON_INSTALL_DIR=/opt/python \
     NVIDIA_VISIBLE_DEVICES=all \
-    NVIDIA_DRIVER_CAPABILITIES=compute,utility \
-    PATH=/opt/program:$PATH
+    NVIDIA_DRIVER_CAPABILITIES=compute,utility,video \
+    PATH=/opt/venv/bin:$PATH
 
-# Dependencies first, in a layer that changes rarely: torch for CUDA 12.4, then the rest.
-RUN pip install --no-cache-dir --index-url https://download.pytorch.org/whl/cu124 torch==2.5.1 \
-    && pip install --no-cache-dir "nvidia-dali-cuda120>=1.40" "pytorch-lightning>=2.3" "transformers>=4.40" \
-       "pandas>=2.0" "boto3>=1.34" "numpy>=1.24" "pillow>=10.0" "psutil>=5.9" "nvidia-ml-py>=12.535" \
-       "matplotlib>=3.7" "scikit-image>=0.22" "tqdm>=4.66" "tensorboard>=2.14"
+COPY --from=uv /uv /usr/local/bin/uv
 
 WORKDIR /opt/program
-COPY pyproject.toml README.md train.py ./
+# Dependencies first, in a layer that changes only with the lock.
+COPY pyproject.toml requirements.lock ./
+RUN uv venv --python 3.11.7 /opt/venv \
+    && uv pip install --python /opt/venv/bin/python --constraint requirements.lock \
+       --index-url https://pypi.org/simple --extra-index-url https://download.pytorch.org/whl/cu128 \
+       --index-strategy unsafe-best-match "torch==2.13.0+cu128" --requirement pyproject.toml
+
+COPY README.md train.py ./
 COPY dali_pipe ./dali_pipe
 COPY model ./model
-# `train` on PATH: SageMaker runs `docker run IMAGE train`, as root, with /opt/ml mounted.
-RUN pip install --no-cache-dir --no-deps . \
-    && printf '#!/bin/sh\nexec python /opt/program/train.py train "$@"\n' > /opt/program/train \
-    && chmod +x /opt/program/train
+RUN uv pip install --python /opt/venv/bin/python --no-deps . \
+    && install -m 0755 dali_pipe/cli/entrypoint.sh /opt/program/entrypoint
 
-CMD ["train"]
+# Exec form: the entry point execs Python, which is PID 1 and gets SIGTERM. Root, as SageMaker needs.
+ENTRYPOINT ["/opt/program/entrypoint"]

@@ -86,6 +86,17 @@ def parse_int_or_auto(s: str):
     return "auto" if str(s).strip() == "auto" else int(s)
 
 
+def parse_size(s: str) -> int:
+    """'150MB', '1.5GiB', '500k' or a plain number of bytes."""
+    import re
+
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kmgt]?)(i?)b?\s*", str(s), re.I)
+    if not m:
+        raise ValueError(s)
+    power = " kmgt".index(m.group(2).lower() or " ")
+    return int(float(m.group(1)) * (1024 if m.group(3) else 1000) ** power)
+
+
 AT_LEAST_1 = (lambda v: v >= 1, "must be at least 1")
 POSITIVE = (lambda v: v > 0, "must be positive")
 FRACTION_0_1 = (lambda v: 0 <= v < 1, "must be in [0, 1)")
@@ -128,6 +139,13 @@ class PipelineSettings:
     num_threads: int | None = setting(None, "DALI CPU threads per process; default: the cores available to "
                                             "each local rank minus one, at most 8 (benchmark: all --cpus "
                                             "cores, as many as the baseline's workers)", check=AT_LEAST_1)
+    decoder_device_padding: int | None = setting(
+        None, "GPU decoding: nvJPEG device memory pre-allocated per DALI thread (e.g. 64MB); default DALI's 16 MiB. "
+              "Larger avoids re-allocations while the first large photos arrive, and costs threads x this on each GPU",
+        parse=lambda v: parse_size(v), expected="a size such as 64MB", check=AT_LEAST_1)
+    decoder_host_padding: int | None = setting(
+        None, "GPU decoding: pinned host memory pre-allocated per DALI thread; default DALI's 8 MiB",
+        parse=lambda v: parse_size(v), expected="a size such as 32MB", check=AT_LEAST_1)
     crop_scale: tuple[float, float] = setting((0.08, 1.0), "training crop: the share of the image's area a random "
                                                            "crop covers, from MIN to MAX", nargs=2,
                                               metavar=("MIN", "MAX"),
@@ -222,17 +240,6 @@ class SyncSettings:
     local_dir: str = setting(None, "target directory (created if needed)", positional=True)
     workers: int = setting(32, "parallel downloads (threads sharing one connection pool)", check=AT_LEAST_1)
     no_progress: bool = setting(False, "no progress bar; print a summary line instead")
-
-
-def parse_size(s: str) -> int:
-    """'150MB', '1.5GiB', '500k' or a plain number of bytes."""
-    import re
-
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kmgt]?)(i?)b?\s*", str(s), re.I)
-    if not m:
-        raise ValueError(s)
-    power = " kmgt".index(m.group(2).lower() or " ")
-    return int(float(m.group(1)) * (1024 if m.group(3) else 1000) ** power)
 
 
 @dataclass

@@ -313,3 +313,37 @@ class MonitorCallback(pl.Callback):
         if self.verbose and trainer.is_global_zero:
             for line in m["diagnosis"]:
                 print(f"MONITOR {line}", flush=True)
+
+
+def gpu_memory_outside_torch(device_index: int) -> float | None:
+    """MB of GPU memory this process holds beyond torch's caching allocator: DALI's memory pool and
+    nvJPEG's buffers (and the CUDA context). None where NVML cannot see this process (PID namespaces)."""
+    import pynvml
+    import torch
+
+    try:
+        pynvml.nvmlInit()
+        procs = pynvml.nvmlDeviceGetComputeRunningProcesses(nvml_handle(device_index))
+    except Exception:
+        return None
+    mine = [p.usedGpuMemory for p in procs if p.pid == os.getpid() and p.usedGpuMemory]
+    if not mine:
+        return None
+    return (mine[0] - torch.cuda.memory_reserved(device_index)) / 2**20
+
+
+class DaliMemoryLog(pl.Callback):
+    """On a GPU, after the first training epoch: how much GPU memory DALI holds beside torch."""
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        if pl_module.device.type != "cuda" or getattr(self, "_done", False):
+            return
+        self._done = True
+        mb = gpu_memory_outside_torch(pl_module.device.index or 0)
+        if mb is None:
+            return
+        if trainer.logger is not None:
+            trainer.logger.log_metrics({"memory/gpu_outside_torch_mb": mb}, step=trainer.global_step)
+        if trainer.is_global_zero:
+            print(f"dali: after epoch 1 this process holds {mb:.0f} MB of GPU memory beyond torch's (DALI's pool, "
+                  "nvJPEG's buffers and the CUDA context)", flush=True)

@@ -43,11 +43,13 @@ class Resources:
 def resources_for_rank(settings: PipelineSettings, *, local_world_size: int = 1, training: bool = True,
                        available_cores: int | None = None) -> Resources:
     """Threads: the cores each local rank gets, minus one for its training loop, capped at
-    MAX_THREADS (or --num-threads). Queue depth per split. Decoder padding: DALI's defaults."""
+    MAX_THREADS (or --num-threads). Queue depth per split. Decoder padding: DALI's defaults unless
+    --decoder-device-padding / --decoder-host-padding say otherwise."""
     n = available_cores or cores()
     threads = settings.num_threads or max(1, min(MAX_THREADS, n // max(1, local_world_size) - 1))
     return Resources(num_threads=threads, prefetch_queue_depth=QUEUE_DEPTH[training],
-                     device_memory_padding=DALI_DEVICE_PADDING, host_memory_padding=DALI_HOST_PADDING)
+                     device_memory_padding=settings.decoder_device_padding or DALI_DEVICE_PADDING,
+                     host_memory_padding=settings.decoder_host_padding or DALI_HOST_PADDING)
 
 
 @dataclass(frozen=True)

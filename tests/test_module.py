@@ -61,3 +61,57 @@ def test_weight_decay_spares_biases_and_norms_and_schedule_warms_up_then_decays(
     lrs = [f(s) * 1e-3 for s in range(11) for f in sched.lr_lambdas[:1]]
     assert lrs[0] == 0 and lrs[2] == pytest.approx(1e-3) and lrs[1] < lrs[2]  # 2 warmup steps
     assert all(a >= b for a, b in zip(lrs[2:], lrs[3:])) and lrs[10] == pytest.approx(0, abs=1e-12)
+
+
+def _cuda_batches(n, batch, side, classes, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return Batches((torch.randn(batch, 3, side, side, generator=g).cuda(),
+                    torch.randint(0, classes, (batch,), generator=g).cuda()) for _ in range(n))
+
+
+class _NoSync(pl.Callback):
+    """Makes any host-device sync an error inside training and validation steps after the first two."""
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if batch_idx >= 2:
+            torch.cuda.set_sync_debug_mode("error")
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        torch.cuda.set_sync_debug_mode("default")
+
+    def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0):
+        if not trainer.sanity_checking:
+            torch.cuda.set_sync_debug_mode("error")
+
+    def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0):
+        torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision,mixing", [("16-mixed", {}), ("bf16-mixed", {}),
+                                              ("16-mixed", {"mixup_alpha": 0.2, "cutmix_alpha": 1.0,
+                                                            "label_smoothing": 0.1})])
+def test_gpu_steps_never_wait_for_the_gpu(precision, mixing):
+    """16-mixed (GradScaler with fused AdamW), bf16-mixed, and the mixing recipe: no step synchronises."""
+    if precision == "bf16-mixed" and not torch.cuda.is_bf16_supported():
+        pytest.skip("this GPU has no bf16")
+    module = ImageClassifier(tiny_settings(precision=precision, **mixing), seed=0, classes=CLASSES)
+    trainer = pl.Trainer(accelerator="gpu", devices=1, precision=precision, max_steps=8, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         log_every_n_steps=1000, callbacks=[_NoSync()], num_sanity_val_steps=0)
+    trainer.fit(module, train_dataloaders=_cuda_batches(8, 16, 64, 3), val_dataloaders=_cuda_batches(3, 16, 64, 3))
+    assert trainer.global_step == 8 and module.epoch_metrics[0]["train_samples"] == 128
+
+
+@pytest.mark.gpu
+def test_vit_b16_at_batch_128_fits_a_t4_beside_dali():
+    """ViT-B/16, batch 128, 16-mixed (the T4 recipe): torch's peak stays under 13 GiB, leaving a 16 GB
+    T4 room for DALI's pool, nvJPEG and the CUDA context."""
+    torch.cuda.reset_peak_memory_stats()
+    module = ImageClassifier(tiny_settings(model="vit-b16-random", precision="16-mixed"), seed=0, classes=list("abc"))
+    trainer = pl.Trainer(accelerator="gpu", devices=1, precision="16-mixed", max_steps=3, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(module, train_dataloaders=_cuda_batches(3, 128, 224, 3))
+    peak = torch.cuda.max_memory_allocated() / 2**30
+    print(f"ViT-B/16 batch 128 16-mixed: peak {peak:.2f} GiB allocated by torch")
+    assert peak < 13.0, peak

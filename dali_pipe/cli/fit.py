@@ -144,7 +144,9 @@ def _fit(s: Settings, out: Path, ckpt_dir: Path, main: bool) -> dict:
     ckpt = SpotSafeCheckpoint(ckpt_dir, every_steps=s.run.checkpoint_every_steps, fingerprint=fingerprint,
                               targets=targets)
     best = BestModel(ckpt_dir)
-    callbacks = [ckpt, best, LearningRateMonitor(logging_interval="step")]
+    from ..monitor import DaliMemoryLog
+
+    callbacks = [ckpt, best, LearningRateMonitor(logging_interval="step"), DaliMemoryLog()]
     if not sys.stderr.isatty():
         callbacks.append(PlainProgressBar())  # lines in logs; Lightning's tqdm bar on a terminal
     monitor = None

@@ -139,6 +139,7 @@ def plot(report: dict, path: Path) -> None:
 
     names = list(report["loaders"])
     gpu = report["env"]["gpu"] is not None
+    alone = report["config"]["model"] == "none"  # no model: every millisecond of a step is the loader's
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.5), gridspec_kw={"width_ratios": [2, 1]})
     for n in names:
         tl = report["timelines"][n]
@@ -146,11 +147,13 @@ def plot(report: dict, path: Path) -> None:
             t, u = zip(*tl["gpu"])
             ax1.plot(t, u, label=f"{n} (mean {report['loaders'][n]['gpu_util_mean']:.0f}%)", lw=1.4)
         else:
-            ax1.plot(range(1, len(tl["wait_ms"]) + 1), tl["wait_ms"],
-                     label=f"{n} (wait {report['loaders'][n]['data_wait_fraction']:.0%})", lw=1.4)
+            wait = "" if alone else f" (wait {report['loaders'][n]['data_wait_fraction']:.0%})"
+            ax1.plot(range(1, len(tl["wait_ms"]) + 1), tl["wait_ms"], label=n + wait, lw=1.4)
     if gpu:
         ax1.set(xlabel="seconds into the timed window", ylabel="GPU utilization %", ylim=(0, 105),
                 title="GPU utilization over time (NVML, 20 Hz)")
+    elif alone:
+        ax1.set(xlabel="timed step", ylabel="ms per batch", title="Time per batch, loaders alone (no model, no GPU)")
     else:
         ax1.set(xlabel="timed step", ylabel="ms blocked waiting for the batch", title="Data-wait per step (no GPU)")
     ax1.legend(loc="best", fontsize=9)
@@ -163,9 +166,9 @@ def plot(report: dict, path: Path) -> None:
     for b, v in zip(bars, med):
         ax2.annotate(f"{v:.0f}", (b.get_x() + b.get_width() / 2, v), ha="center", va="bottom",
                      xytext=(12, 2), textcoords="offset points")
-    r = report["ratios"].get("dali_vs_baseline")
+    shown = [(k, v) for k, v in report["ratios"].items() if k in ("packed_vs_dali", "dali_vs_baseline")]
     ax2.set(ylabel="images / s (median, min-max bars)",
-            title="Throughput" + (f" (dali = {r['median']:.2f}x baseline)" if r else ""))
+            title="Throughput" + "".join(f"\n{k.replace('_vs_', ' / ')} = {v['median']:.2f}x" for k, v in shown))
     ax2.grid(axis="y", alpha=0.3)
     cfg = report["config"]
     fig.suptitle(f"model {cfg['model']}, batch {cfg['batch_size']}, {report['env']['cpus']} CPU core(s), "

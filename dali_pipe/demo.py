@@ -15,8 +15,8 @@ PHOTOS = ("astronaut", "coffee", "chelsea", "rocket", "hubble_deep_field", "immu
 
 
 def _photo(name: str) -> "PIL.Image.Image":  # noqa: F821
-    """scikit-image's photograph `name`; or, where scikit-image is not installed (the lent GPU
-    machine), the copy that `export_photos` wrote into $DALI_PIPE_PHOTOS."""
+    """scikit-image's photograph `name`; or, on a machine without scikit-image, the copy that
+    `export_photos` wrote into $DALI_PIPE_PHOTOS."""
     from PIL import Image
 
     folder = os.environ.get("DALI_PIPE_PHOTOS")

@@ -26,6 +26,7 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -176,6 +177,23 @@ def clean_after_dead_syncs(dest: Path) -> None:
             m.unlink(missing_ok=True)
 
 
+@contextmanager
+def holding(dest: Path):
+    """Hold `dest` for one sync: its lock (a second sync stops at once, naming us), a marker that this
+    sync is running (so the next one knows to clean up after a killed one), the clean-up itself."""
+    from .workdir import lock, unlock
+
+    lock(dest, "sync", "wait for it to finish")
+    running = dest / f".sync-running-{os.getpid()}"
+    try:
+        clean_after_dead_syncs(dest)
+        running.touch()
+        yield
+    finally:  # a clean end, even a failed one: our temporary files are gone (a kill -9 never gets here)
+        running.unlink(missing_ok=True)
+        unlock(dest)
+
+
 def fetch_manifest(client, bucket: str, base: str, dest: Path) -> tuple[Path, dict[str, int]]:
     """Download dataset.tsv to a staging name (with our PID) and check every row: {rel path: line}."""
     from botocore.exceptions import BotoCoreError, ClientError
@@ -292,16 +310,10 @@ def sync(uri: str, dest: Path | str, *, workers: int, skip_missing: bool = False
 
     Files listed but absent in S3 stop the sync (nothing is trained on a partial set) unless
     `skip_missing`, which reports them and lets training skip them (--skip-missing)."""
-    from .workdir import lock, unlock
-
     start = time.perf_counter()
     bucket, prefix = parse_s3_uri(uri)
     dest = Path(dest)
-    lock(dest, "sync", "wait for it to finish")
-    running = dest / f".sync-running-{os.getpid()}"
-    try:
-        clean_after_dead_syncs(dest)
-        running.touch()
+    with holding(dest):
         client = client or make_client(workers)
         base = f"{prefix}/" if prefix else ""
         if progress:
@@ -335,9 +347,6 @@ def sync(uri: str, dest: Path | str, *, workers: int, skip_missing: bool = False
             os.replace(staged, dest / MANIFEST_NAME)  # the manifest lands last: a complete set
         finally:
             staged.unlink(missing_ok=True)
-    finally:  # a clean end, even a failed one: our temporary files are gone (a kill -9 never gets here)
-        running.unlink(missing_ok=True)
-        unlock(dest)
     if progress:
         print(stats.summary(), file=sys.stderr)
     return stats
@@ -353,17 +362,11 @@ def sync_objects(uri: str, dest: Path | str, names: list[str], *, workers: int, 
     from botocore.exceptions import BotoCoreError, ClientError
     from tqdm import tqdm
 
-    from .workdir import lock, unlock
-
     start = time.perf_counter()
     bucket, prefix = parse_s3_uri(uri)
     dest = Path(dest)
     base = f"{prefix}/" if prefix else ""
-    lock(dest, "sync", "wait for it to finish")
-    running = dest / f".sync-running-{os.getpid()}"
-    try:
-        clean_after_dead_syncs(dest)
-        running.touch()
+    with holding(dest):
         client = client or make_client(workers)
         remote = list_objects(client, bucket, base)
         missing = [n for n in names if n not in remote]
@@ -398,9 +401,6 @@ def sync_objects(uri: str, dest: Path | str, names: list[str], *, workers: int, 
         finally:
             bar.close()
             state.save()
-    finally:
-        running.unlink(missing_ok=True)
-        unlock(dest)
     stats.seconds = time.perf_counter() - start
     if progress:
         print(stats.summary(), file=sys.stderr)

@@ -39,3 +39,17 @@ class Batches:
 
     def __len__(self):
         return len(self.batches)
+
+
+def hold_lock(directory, what: str):
+    """Another process that holds `directory`'s lock (as a running job would); returns it, holding."""
+    import subprocess
+    import sys
+
+    root = str(Path(__file__).resolve().parents[1])
+    holder = subprocess.Popen([sys.executable, "-c", f"import sys, time; sys.path.insert(0, {root!r})\n"
+                               "from dali_pipe.workdir import lock\n"
+                               f"lock({str(directory)!r}, {what!r}, 'x'); print('held', flush=True); time.sleep(60)"],
+                              stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "held"
+    return holder

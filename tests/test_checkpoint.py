@@ -233,15 +233,13 @@ def test_checkpoint_without_fingerprint_resumes_and_says_the_order_restarts(phot
 
 
 def test_second_run_on_the_same_output_stops_naming_the_holder(photo_root, tmp_path):
+    from helpers import hold_lock
+
     from dali_pipe.workdir import BusyError
 
     out = tmp_path / "out"
-    holder = subprocess.Popen([sys.executable, "-c", f"import sys, time; sys.path.insert(0, {str(ROOT)!r})\n"
-                               "from dali_pipe.workdir import lock\n"
-                               f"lock({str(out)!r}, 'training run', 'x'); print('held', flush=True); time.sleep(60)"],
-                              stdout=subprocess.PIPE, text=True)
+    holder = hold_lock(out, "training run")
     try:
-        assert holder.stdout.readline().strip() == "held"
         with pytest.raises(BusyError, match=rf"in use by another training run \(PID {holder.pid}\); wait for it"):
             train.main(["--data", str(photo_root), "--model", "tiny", "--device", "cpu", "--output", str(out)])
     finally:

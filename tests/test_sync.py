@@ -224,13 +224,11 @@ def test_a_second_sync_into_the_same_target_stops_naming_the_first(s3, photo_roo
     from dali_pipe.workdir import BusyError
 
     _upload(photo_root)
+    from helpers import hold_lock
+
     dest = tmp_path / "L"
-    holder = subprocess.Popen([sys.executable, "-c", f"import sys, time; sys.path.insert(0, {str(ROOT)!r})\n"
-                               "from dali_pipe.workdir import lock\n"
-                               f"lock({str(dest)!r}, 'sync', 'x'); print('held', flush=True); time.sleep(60)"],
-                              stdout=subprocess.PIPE, text=True)
+    holder = hold_lock(dest, "sync")
     try:
-        assert holder.stdout.readline().strip() == "held"
         with pytest.raises(BusyError, match=rf"in use by another sync \(PID {holder.pid}\)"):
             sync("s3://data/ds", dest, workers=4, progress=False)
     finally:

@@ -133,8 +133,8 @@ def run(s: Settings) -> dict:
     if "dali_vs_synthetic" in ratio and model_name is not None:
         diagnosis.append(f"dali reaches {ratio['dali_vs_synthetic']['median']:.0%} of the synthetic-data ceiling.")
     if "packed_vs_dali" in ratio:
-        diagnosis.append(f"dali over the pack delivers {ratio['packed_vs_dali']['median']:.2f}x the images/s of dali "
-                         "over the raw files.")
+        diagnosis.append(f"the packed loader delivers {ratio['packed_vs_dali']['median']:.2f}x the images/s of the "
+                         f"dali loader ({s.bench.packed} against {s.data.data}).")
     bound = any(results[n]["diagnosis"][0].startswith(f"{n}: input-bound") for n in ("dali", "baseline")
                 if n in results)
     if bound and files:

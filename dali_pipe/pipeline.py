@@ -152,28 +152,9 @@ def build_pipeline(source: Files | Shards, spec: ImageSpec, opts: PipelineOption
     res = opts.resources
     aug = opts.augment
 
-    def read():
-        if isinstance(source, Files):
-            return fn.readers.file(
-                files=source.files, labels=[int(x) for x in source.labels], name=READER_NAME,
-                shard_id=opts.shard_id, num_shards=opts.num_shards, pad_last_batch=True,
-                shuffle_after_epoch=training)
-        shuffle = dict(random_shuffle=True, initial_fill=SHUFFLE_BUFFER) if training else {}
-        jpegs, cls = fn.readers.webdataset(
-            paths=list(source.paths), index_paths=list(source.index_paths), ext=["jpg", "cls"], name=READER_NAME,
-            shard_id=opts.shard_id, num_shards=opts.num_shards, pad_last_batch=True,
-            missing_component_behavior="error", **shuffle)
-        digits = fn.cast(cls, dtype=types.INT32) - ord("0")
-        powers = types.Constant(np.array([10 ** k for k in range(LABEL_DIGITS - 1, -1, -1)], dtype=np.int32))
-        lab = fn.reductions.sum(digits * powers, axes=0)
-        if source.remap is not None:  # the pack's class index -> the model's
-            lab = fn.lookup_table(lab, keys=list(range(len(source.remap))), values=list(source.remap),
-                                  default_value=-1)
-        return jpegs, lab
-
     @pipeline_def(enable_checkpointing=True, enable_conditionals=training)
     def image_pipeline():
-        jpegs, lab = read()
+        jpegs, lab = _read(source, opts, training)
         decoder = "mixed" if opts.device == "gpu" else "cpu"
         hints = dict(device_memory_padding=res.device_memory_padding, host_memory_padding=res.host_memory_padding,
                      hw_decoder_load=HW_DECODER_LOAD) if decoder == "mixed" else {}
@@ -210,6 +191,29 @@ def build_pipeline(source: Files | Shards, spec: ImageSpec, opts: PipelineOption
         batch_size=opts.batch_size, num_threads=res.num_threads,
         device_id=opts.device_id if opts.device == "gpu" else None,
         seed=opts.seed + opts.shard_id, prefetch_queue_depth=res.prefetch_queue_depth, checkpoint=checkpoint)
+
+
+def _read(source: Files | Shards, opts: PipelineOptions, training: bool):
+    """The reader node: (encoded images, integer labels), sharded by rank and padded to full batches."""
+    from nvidia.dali import fn, types
+
+    if isinstance(source, Files):
+        return fn.readers.file(
+            files=source.files, labels=[int(x) for x in source.labels], name=READER_NAME,
+            shard_id=opts.shard_id, num_shards=opts.num_shards, pad_last_batch=True,
+            shuffle_after_epoch=training)
+    shuffle = dict(random_shuffle=True, initial_fill=SHUFFLE_BUFFER) if training else {}
+    jpegs, cls = fn.readers.webdataset(
+        paths=list(source.paths), index_paths=list(source.index_paths), ext=["jpg", "cls"], name=READER_NAME,
+        shard_id=opts.shard_id, num_shards=opts.num_shards, pad_last_batch=True,
+        missing_component_behavior="error", **shuffle)
+    digits = fn.cast(cls, dtype=types.INT32) - ord("0")
+    powers = types.Constant(np.array([10 ** k for k in range(LABEL_DIGITS - 1, -1, -1)], dtype=np.int32))
+    lab = fn.reductions.sum(digits * powers, axes=0)
+    if source.remap is not None:  # the pack's class index -> the model's
+        lab = fn.lookup_table(lab, keys=list(range(len(source.remap))), values=list(source.remap),
+                              default_value=-1)
+    return jpegs, lab
 
 
 def _auto_augment(images, aug: Augment, shape: tuple[int, int]):

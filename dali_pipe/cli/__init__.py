@@ -51,6 +51,9 @@ def prepared(s: Settings) -> Settings:
         from ..workdir import lock, unlock
 
         root = Path(s.data.cache_dir) / "demo-photos"
+        if not (root / "dataset.tsv").is_file():
+            print(f"demo: generating 400 photos from scikit-image's photographs in {root} (once, a few seconds)",
+                  flush=True)
         lock(root, "demo run generating its photos", "wait a few seconds and rerun")
         try:
             s.data.data = str(make_photo_dataset(root, classes=4, per_class=100, seed=s.data.seed))

@@ -16,9 +16,11 @@ import logging
 import os
 import sys
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..config import Settings
+from ..workdir import OutputError
 
 
 class _DropMessages(logging.Filter):
@@ -99,20 +101,29 @@ def run(s: Settings) -> dict:
             unlock(out)
 
 
-def _fit(s: Settings, out: Path, ckpt_dir: Path, main: bool) -> dict:
-    import pytorch_lightning as pl
-    from pytorch_lightning.callbacks import LearningRateMonitor
-    from pytorch_lightning.utilities.exceptions import SIGTERMException
+@dataclass
+class Prepared:
+    """What the pre-flight found: the model's processor and spec, the data, and what to resume."""
+    processor: object
+    spec: object
+    dm: object
+    manifest: object
+    params: int
+    fingerprint: dict
+    targets: dict
+    plan: object
 
-    from model.checkpoint import SpotSafeCheckpoint, plan_resume
+
+def preflight(s: Settings, out: Path, ckpt_dir: Path, main: bool) -> Prepared:
+    """Outputs writable, data synced and scanned (main process), the run fingerprinted, the resume decided."""
+    import pytorch_lightning as pl
+
+    from model.checkpoint import plan_resume
     from model.loading import load_processor, parameter_count
-    from model.module import ImageClassifier
-    from model.progress import PlainProgressBar
-    from model.selection import BestModel
 
     from ..datamodule import DaliDataModule
     from ..spec import ImageSpec
-    from ..workdir import OutputError, check_writable
+    from ..workdir import check_writable
 
     if main:
         check_writable(ckpt_dir, "--checkpoint-dir")
@@ -131,59 +142,74 @@ def _fit(s: Settings, out: Path, ckpt_dir: Path, main: bool) -> dict:
                    "world_size": world_size(s), "seed": s.data.seed}
     targets = {"epochs": s.model.epochs, "max_steps": s.model.max_steps}
     plan = plan_resume(s.run.resume, ckpt_dir, fingerprint, targets, may_modify=main)
-    if plan.done_step is not None:
-        print(f"nothing to do: already trained to {plan.done_step} steps with these settings "
+    return Prepared(processor, spec, dm, manifest, params, fingerprint, targets, plan)
+
+
+def _fit(s: Settings, out: Path, ckpt_dir: Path, main: bool) -> dict:
+    from pytorch_lightning.callbacks import LearningRateMonitor
+    from pytorch_lightning.utilities.exceptions import SIGTERMException
+
+    from model.checkpoint import SpotSafeCheckpoint
+    from model.module import ImageClassifier
+    from model.progress import PlainProgressBar
+    from model.selection import BestModel
+
+    from ..monitor import DaliMemoryLog, MonitorCallback
+
+    p = preflight(s, out, ckpt_dir, main)
+    if p.plan.done_step is not None:
+        print(f"nothing to do: already trained to {p.plan.done_step} steps with these settings "
               f"(model in {out}); pass --resume never to train again from scratch")
-        return {"nothing_to_do": True, "global_step": plan.done_step}
+        return {"nothing_to_do": True, "global_step": p.plan.done_step}
     if main:
-        print(summary(s, manifest, dm.scan_result, params))
-        if plan.note:
-            print(plan.note)
+        print(summary(s, p.manifest, p.dm.scan_result, p.params))
+        if p.plan.note:
+            print(p.plan.note)
 
     module = ImageClassifier(s.model, seed=s.data.seed)
-    ckpt = SpotSafeCheckpoint(ckpt_dir, every_steps=s.run.checkpoint_every_steps, fingerprint=fingerprint,
-                              targets=targets)
+    ckpt = SpotSafeCheckpoint(ckpt_dir, every_steps=s.run.checkpoint_every_steps, fingerprint=p.fingerprint,
+                              targets=p.targets)
     best = BestModel(ckpt_dir)
-    from ..monitor import DaliMemoryLog
-
+    monitor = MonitorCallback(out) if s.run.monitor else None
     callbacks = [ckpt, best, LearningRateMonitor(logging_interval="step"), DaliMemoryLog()]
-    if not sys.stderr.isatty():
-        callbacks.append(PlainProgressBar())  # lines in logs; Lightning's tqdm bar on a terminal
-    monitor = None
-    if s.run.monitor:
-        from ..monitor import MonitorCallback
-
-        monitor = MonitorCallback(out)
-        callbacks.append(monitor)
-    steps = len(manifest.train) // world_size(s) // s.data.batch_size // s.model.grad_accum
+    callbacks += [PlainProgressBar()] if not sys.stderr.isatty() else []  # lines in logs; tqdm on a terminal
+    callbacks += [monitor] if monitor else []
+    steps = len(p.manifest.train) // world_size(s) // s.data.batch_size // s.model.grad_accum
     trainer = make_trainer(s, callbacks, log_every_n_steps=max(1, min(LOG_EVERY, steps)))
     try:
-        trainer.fit(module, datamodule=dm, ckpt_path=plan.ckpt_path)
+        trainer.fit(module, datamodule=p.dm, ckpt_path=p.plan.ckpt_path)
     except SIGTERMException:
         pass  # SpotSafeCheckpoint saved; report below and exit 0
     if ckpt.interrupted:
         print(f"stopped by SIGTERM; checkpoint saved to {ckpt_dir}. Rerun the same command to resume.")
         return {"interrupted": True, "global_step": trainer.global_step}
     if monitor and monitor.report and trainer.is_global_zero:
-        advise_packing(s, monitor.report, manifest, spec)
-    problems = [str(ckpt.final_error)] if ckpt.final_error else []
+        advise_packing(s, monitor.report, p.manifest, p.spec)
     if trainer.is_global_zero:
-        folder, selected = best.choice(s.run.select if manifest.val else "none")
-        try:  # even when the final checkpoint failed: the model is what the user came for
-            model = type(module.model).from_pretrained(folder) if folder else module.model
-            save_model(model, processor, out, {"selected": selected, "epochs": module.epoch_metrics,
-                                               "global_step": trainer.global_step})
-            which = f"epoch {selected['epoch']}, {selected['rule']}" if "epoch" in selected else selected["rule"]
-            print(f"model ({which}), image processor, label map and metrics.json written to {out}")
-        except OSError as e:
-            problems.append(f"the model could not be written to {out} ({e.strerror or e}); the checkpoint in "
-                            f"{ckpt_dir} holds the trained weights")
-        print(f"TensorBoard logs in {s.run.log_dir}")
-        print(f"TRAINED global_step={trainer.global_step}")
-    if problems:
-        raise OutputError("training finished, but " + "; and ".join(problems))
+        export(s, module, p, best, ckpt, trainer.global_step, out)
+    elif ckpt.final_error:
+        raise OutputError(f"training finished, but {ckpt.final_error}")
     last = module.epoch_metrics[-1] if module.epoch_metrics else {}
     return {**last, "global_step": trainer.global_step}
+
+
+def export(s: Settings, module, p: Prepared, best, ckpt, global_step: int, out: Path) -> None:
+    """The selected model into OUT, even when the final checkpoint failed; then fail with what went wrong."""
+    problems = [str(ckpt.final_error)] if ckpt.final_error else []
+    folder, selected = best.choice(s.run.select if p.manifest.val else "none")
+    try:
+        model = type(module.model).from_pretrained(folder) if folder else module.model
+        save_model(model, p.processor, out, {"selected": selected, "epochs": module.epoch_metrics,
+                                             "global_step": global_step})
+        which = f"epoch {selected['epoch']}, {selected['rule']}" if "epoch" in selected else selected["rule"]
+        print(f"model ({which}), image processor, label map and metrics.json written to {out}")
+    except OSError as e:
+        problems.append(f"the model could not be written to {out} ({e.strerror or e}); the checkpoint in "
+                        f"{ckpt.dir} holds the trained weights")
+    print(f"TensorBoard logs in {s.run.log_dir}")
+    print(f"TRAINED global_step={global_step}")
+    if problems:
+        raise OutputError("training finished, but " + "; and ".join(problems))
 
 
 def advise_packing(s: Settings, report: dict, manifest, spec) -> None:

@@ -24,7 +24,6 @@ import argparse
 import dataclasses
 import difflib
 import os
-import sys
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -532,18 +531,3 @@ def resolve(s: Settings) -> Settings:
     s.run.log_dir = str(s.run.log_dir or out / "tensorboard")
     s.run.checkpoint_dir = str(s.run.checkpoint_dir or out / "checkpoints")
     return s
-
-
-def describe(s: Settings, groups=TRAIN_GROUPS) -> list[str]:
-    """`--flag value` pairs for the settings that differ from their defaults (for logs; redact before printing)."""
-    out = []
-    for name, (group, f, _) in FIELDS.items():
-        if group in groups and not f.metadata["positional"]:
-            value = getattr(getattr(s, group), name)
-            if value != f.default:
-                out.append(f"{flag_of(name)} {value}")
-    return out
-
-
-def isatty() -> bool:
-    return sys.stderr.isatty()

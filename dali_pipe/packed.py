@@ -50,8 +50,12 @@ def is_packed(data: str, cache_dir: str | Path | None = None) -> bool:
     if data.startswith("s3://"):
         from .sync import local_target
 
-        if cache_dir is not None and (local_target(data, Path(cache_dir)) / PACKED_NAME).is_file():
-            return True
+        if cache_dir is not None:
+            local = local_target(data, Path(cache_dir))
+            if (local / PACKED_NAME).is_file():
+                return True
+            if (local / "dataset.tsv").is_file():  # synced as plain files before: no need to ask S3 again
+                return False
         return _remote_packed_json(data) is not None
     return (Path(data) / PACKED_NAME).is_file()
 

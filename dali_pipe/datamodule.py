@@ -54,6 +54,12 @@ def scan_manifest(manifest: Manifest, data: DataSettings, *, num_threads: int, p
                 num_threads=num_threads, cache_path=Path(data.cache_dir) / "scan-cache.json", progress=progress)
 
 
+def missing_reasons(manifest: Manifest) -> dict[str, str]:
+    """{absolute path: reason} for the files the manifest lists but the disk lacks (--skip-missing)."""
+    root = manifest.root.resolve()
+    return {str(root / rel): "missing on disk (listed in dataset.tsv; --skip-missing)" for rel in manifest.missing}
+
+
 def report(manifest: Manifest, result: ScanResult, data: DataSettings, output: Path) -> None:
     """Write OUT/bad_images.tsv (bad and, with --skip-missing, missing files) and say what was excluded."""
     if data.skip_missing and manifest.missing:
@@ -61,9 +67,8 @@ def report(manifest: Manifest, result: ScanResult, data: DataSettings, output: P
               f"e.g. {manifest.missing[0]!r}", file=sys.stderr)
     if data.scan == "off" and not manifest.missing:
         return
-    root = manifest.root.resolve()
-    missing = {str(root / rel): "missing on disk (listed in dataset.tsv; --skip-missing)" for rel in manifest.missing}
-    path = write_report({**result.bad, **missing}, root, output)
+    missing = missing_reasons(manifest)
+    path = write_report({**result.bad, **missing}, manifest.root.resolve(), output)
     if result.bad or missing:
         print(f"scan: excluded {len(result.bad) + len(missing)} of {result.total + len(missing)} file(s); "
               f"reasons in {path}", file=sys.stderr)

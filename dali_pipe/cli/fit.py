@@ -174,8 +174,7 @@ def _fit(s: Settings, out: Path, ckpt_dir: Path, main: bool) -> dict:
     callbacks = [ckpt, best, LearningRateMonitor(logging_interval="step"), DaliMemoryLog()]
     callbacks += [PlainProgressBar()] if not sys.stderr.isatty() else []  # lines in logs; tqdm on a terminal
     callbacks += [monitor] if monitor else []
-    steps = len(p.manifest.train) // world_size(s) // s.data.batch_size // s.model.grad_accum
-    trainer = make_trainer(s, callbacks, log_every_n_steps=max(1, min(LOG_EVERY, steps)))
+    trainer = make_trainer(s, callbacks, log_every_n_steps=max(1, min(LOG_EVERY, steps_per_epoch(s, p.manifest))))
     try:
         trainer.fit(module, datamodule=p.dm, ckpt_path=p.plan.ckpt_path)
     except SIGTERMException:
@@ -224,10 +223,15 @@ def advise_packing(s: Settings, report: dict, manifest, spec) -> None:
             print(f"MONITOR {advice}", flush=True)
 
 
+def steps_per_epoch(s: Settings, manifest) -> int:
+    """Optimizer steps per epoch: each rank's full batches, over the accumulation."""
+    return len(manifest.train) // world_size(s) // s.data.batch_size // s.model.grad_accum
+
+
 def summary(s: Settings, manifest, scan_result, params: int) -> str:
     """The start-up summary: data, scan, device, model, batch and steps."""
     world = world_size(s)
-    steps = len(manifest.train) // world // s.data.batch_size // s.model.grad_accum
+    steps = steps_per_epoch(s, manifest)
     total = steps * s.model.epochs if s.model.max_steps < 0 else min(steps * s.model.epochs, s.model.max_steps)
     names = ", ".join(manifest.classes[:6]) + (", ..." if len(manifest.classes) > 6 else "")
     scan = (f"scan {s.data.scan}: {len(scan_result.bad)} of {scan_result.total} excluded" if scan_result

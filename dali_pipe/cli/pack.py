@@ -48,7 +48,8 @@ def upload(local: Path, uri: str, *, workers: int) -> int:
 
 
 def run(s: Settings) -> dict:
-    from ..datamodule import check_bad_fraction, local_root, read, report, scan_manifest
+    from ..config import SyncSettings
+    from ..datamodule import missing_reasons, prepare
     from ..pack import PackError, pack_manifest
     from ..workdir import lock, unlock
 
@@ -61,22 +62,11 @@ def run(s: Settings) -> dict:
     staging = (Path(data.cache_dir) / "pack-staging" / dst[5:].strip("/")) if dst.startswith("s3://") else Path(dst)
     lock(staging, "pack", "wait for it to finish, or pack into another folder")
     try:
-        if src.startswith("s3://"):
-            from ..config import SyncSettings
-            from ..sync import sync
-
-            sync(src, local_root(data), workers=SyncSettings.workers, skip_missing=data.skip_missing)
-        manifest = read(data)
-        result = scan_manifest(manifest, data, num_threads=max(1, workers - 1), progress=True)
-        report(manifest, result, data, staging)
-        check_bad_fraction(result, data, staging)
-        missing = {str(manifest.root.resolve() / rel): "missing on disk (--skip-missing)" for rel in manifest.missing}
-        stats = pack_manifest(manifest.without(set(result.bad)), staging, max_side=s.pack.max_side,
-                              quality=s.pack.quality, shard_size=s.pack.shard_size, workers=workers,
-                              seed=data.seed, bad={**result.bad, **missing})
+        manifest, result = prepare(data, staging, num_threads=max(1, workers - 1))  # sync, scan, report, bound
+        stats = pack_manifest(manifest, staging, max_side=s.pack.max_side, quality=s.pack.quality,
+                              shard_size=s.pack.shard_size, workers=workers, seed=data.seed,
+                              bad={**result.bad, **missing_reasons(manifest)})
         if dst.startswith("s3://"):
-            from ..config import SyncSettings
-
             upload(staging, dst, workers=SyncSettings.workers)
     finally:
         unlock(staging)

@@ -21,7 +21,6 @@ Parallel: images are normalised in a process pool (`--workers`), shards written 
 """
 from __future__ import annotations
 
-import hashlib
 import io
 import json
 import os
@@ -32,6 +31,7 @@ from pathlib import Path
 
 from .errors import UserError
 from .pipeline import LABEL_DIGITS
+from .shards.format import IndexEntry, file_sha256, format_index
 
 PACKED_NAME = "packed.json"
 PROGRESS_NAME = ".pack-progress.json"
@@ -97,20 +97,17 @@ class ShardWriter:
         self.tmp = directory / f".{name}.tar.tmp-{os.getpid()}"
         self._f = open(self.tmp, "wb")
         self._tar = tarfile.open(fileobj=self._f, mode="w", format=tarfile.USTAR_FORMAT)
-        self.index_lines: list[str] = []
-        self.keys: list[str] = []
+        self.entries: list[IndexEntry] = []
         self.next = 0  # the position (in the split's packing order) after this shard's last sample
 
     def add(self, key: str, jpeg: bytes, label: int, position: int) -> None:
-        parts = []
+        members = {}
         for ext, data in (("jpg", jpeg), ("cls", label_bytes(label))):
             info = tarfile.TarInfo(f"{key}.{ext}")
             info.size, info.mtime, info.mode, info.uid, info.gid = len(data), 0, 0o644, 0, 0
             self._tar.addfile(info, io.BytesIO(data))
-            data_offset = self._tar.offset - (len(data) + 511) // 512 * 512
-            parts.append(f"{ext} {data_offset} {len(data)} {key}.{ext}")
-        self.index_lines.append(" ".join(parts))
-        self.keys.append(key)
+            members[ext] = (self._tar.offset - (len(data) + 511) // 512 * 512, len(data))
+        self.entries.append(IndexEntry(key, members))
         self.next = position + 1
 
     @property
@@ -124,29 +121,15 @@ class ShardWriter:
         self._f.close()
         tar, idx = self.directory / f"{self.name}.tar", self.directory / f"{self.name}.idx"
         idx_tmp = self.directory / f".{self.name}.idx.tmp-{os.getpid()}"
-        idx_tmp.write_text(f"v1.2 {len(self.keys)}\n" + "\n".join(self.index_lines) + "\n")
+        idx_tmp.write_text(format_index(self.entries))
         os.replace(self.tmp, tar)
         os.replace(idx_tmp, idx)
-        return {"name": tar.name, "index": idx.name, "samples": len(self.keys), "size": tar.stat().st_size,
+        return {"name": tar.name, "index": idx.name, "samples": len(self.entries), "size": tar.stat().st_size,
                 "sha256": file_sha256(tar), "next": self.next}
 
     def abort(self) -> None:
         self._f.close()
         self.tmp.unlink(missing_ok=True)
-
-
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def read_index_keys(index: Path) -> list[str]:
-    """The sample keys of a DALI v1.2 index, in order."""
-    lines = Path(index).read_text().splitlines()[1:]
-    return [line.split()[3].rsplit(".", 1)[0] for line in lines if line.strip()]
 
 
 # -- the pack --------------------------------------------------------------------------------------

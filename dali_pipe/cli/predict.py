@@ -91,13 +91,13 @@ def run(s: Settings) -> dict:
 
 def _predict_packed(s: Settings, dm, model, out: Path) -> dict:
     """Every image of a pack (train and val shards), named by its key (its path without extension)."""
-    from ..pack import read_index_keys
+    from ..shards.format import read_index
     from .infer import run_model
 
     dm.prepare_data()
     packed = dm.manifest
     shards = packed.train + packed.val
-    keys = [k for idx in shards.index_paths for k in read_index_keys(Path(idx))]
+    keys = [e.key for idx in shards.index_paths for e in read_index(idx)]
     logits, _ = run_model(model, dm.loader(shards, training=False), s.pipeline.device, s.model.precision)
     write_predictions(out, keys, logits, model, s.predict.top_k)
     print(f"predict: {len(keys)} packed image(s) labelled in {out / 'predictions.tsv'}")

@@ -1,7 +1,7 @@
 """The shard format's index files: DALI v1.2, written and read back."""
 import pytest
 
-from dali_pipe.shards.format import IndexEntry, IndexFormatError, format_index, read_index
+from dali_pipe.shards.format import IndexEntry, IndexFormatError, LabelFormatError, format_index, parse_cls, read_index
 
 
 def test_index_round_trip(tmp_path):
@@ -22,3 +22,11 @@ def test_bad_index_named(tmp_path, text, where):
     with pytest.raises(IndexFormatError, match=where) as e:
         read_index(path)
     assert "bad.idx" in str(e.value)
+
+
+def test_parse_cls_plain_padded_and_bad():
+    """`.cls` reads webdataset's plain decimal and the zero-padded form; anything else is refused."""
+    assert parse_cls(b"7") == 7 and parse_cls(b"000007") == 7 and parse_cls(b"12\n") == 12
+    for bad in (b"", b"-1", b"cat", b"1.5"):
+        with pytest.raises(LabelFormatError):
+            parse_cls(bad)

@@ -8,7 +8,8 @@ each member's extension, data offset, size and file name:
     jpg 512 10349 KEY.jpg cls 11264 1 KEY.cls
     ...
 
-`read_index` parses it into `IndexEntry`s; `format_index` writes it back.
+`read_index` parses it into `IndexEntry`s; `format_index` writes it back. A `.cls` member holds the
+class index as decimal ASCII (`parse_cls`).
 """
 from __future__ import annotations
 
@@ -64,6 +65,19 @@ def format_index(entries: list[IndexEntry]) -> str:
     for e in entries:
         lines.append(" ".join(f"{ext} {off} {size} {e.key}.{ext}" for ext, (off, size) in e.members.items()))
     return "\n".join(lines) + "\n"
+
+
+class LabelFormatError(ValueError):
+    """A `.cls` member that is not a non-negative decimal integer."""
+
+
+def parse_cls(raw: bytes) -> int:
+    """The class index in a `.cls` member: decimal ASCII, as webdataset writes it (`b"7"`); surrounding
+    whitespace and zero padding (`b"000007"`, this project's first format) are accepted."""
+    text = raw.strip()
+    if not text.isdigit():
+        raise LabelFormatError(f"{raw[:20]!r} is not a class index (a non-negative decimal integer)")
+    return int(text)
 
 
 def file_sha256(path: str | Path) -> str:

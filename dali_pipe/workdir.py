@@ -1,12 +1,21 @@
 """Directories a process works in: an exclusive lock that names its holder, and a check that an
 output directory can take what the run will write.
 
-The lock is `flock` on DIR/.dali_pipe.lock: the kernel drops it when the holder dies (even by
-kill -9), so a stale lock never blocks a rerun; the holder's PID is written inside to name it.
+The lock is `flock` on a file that lives OUTSIDE the directory it guards, in the user's lock folder
+(`locks/` under $DALI_PIPE_CACHE or ~/.cache/dali_pipe, whatever --cache-dir a run uses), named by a
+hash of the directory's resolved path. So nothing of ours lands in a model folder, a pack DST or
+anything uploaded from them. The kernel drops a flock when its holder dies (even by kill -9), so a
+stale lock never blocks a rerun; the holder's PID and the path are written inside to name it. A
+clean unlock removes the file (acquiring checks that the file it locked is still the one at that
+name, so a removal racing with a new holder cannot give two holders).
+
+Why not a library: `filelock` keeps its lock file beside the target (in the directory here) and
+names no holder; `fcntl.flock` is the whole mechanism in a few lines.
 """
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import os
 import re
 import shutil
@@ -14,8 +23,8 @@ from pathlib import Path
 
 from .errors import UserError
 
-LOCK_NAME = ".dali_pipe.lock"
-_held: dict[str, int] = {}  # directory -> file descriptor of the lock this process holds
+LEGACY_LOCK_NAME = ".dali_pipe.lock"  # where older versions kept the lock: inside the directory
+_held: dict[str, tuple[int, Path]] = {}  # resolved directory -> (descriptor, lock file) this process holds
 
 
 class BusyError(UserError):
@@ -26,25 +35,78 @@ class OutputError(UserError):
     """An output directory cannot take what the run writes."""
 
 
-def lock(directory: Path | str, what: str, hint: str) -> None:
-    """Hold DIR exclusively for the rest of this process, or raise BusyError naming the holder.
+def lock_dir() -> Path:
+    """The folder of lock files: locks/ under $DALI_PIPE_CACHE, else ~/.cache/dali_pipe."""
+    from .config import default_cache_dir
 
-    `what` says what uses it ("run", "sync", "demo data"), `hint` what to do instead."""
+    return default_cache_dir() / "locks"
+
+
+def lock_path(directory: Path | str) -> Path:
+    """The lock file that guards `directory` (which need not exist yet): keyed by its resolved path."""
+    resolved = str(Path(directory).resolve())
+    digest = hashlib.sha256(resolved.encode()).hexdigest()[:20]
+    slug = re.sub(r"[^A-Za-z0-9_.-]", "_", Path(resolved).name)[:40] or "root"
+    return lock_dir() / f"{slug}-{digest}.lock"
+
+
+def lock(directory: Path | str, what: str, hint: str) -> None:
+    """Hold DIR exclusively for the rest of this process (or until unlock), or raise BusyError naming
+    the holder. DIR is created if needed; the lock file lives outside it (see the module doc).
+
+    `what` says what uses it ("training run", "sync", "demo run"), `hint` what to do instead."""
     directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
     key = str(directory.resolve())
     if key in _held:
         return
-    directory.mkdir(parents=True, exist_ok=True)
-    fd = os.open(directory / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+    path = lock_path(directory)
+    while True:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        except OSError as e:
+            raise OutputError(f"cannot write the lock file {path} that guards {directory} ({e.strerror or e}); set "
+                              "DALI_PIPE_CACHE to a folder this user can write to") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 64).decode(errors="replace").split("\t")[0].strip() or "?"
+            os.close(fd)
+            raise BusyError(f"{directory} is in use by another {what} (PID {holder}); {hint}") from None
+        try:  # the holder before us may have removed the file after we opened it: lock the one there now
+            same = os.stat(path).st_ino == os.fstat(fd).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            break
+        os.close(fd)
+    os.ftruncate(fd, 0)
+    os.write(fd, f"{os.getpid()}\t{key}\n".encode())
+    _held[key] = (fd, path)
+    try:
+        _remove_legacy_lock(directory, what, hint)
+    except BusyError:
+        unlock(directory)
+        raise
+
+
+def _remove_legacy_lock(directory: Path, what: str, hint: str) -> None:
+    """Remove an older version's DIR/.dali_pipe.lock; a live process of that version holding it is
+    refused like any other holder."""
+    legacy = directory / LEGACY_LOCK_NAME
+    try:
+        fd = os.open(legacy, os.O_RDWR | os.O_NOFOLLOW)
+    except OSError:
+        return
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         holder = os.read(fd, 32).decode(errors="replace").strip() or "?"
         os.close(fd)
-        raise BusyError(f"{directory} is in use by another {what} (PID {holder}); {hint}") from None
-    os.ftruncate(fd, 0)
-    os.write(fd, str(os.getpid()).encode())
-    _held[key] = fd
+        raise BusyError(f"{directory} is in use by another {what} (PID {holder}, an older version); {hint}") from None
+    legacy.unlink(missing_ok=True)
+    os.close(fd)
 
 
 def pid_alive(pid: int) -> bool:
@@ -76,8 +138,14 @@ def remove_dead_temps(directory: Path | str, pattern: str, *, recursive: bool = 
 
 
 def unlock(directory: Path | str) -> None:
-    fd = _held.pop(str(Path(directory).resolve()), None)
-    if fd is not None:
+    """Release DIR's lock and remove the lock file (removal first, so a waiter never locks a dead name)."""
+    held = _held.pop(str(Path(directory).resolve()), None)
+    if held is not None:
+        fd, path = held
+        try:
+            path.unlink()
+        except OSError:
+            pass
         os.close(fd)  # closing the descriptor releases the flock
 
 

@@ -116,7 +116,7 @@ class DataSettings:
                                      "generated demo set of real photos")
     cache_dir: str | None = setting(None, "where s3:// data is synced and scan verdicts are cached; default "
                                           "$DALI_PIPE_CACHE or ~/.cache/dali_pipe (SageMaker: /opt/ml/input/"
-                                          "dali_pipe_cache, on the instance volume)")
+                                          "data/dali_pipe_cache, on the instance volume)")
     batch_size: int = setting(32, "images per batch per GPU/process", check=AT_LEAST_1)
     val_fraction: float = setting(0.1, "validation share per class when the manifest has no split column",
                                   check=FRACTION_0_1)
@@ -145,6 +145,13 @@ class PipelineSettings:
     decoder_host_padding: int | None = setting(
         None, "GPU decoding: pinned host memory pre-allocated per DALI thread; default DALI's 8 MiB",
         parse=lambda v: parse_size(v), expected="a size such as 32MB", check=AT_LEAST_1)
+    hw_decoder_load: float = setting(
+        0.65, "GPU decoding: share of the JPEGs sent to the GPU's hardware JPEG decoder, where it has one (A100, "
+              "H100); 0 decodes them all as a GPU without one does (T4, A10G)", check=UNIT_INTERVAL)
+    hybrid_huffman_threshold: int | None = setting(
+        None, "GPU decoding: JPEGs above this many pixels get their Huffman decoding on the GPU, smaller ones on the "
+              "DALI CPU threads; default DALI's 1000000 (0: all on the GPU, which frees CPU threads on few-core hosts)",
+        check=NON_NEGATIVE)
     crop_scale: tuple[float, float] = setting((0.08, 1.0), "training crop: the share of the image's area a random "
                                                            "crop covers, from MIN to MAX", nargs=2,
                                               metavar=("MIN", "MAX"),
@@ -194,6 +201,8 @@ class RunSettings:
     output: str = setting("runs/train", "output dir: model (save_pretrained form), bad_images.tsv, logs, "
                                         "benchmark files")
     log_dir: str | None = setting(None, "TensorBoard dir; default OUTPUT/tensorboard")
+    report_dir: str | None = setting(None, "where bad_images.tsv goes; default OUTPUT (SageMaker: output/data, "
+                                           "uploaded as output.tar.gz beside the model)")
     checkpoint_dir: str | None = setting(None, "checkpoints (resumed from when present); default "
                                                "OUTPUT/checkpoints (SageMaker: /opt/ml/checkpoints)")
     checkpoint_every_steps: int = setting(0, "also checkpoint every N optimizer steps (0: only at the end and "
@@ -211,6 +220,9 @@ class RunSettings:
                                  parse=parse_int_or_auto, expected="an integer or 'auto'",
                                  check=(lambda v: v == "auto" or v >= 1, "must be at least 1 or 'auto'"))
     num_nodes: int = setting(1, "nodes in a multi-node run", check=AT_LEAST_1)
+    dist_timeout: int = setting(1800, "multi-node: seconds a host waits for the others to arrive (after its own "
+                                      "sync and scan) and for any collective, before the run fails naming the "
+                                      "missing host", check=AT_LEAST_1)
 
 
 @dataclass
@@ -529,5 +541,6 @@ def resolve(s: Settings) -> Settings:
     s.model.precision = resolve_precision(s.model.precision, s.pipeline.device)
     out = Path(s.run.output)
     s.run.log_dir = str(s.run.log_dir or out / "tensorboard")
+    s.run.report_dir = str(s.run.report_dir or out)
     s.run.checkpoint_dir = str(s.run.checkpoint_dir or out / "checkpoints")
     return s

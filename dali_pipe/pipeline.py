@@ -27,7 +27,6 @@ MAX_THREADS = 8  # DALI's own examples use 4 threads per GPU; more buys nothing 
 # at cores-1 threads on a 48-vCPU, 4-GPU host reserves ~10 GB of each 16 GB T4.
 DALI_DEVICE_PADDING = 16 << 20
 DALI_HOST_PADDING = 8 << 20
-HW_DECODER_LOAD = 0.65  # share of JPEGs sent to the A100/H100 hardware decoder, if any
 QUEUE_DEPTH = {True: 3, False: 2}  # training: 3 batches ahead absorb jitter; validation: 2 suffice
 
 
@@ -38,6 +37,8 @@ class Resources:
     prefetch_queue_depth: int  # batches prepared ahead of the consumer
     device_memory_padding: int  # nvJPEG device buffer pre-allocation per thread (bytes)
     host_memory_padding: int  # nvJPEG pinned host buffer pre-allocation per thread (bytes)
+    hw_decoder_load: float  # share of JPEGs for the hardware JPEG decoder (A100/H100); --hw-decoder-load
+    hybrid_huffman_threshold: int | None  # pixels above which Huffman decoding is on the GPU; None: DALI's
 
 
 def resources_for_rank(settings: PipelineSettings, *, local_world_size: int = 1, training: bool = True,
@@ -49,7 +50,9 @@ def resources_for_rank(settings: PipelineSettings, *, local_world_size: int = 1,
     threads = settings.num_threads or max(1, min(MAX_THREADS, n // max(1, local_world_size) - 1))
     return Resources(num_threads=threads, prefetch_queue_depth=QUEUE_DEPTH[training],
                      device_memory_padding=settings.decoder_device_padding or DALI_DEVICE_PADDING,
-                     host_memory_padding=settings.decoder_host_padding or DALI_HOST_PADDING)
+                     host_memory_padding=settings.decoder_host_padding or DALI_HOST_PADDING,
+                     hw_decoder_load=settings.hw_decoder_load,
+                     hybrid_huffman_threshold=settings.hybrid_huffman_threshold)
 
 
 @dataclass(frozen=True)
@@ -157,7 +160,9 @@ def build_pipeline(source: Files | Shards, spec: ImageSpec, opts: PipelineOption
         jpegs, lab = _read(source, opts, training)
         decoder = "mixed" if opts.device == "gpu" else "cpu"
         hints = dict(device_memory_padding=res.device_memory_padding, host_memory_padding=res.host_memory_padding,
-                     hw_decoder_load=HW_DECODER_LOAD) if decoder == "mixed" else {}
+                     hw_decoder_load=res.hw_decoder_load) if decoder == "mixed" else {}
+        if decoder == "mixed" and res.hybrid_huffman_threshold is not None:
+            hints["hybrid_huffman_threshold"] = res.hybrid_huffman_threshold
         interp = {"nearest": types.INTERP_NN, "linear": types.INTERP_LINEAR, "cubic": types.INTERP_CUBIC,
                   "lanczos": types.INTERP_LANCZOS3}[spec.interp]
         mean = [m * 255 for m in spec.mean]

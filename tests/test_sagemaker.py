@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -31,22 +32,6 @@ def _run(base, cache_dir, *args, timeout=600, env=None):
     env = {**os.environ, "SAGEMAKER_BASE_DIR": str(base), "DALI_PIPE_CACHE": str(cache_dir), **(env or {})}
     return subprocess.run([sys.executable, str(ROOT / "train.py"), "train", *args], capture_output=True, text=True,
                           env=env, timeout=timeout)
-
-
-def test_train_writes_model_logs_and_metrics(tmp_path, photo_root, cache_dir):
-    base = _opt_ml(tmp_path, photo_root, {"epochs": "2", "batch-size": "8", "model": "tiny", "device": "cpu",
-                                          "num-threads": "1"})
-    r = _run(base, cache_dir)
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert (base / "model" / "config.json").is_file() and (base / "model" / "label_map.json").is_file()
-    assert list((base / "output" / "tensorboard").glob("events.*"))
-    assert (base / "checkpoints" / "last.ckpt").is_file()
-    assert not (base / "output" / "failure").exists()
-    import re
-
-    # the README's metric_definitions regexes
-    assert re.search(r"METRIC epoch=2 .*train_loss=([0-9.]+)", r.stdout)
-    assert re.search(r"val_acc=([0-9.]+)", r.stdout)
 
 
 def test_bad_hyperparameter_writes_failure(tmp_path, photo_root, cache_dir):
@@ -149,3 +134,182 @@ def test_hyperparameter_spellings_are_not_overridden(tmp_path):
     argv, _ = build_argv(base, [], {})
     assert argv.count("--cache-dir") == 1 and argv[argv.index("--cache-dir") + 1] == "/nvme"
     assert argv.count("--devices") == 1
+
+
+# -- the jobs the SageMaker SDK's own local mode lays out (tests/sagemaker_sdk/, see its README) ----------
+SDK = ROOT / "tests" / "sagemaker_sdk"
+MODEL_FILES = {"config.json", "model.safetensors", "preprocessor_config.json", "label_map.json", "metrics.json"}
+OURS = re.compile(r"lock|\.tmp|-tmp-|write-test|\.part-|sync-running")  # names of our locks and temporary files
+
+
+def sdk_job(case: str, tmp_path: Path, data: Path, data_for: dict | None = None):
+    """The job as the SDK's docker-compose.yaml mounts it: each host's /opt/ml is a folder of links into the
+    SDK's root (one model/ shared by all hosts, input/ and output/ per host, the training channel: `data`, or
+    data_for[i] for the i-th host), with the config files the SDK wrote.
+    Returns (root, {host: (opt_ml, environment, argv)})."""
+    import shutil
+
+    import yaml
+
+    compose = yaml.safe_load((SDK / case / "docker-compose.yaml").read_text())
+    root, jobs = tmp_path / "sdk-root", {}
+    for i, (host, service) in enumerate(sorted(compose["services"].items())):
+        base = tmp_path / host / "opt_ml"
+        mounts = [v[:-2] if v.endswith(":z") else v for v in service["volumes"]]
+        for src, dst in sorted((v.rsplit(":", 1) for v in mounts), key=lambda m: m[1].count("/")):
+            if "${CODE}" in src:
+                continue
+            src = Path(src.replace("${ROOT}", str(root)).replace("${DATA}", str((data_for or {}).get(i, data))))
+            target = base / Path(dst).relative_to("/opt/ml")
+            src.mkdir(parents=True, exist_ok=True)
+            if target.exists() and target.resolve() == src.resolve():
+                continue  # inside a mount made above (output/data within output)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.symlink_to(src)
+        shutil.copytree(SDK / case / host / "input" / "config", base / "input" / "config")
+        env = dict(e.split("=", 1) for e in service["environment"] if "${AWS_" not in e)
+        jobs[host] = (base, env, [service["command"]] if "command" in service else [])
+    return root, jobs
+
+
+def _nothing_of_ours(root: Path) -> None:
+    """model/ holds the model and nothing else; no lock or temporary file anywhere in the job."""
+    assert {p.name for p in (root / "model").iterdir()} == MODEL_FILES
+    strays = [str(p) for p in root.rglob("*") if OURS.search(p.name)]
+    assert not strays, strays
+
+
+@pytest.mark.parametrize("case", ["v2-estimator-1host", "v3-modeltrainer-1host"])
+def test_sdk_local_mode_jobs_train_into_model(case, tmp_path, photo_root, cache_dir, monkeypatch, capsys):
+    """A job laid out as SDK 2.x's Estimator (`train`, str() values such as '(0.35, 1.0)' and 'False') and
+    SDK 3.x's ModelTrainer (no command at all, JSON values) lay it out: exit 0, the model in model/ and
+    nothing else of ours there, the scan report in output/data, logs in output/tensorboard."""
+    import train
+
+    root, jobs = sdk_job(case, tmp_path, photo_root)
+    (host, (base, env, argv)), = jobs.items()
+    monkeypatch.setenv("SAGEMAKER_BASE_DIR", str(base))
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    result = train.main(argv)
+    assert result["global_step"] == 36 // 8  # 48 photos, val-fraction 0.25, batch 8, one epoch
+    _nothing_of_ours(root)
+    assert (base / "output" / "data" / "bad_images.tsv").is_file() and not (base / "output" / "failure").exists()
+    assert list((base / "output" / "tensorboard").glob("events.*")) and (base / "checkpoints" / "last.ckpt").is_file()
+    out = capsys.readouterr().out
+    assert ("started with no command inside a training job" in out) == (argv == [])
+    for name in ("train_loss", "train_acc", "val_loss", "val_acc"):  # the README's metric_definitions
+        assert re.search(rf"METRIC epoch=1 .*{name}=([0-9.]+)", out), name
+
+
+def test_sdk_framework_estimator_json_values_reach_the_same_settings(tmp_path, photo_root):
+    """SDK 2.x's PyTorch estimator JSON-encodes every value and adds sagemaker_* keys: same settings as
+    the generic Estimator's str() values."""
+    from dali_pipe.cli import parse_train
+
+    settings = []
+    for case in ("v2-pytorch-1host", "v2-estimator-1host"):
+        _, jobs = sdk_job(case, tmp_path / case, photo_root)
+        (base, _, _), = jobs.values()
+        argv, _ = build_argv(base, [], {})
+        s = parse_train(argv)
+        settings.append((s.model.model, s.pipeline.crop_scale, s.run.monitor, s.model.lr, s.data.val_fraction,
+                         s.pipeline.device, s.model.epochs))
+    assert settings[0] == settings[1] == ("tiny", [0.35, 1.0], False, 0.002, 0.25, "cpu", 1)
+
+
+def _hosts_namespace(tmp_path: Path, names) -> list[str]:
+    """A command prefix that runs a process with `names` resolving to 127.0.0.1, as docker's network aliases
+    make them resolve to each container: /etc/hosts bind-mounted in a private mount namespace (skips the
+    test where unshare or mount is refused)."""
+    hosts = tmp_path / "hosts"
+    hosts.write_text(Path("/etc/hosts").read_text() + "".join(f"127.0.0.1 {n}\n" for n in names))
+    prefix = ["unshare", "-m", "sh", "-c", 'mount --bind "$0" /etc/hosts && exec "$@"', str(hosts)]
+    try:
+        probe = subprocess.run(prefix + ["getent", "hosts", names[-1]], capture_output=True, text=True, timeout=30)
+    except FileNotFoundError:
+        pytest.skip("unshare is not installed")
+    if probe.returncode != 0 or "127.0.0.1" not in probe.stdout:
+        pytest.skip(f"cannot give the test hosts their own /etc/hosts here: {probe.stderr.strip()[:200]}")
+    return prefix
+
+
+def _start_hosts(tmp_path: Path, jobs: dict, only=None) -> dict:
+    """Each host's contract in its own process, as SageMaker starts one container per host."""
+    from test_hosts import free_port
+
+    prefix = _hosts_namespace(tmp_path, list(jobs))
+    port = str(free_port())
+    procs = {}
+    for host, (base, env, argv) in jobs.items():
+        if only and host not in only:
+            continue
+        penv = {**os.environ, **env, "SAGEMAKER_BASE_DIR": str(base), "MASTER_PORT": port, "PYTHONUNBUFFERED": "1",
+                "DALI_PIPE_CACHE": str(base.parent / "cache")}
+        procs[host] = subprocess.Popen(prefix + [sys.executable, str(ROOT / "train.py"), *argv], env=penv,
+                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return procs
+
+
+def _finish(procs: dict, timeout: float = 300) -> dict:
+    out = {}
+    for host, p in procs.items():
+        try:
+            text, _ = p.communicate(timeout=timeout)
+        finally:
+            p.kill()
+        out[host] = (p.returncode, text)
+    return out
+
+
+@pytest.mark.slow
+def test_sdk_two_host_job_shares_one_model_folder(tmp_path, photo_root):
+    """SDK 2.x's 2-instance local-mode job: two host processes, host names resolving to loopback, one model/
+    mounted in both. Only the first host locks and writes it: both exit 0, the model in model/ and nothing
+    else of ours anywhere."""
+    root, jobs = sdk_job("v2-estimator-2host", tmp_path, photo_root)
+    results = _finish(_start_hosts(tmp_path, jobs))
+    for host, (code, text) in results.items():
+        assert code == 0, f"{host}:\n{text[-3000:]}"
+        assert "hosts: all 2 arrived" in text
+    _nothing_of_ours(root)
+    assert "TRAINED global_step=2" in results[sorted(results)[0]][1]  # 36 images / 2 hosts / batch 8
+
+
+@pytest.mark.slow
+def test_a_failed_host_stops_the_others_naming_it(tmp_path, photo_root):
+    """The second host's channel has no dataset.tsv: it fails at once, and the first host, instead of waiting
+    for it, exits 1 within seconds with the second host's reason in its output/failure; model/ stays empty."""
+    empty = tmp_path / "empty-channel"
+    empty.mkdir()
+    root, jobs = sdk_job("v2-estimator-2host", tmp_path, photo_root, data_for={1: empty})
+    first, second = sorted(jobs)
+    results = _finish(_start_hosts(tmp_path, jobs), timeout=120)
+    assert results[second][0] == 1 and "has no dataset.tsv" in (jobs[second][0] / "output" / "failure").read_text()
+    failure = (jobs[first][0] / "output" / "failure").read_text()
+    assert results[first][0] == 1, results[first][1][-2000:]
+    assert f"host {second} failed: invalid arguments: --data:" in failure and "has no dataset.tsv" in failure
+    assert not list((root / "model").iterdir()) and not [p for p in root.rglob("*") if OURS.search(p.name)]
+
+
+@pytest.mark.slow
+def test_sigterm_while_waiting_for_the_first_host_ends_at_once(tmp_path, photo_root):
+    """The second host waits for a first host that never comes; SIGTERM (docker stop, a stopped job) ends it
+    within seconds with exit 143, one clear line and the same reason in output/failure."""
+    import signal
+    import time
+
+    root, jobs = sdk_job("v2-estimator-2host", tmp_path, photo_root)
+    first, second = sorted(jobs)
+    proc = _start_hosts(tmp_path, jobs, only=[second])[second]
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if "waiting for host" in line:
+            break
+    start = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    text = "".join(lines) + proc.communicate(timeout=30)[0]
+    assert proc.returncode == 143 and time.monotonic() - start < 10, text[-2000:]
+    reason = f"stopped by SIGTERM while waiting for host {first} (the first host)"
+    assert reason in text and (jobs[second][0] / "output" / "failure").read_text() == reason

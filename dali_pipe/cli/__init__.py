@@ -1,7 +1,8 @@
 """The command layer: it composes the library (dali_pipe's stages, model/) into commands.
 
     train.py [flags]           -> fit.run (training) or bench.run (--benchmark)
-    train.py train [flags]     -> sagemaker.run (the SageMaker container contract)
+    train.py train [flags]     -> sagemaker.run_sagemaker (the SageMaker container contract; also with no
+                                  arguments inside a job; `serve` is refused in one line)
     python -m dali_pipe CMD    -> commands.main (sync, ...)
 
 Nothing outside this package imports it (tests/test_layers.py checks). Importing it is cheap:
@@ -29,7 +30,8 @@ __all__ = ["main", "cli", "parse_train", "UsageError"]
 def train_parser():
     return build_parser("python train.py", TRAIN_DOC.split("\n\n")[0], TRAIN_GROUPS,
                         epilog="A first argument 'train' runs the SageMaker container contract: flags come "
-                               "from /opt/ml/input/config/hyperparameters.json.")
+                               "from /opt/ml/input/config/hyperparameters.json ($SAGEMAKER_BASE_DIR instead of "
+                               "/opt/ml to run it without Docker); with no arguments inside a job it runs too.")
 
 
 def parse_train(argv: list[str]) -> Settings:
@@ -66,10 +68,15 @@ def prepared(s: Settings) -> Settings:
 def main(argv: list[str] | None = None) -> dict:
     """train.py as a library: `main([...flags])` trains or benchmarks and returns the result dict."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["train"]:  # only as the first argument, so a flag's value never lands here
-        from .sagemaker import run_sagemaker
+    if argv[:1] in (["train"], ["serve"]) or not argv:  # a first argument only: a flag's value never lands here
+        from . import sagemaker
 
-        return run_sagemaker(argv[1:], main)
+        if argv[:1] == ["serve"]:
+            raise UsageError(sagemaker.SERVE_MESSAGE)
+        if argv or sagemaker.in_job():  # no arguments inside a job: SDK 3's ModelTrainer starts the image so
+            if not argv:
+                print("sagemaker: started with no command inside a training job: running the training contract")
+            return sagemaker.run_sagemaker(argv[1:], main)
     s = prepared(parse_train(argv))
     if s.bench.benchmark:
         from .bench import run

@@ -3,7 +3,9 @@ save_pretrained form.
 
 Pre-flight, in the main process of each node (Lightning's DDP launcher re-runs this script for
 the other local ranks, which skip what only one process may do):
-- hold OUT exclusively (a second run on the same OUT stops at once, naming the PID);
+- on node rank 0 only, hold OUT exclusively (a second run on the same OUT stops at once, naming the
+  PID); the other nodes never touch OUT, which may be one folder shared by all;
+- with several nodes, join the hosts' meeting first (hosts.py), and meet after the sync and scan;
 - check that OUT and the checkpoint dir are writable directories with room for two checkpoints
   and the model;
 - sync s3:// data, scan, write the report (once; Lightning's own `prepare_data` is then a no-op);
@@ -58,6 +60,11 @@ def is_main_process() -> bool:
     return os.environ.get("LOCAL_RANK", "0") == "0"
 
 
+def is_first_node() -> bool:
+    """Node rank 0, the one node that writes OUT (NODE_RANK, as Lightning reads it; absent on one node)."""
+    return os.environ.get("NODE_RANK", "0") == "0"
+
+
 def make_trainer(s: Settings, callbacks: list, *, logger=True, **overrides):
     """The one Trainer configuration training and the benchmark share."""
     import pytorch_lightning as pl
@@ -66,8 +73,15 @@ def make_trainer(s: Settings, callbacks: list, *, logger=True, **overrides):
     if logger is True:
         logger = TensorBoardLogger(s.run.log_dir, name="", version="")
     world = world_size(s)
+    strategy = "auto"
+    if world > 1:  # collectives (and Lightning's own rendezvous) give up after --dist-timeout, naming no hang
+        from datetime import timedelta
+
+        from pytorch_lightning.strategies import DDPStrategy
+
+        strategy = DDPStrategy(timeout=timedelta(seconds=s.run.dist_timeout))
     kw = dict(accelerator=s.pipeline.device, devices=s.run.devices, num_nodes=s.run.num_nodes,
-              strategy="ddp" if world > 1 else "auto", precision=s.model.precision,
+              strategy=strategy, precision=s.model.precision,
               max_epochs=s.model.epochs, max_steps=s.model.max_steps, use_distributed_sampler=False,
               accumulate_grad_batches=s.model.grad_accum, gradient_clip_val=s.model.clip_grad_norm,
               gradient_clip_algorithm="norm", logger=logger, enable_checkpointing=False, callbacks=callbacks,
@@ -91,14 +105,58 @@ def run(s: Settings) -> dict:
     quiet_known_noise()
     out, ckpt_dir = Path(s.run.output), Path(s.run.checkpoint_dir)
     main = is_main_process()
-    if main:
-        check_writable(out, "--output")
-        lock(out, "training run", "wait for it to finish, or pass another --output")
+    writes_out = main and is_first_node()  # the other nodes never touch OUT (it may be one shared folder)
+    meeting = None
+    if main and s.run.num_nodes > 1:
+        from .hosts import join
+
+        meeting = join(s.run.num_nodes, s.run.dist_timeout)
     try:
-        return _fit(s, out, ckpt_dir, main)
+        if writes_out:
+            check_writable(out, "--output")
+            lock(out, "training run", "wait for it to finish, or pass another --output")
+        return _fit(s, out, ckpt_dir, main, meeting)
+    except BaseException as e:
+        if meeting is not None:
+            _fail_together(meeting, e)
+        raise
     finally:
-        if main:
+        if writes_out:
             unlock(out)
+
+
+def _fail_together(meeting, error: BaseException) -> None:
+    """Tell the other hosts why this one stops; when this host only failed because another did (a collective
+    lost its peer), raise the other's reason instead."""
+    import time
+
+    from ..errors import UserError
+    from .hosts import HostsError
+
+    if isinstance(error, KeyboardInterrupt) and meeting.interrupted_by:  # the watcher: another host failed
+        raise HostsError(meeting.interrupted_by) from None
+    if not isinstance(error, (UserError, SystemExit, KeyboardInterrupt)):
+        for _ in range(15):  # the failed host publishes while it tears down: give it a moment
+            try:
+                peer = meeting.peer_failure()
+            except HostsError as lost:
+                peer = str(lost)
+            if peer:
+                meeting.fail(peer)
+                raise HostsError(f"{peer} (then this host stopped too: {type(error).__name__}: "
+                                 f"{str(error).splitlines()[0] if str(error) else ''})") from error
+            time.sleep(0.2)
+    from ..redact import redact
+
+    if isinstance(error, UserError):
+        reason = " ".join(str(error).split())
+    elif isinstance(error, SystemExit):
+        reason = getattr(error, "reason", None) or \
+            ("stopped by SIGTERM" if error.code == 143 else f"exited with status {error.code}")
+    else:
+        reason = getattr(error, "reason", None) or \
+            f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0]}"
+    meeting.fail(redact(reason))
 
 
 @dataclass
@@ -130,7 +188,7 @@ def preflight(s: Settings, out: Path, ckpt_dir: Path, main: bool) -> Prepared:
     pl.seed_everything(s.data.seed, workers=True, verbose=False)
     processor = load_processor(s.model.model)
     spec = ImageSpec.from_processor(processor)
-    dm = DaliDataModule(s.data, s.pipeline, spec, out)
+    dm = DaliDataModule(s.data, s.pipeline, spec, Path(s.run.report_dir or out))  # reports: OUT, or output/data
     if main:
         dm.prepare_data()
     manifest = dm.setup_manifest(world_size(s))
@@ -145,7 +203,18 @@ def preflight(s: Settings, out: Path, ckpt_dir: Path, main: bool) -> Prepared:
     return Prepared(processor, spec, dm, manifest, params, fingerprint, targets, plan)
 
 
-def _fit(s: Settings, out: Path, ckpt_dir: Path, main: bool) -> dict:
+def _plan_text(plan) -> str:
+    """What this host will do, in words the hosts compare before training together."""
+    if plan.done_step is not None:
+        return f"nothing to do (finished at step {plan.done_step})"
+    if plan.ckpt_path is None:
+        return "a fresh start"
+    from model.checkpoint import read_meta
+
+    return f"resume from step {(read_meta(Path(plan.ckpt_path)) or {}).get('global_step', '?')}"
+
+
+def _fit(s: Settings, out: Path, ckpt_dir: Path, main: bool, meeting=None) -> dict:
     from pytorch_lightning.callbacks import LearningRateMonitor
     from pytorch_lightning.utilities.exceptions import SIGTERMException
 
@@ -157,6 +226,8 @@ def _fit(s: Settings, out: Path, ckpt_dir: Path, main: bool) -> dict:
     from ..monitor import DaliMemoryLog, MonitorCallback
 
     p = preflight(s, out, ckpt_dir, main)
+    if meeting is not None:  # every host synced and scanned: meet (bounded), then Lightning's rendezvous is quick
+        meeting.arrive(_plan_text(p.plan))
     if p.plan.done_step is not None:
         print(f"nothing to do: already trained to {p.plan.done_step} steps with these settings "
               f"(model in {out}); pass --resume never to train again from scratch")

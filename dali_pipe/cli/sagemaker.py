@@ -1,16 +1,25 @@
 """The SageMaker bring-your-own-container contract: `docker run IMAGE train`.
 
+How SageMaker starts the container, and what each way does:
+- `train` as the first argument (the service, SDK 2.x local mode): this contract;
+- no arguments inside a job (SDK 3.x `ModelTrainer` without a command; the image has no CMD): detected
+  from TRAINING_JOB_NAME or input/config/hyperparameters.json, then this contract;
+- `serve`: one line saying that this image trains and does not serve, exit status 2;
+- `train` outside a job (no input/config under $SAGEMAKER_BASE_DIR or /opt/ml): one line, nothing written.
+
 Maps /opt/ml (or $SAGEMAKER_BASE_DIR) onto train.py's settings and hands them to the same parser:
 - input/config/hyperparameters.json: keys are the CLI flags ("batch-size", "batch_size" or
-  "--batch-size"); values are strings, or JSON as framework estimators send them ("\\"tiny\\"",
-  64, true, [0.35, 1.0]). Keys the SDK and tuning jobs add (`sagemaker_*`, `_tuning_objective_metric`
+  "--batch-size"); values are strings, JSON as framework estimators and ModelTrainer send them
+  ("\\"tiny\\"", 64, true, [0.35, 1.0]), or Python's str() as v2's generic Estimator sends them
+  ("(0.35, 1.0)", "True"). Keys the SDK and tuning jobs add (`sagemaker_*`, `_tuning_objective_metric`
   and other `_`-prefixed ones) are ignored with one note; an unknown key is an error naming it and
   the closest flag; `null` is refused, naming the key.
 - input/config/inputdataconfig.json: data from the `training` channel (input/data/training, File or
   FastFile mode), unless a `data` hyperparameter names an s3:// URI;
 - input/config/resourceconfig.json: several hosts -> MASTER_ADDR (first host), NODE_RANK,
-  --num-nodes, and all local GPUs;
-- model/ gets the save_pretrained model + label map, output/tensorboard the logs,
+  --num-nodes, and all local GPUs; the hosts meet first (hosts.py) and only node rank 0 touches model/;
+- model/ gets the save_pretrained model + label map and nothing else of ours; output/data the scan
+  report (bad_images.tsv, uploaded as output.tar.gz), output/tensorboard the logs,
   /opt/ml/checkpoints the spot-safe checkpoints (SageMaker syncs them to S3);
 - any failure writes a short reason to output/failure (<= 1024 chars, redacted; a user error's
   message only, other failures their last traceback lines) and exits 1.
@@ -30,7 +39,7 @@ from ..errors import UserError
 from ..redact import redact, redact_argv
 
 FAILURE_LIMIT = 1024
-CONTRACT_FLAGS = ("--output", "--log-dir", "--checkpoint-dir")  # set by the contract, not by hyperparameters
+CONTRACT_FLAGS = ("--output", "--log-dir", "--report-dir", "--checkpoint-dir")  # set by the contract, not by users
 INPUT_MODES = ("File", "FastFile")  # both put the channel under input/data/<channel>
 CACHE_DIR = "input/data/dali_pipe_cache"  # under /opt/ml: the instance storage AWS documents for datasets
 
@@ -55,12 +64,25 @@ def _read_json(path: Path):
 
 
 def _unwrap(value):
-    """A hyperparameter value as the CLI wants it: framework estimators JSON-encode every value."""
+    """A hyperparameter value as the CLI wants it. Framework estimators (v2 `PyTorch`) and v3 `ModelTrainer`
+    JSON-encode values ('"tiny"', '[0.35, 1.0]', 'false'); v2's generic `Estimator` sends Python's str() of
+    each ('(0.35, 1.0)', "['a', 'b']", 'False'); anything else is a plain string."""
     if isinstance(value, str):
         try:
-            value = json.loads(value)
+            return json.loads(value)
         except ValueError:
-            return value  # a plain string, as BYOC estimators send
+            pass
+        text = value.strip()
+        if text[:1] in "([" and text[-1:] in ")]":
+            import ast
+
+            try:
+                seq = ast.literal_eval(text)
+            except (ValueError, SyntaxError, MemoryError, RecursionError):
+                return value
+            if isinstance(seq, (list, tuple)) and all(isinstance(v, (str, int, float, bool)) for v in seq):
+                return list(seq)
+        return value
     return value
 
 
@@ -84,7 +106,7 @@ def hyperparameter_argv(hp: dict) -> tuple[list[str], list[str]]:
         flag = _flag(key)
         if flag in CONTRACT_FLAGS:
             problems.append(f"hyperparameter {key!r} is set by the SageMaker contract (model/, output/, "
-                            "/opt/ml/checkpoints); remove it")
+                            "output/data, /opt/ml/checkpoints); remove it")
             continue
         if flag not in known:
             close = difflib.get_close_matches(flag, sorted(known), n=1)
@@ -129,26 +151,64 @@ def build_argv(base: Path, extra: list[str], env: dict) -> tuple[list[str], dict
         argv += ["--data", str(channel)]
 
     model_dir = Path(env.get("SM_MODEL_DIR", base / "model"))
-    output_dir = Path(env.get("SM_OUTPUT_DATA_DIR", base / "output"))
-    argv += ["--output", str(model_dir), "--log-dir", str(output_dir / "tensorboard"),
-             "--checkpoint-dir", str(base / "checkpoints")]
+    data_dir = Path(env.get("SM_OUTPUT_DATA_DIR", base / "output" / "data"))
+    argv += ["--output", str(model_dir), "--log-dir", str(base / "output" / "tensorboard"),
+             "--report-dir", str(data_dir), "--checkpoint-dir", str(base / "checkpoints")]
     if "--cache-dir" not in given:
         argv += ["--cache-dir", str(base / CACHE_DIR)]
 
-    hosts = resources.get("hosts") or json.loads(env.get("SM_HOSTS", "[]") or "[]")
-    current = resources.get("current_host") or env.get("SM_CURRENT_HOST")
-    dist_env = {}
+    dist_env = host_env(resources, env)
     num_gpus = int(env.get("SM_NUM_GPUS", "-1"))
-    if len(hosts) > 1:
-        hosts = sorted(hosts)
-        if current not in hosts:
-            raise SageMakerError(f"resourceconfig.json: current_host {current!r} is not in hosts {hosts}")
-        dist_env = {"MASTER_ADDR": hosts[0], "MASTER_PORT": env.get("MASTER_PORT", "29500"),
-                    "NODE_RANK": str(hosts.index(current))}
-        argv += ["--num-nodes", str(len(hosts))]
+    if dist_env:
+        argv += ["--num-nodes", str(len(json.loads(dist_env["DALI_PIPE_HOSTS"])))]
     if "--devices" not in given and num_gpus != 0:
         argv += ["--devices", "auto" if num_gpus < 0 else str(num_gpus)]
     return argv + extra, dist_env
+
+
+def host_env(resources: dict, env: dict) -> dict:
+    """The distributed environment of this host when the job has several: MASTER_ADDR (the first host in
+    sorted order), MASTER_PORT, NODE_RANK and DALI_PIPE_HOSTS (the names, for messages); {} for one host."""
+    hosts = resources.get("hosts") or json.loads(env.get("SM_HOSTS", "[]") or "[]")
+    current = resources.get("current_host") or env.get("SM_CURRENT_HOST")
+    if len(hosts) <= 1:
+        return {}
+    hosts = sorted(hosts)
+    if current not in hosts:
+        raise SageMakerError(f"resourceconfig.json: current_host {current!r} is not in hosts {hosts}")
+    return {"MASTER_ADDR": hosts[0], "MASTER_PORT": env.get("MASTER_PORT", "29500"),
+            "NODE_RANK": str(hosts.index(current)), "DALI_PIPE_HOSTS": json.dumps(hosts)}
+
+
+def _dist_timeout(hp: dict) -> float:
+    """--dist-timeout from the hyperparameters when it reads as a number, else its default (for joining
+    the other hosts before the hyperparameters are checked; a bad value is reported with the others)."""
+    from ..config import RunSettings
+
+    for key, raw in hp.items():
+        if _flag(key) == "--dist-timeout":
+            try:
+                return float(_unwrap(raw))
+            except (TypeError, ValueError):
+                break
+    return float(RunSettings.dist_timeout)
+
+
+def base_dir() -> Path:
+    """The job's root: $SAGEMAKER_BASE_DIR, else /opt/ml."""
+    return Path(os.environ.get("SAGEMAKER_BASE_DIR", "/opt/ml"))
+
+
+def in_job() -> bool:
+    """Inside a SageMaker training job (started with no command, as SDK 3's ModelTrainer does): the
+    service sets TRAINING_JOB_NAME and writes input/config/hyperparameters.json."""
+    return bool(os.environ.get("TRAINING_JOB_NAME")) or \
+        (base_dir() / "input" / "config" / "hyperparameters.json").is_file()
+
+
+SERVE_MESSAGE = ("this image trains and does not serve: deploy the model SageMaker saved as model.tar.gz (model/ "
+                 "in save_pretrained form) with an inference container, e.g. Hugging Face's, or run "
+                 "`python -m dali_pipe predict`")
 
 
 def write_failure(output_dir: Path, reason: str) -> None:
@@ -160,24 +220,56 @@ def write_failure(output_dir: Path, reason: str) -> None:
 
 
 def run_sagemaker(extra: list[str], main) -> dict:
-    """Run train.py's `main` as a SageMaker job; on failure write output/failure and exit 1."""
-    base = Path(os.environ.get("SAGEMAKER_BASE_DIR", "/opt/ml"))
-    output_dir = Path(os.environ.get("SM_OUTPUT_DATA_DIR", base / "output"))
+    """Run train.py's `main` as a SageMaker job; on failure write output/failure and exit 1.
+
+    Outside a job (no input/config under $SAGEMAKER_BASE_DIR or /opt/ml) it stops with one line and
+    writes nothing. With several hosts, this host first joins the others (dali_pipe/cli/hosts.py), so
+    that a failure at any later point is published to them."""
+    from . import hosts
+
+    base = base_dir()
+    if not (base / "input" / "config").is_dir():
+        where = ("SAGEMAKER_BASE_DIR is set to " + str(base)) if "SAGEMAKER_BASE_DIR" in os.environ else \
+            "SAGEMAKER_BASE_DIR is unset"
+        raise SageMakerError(f"`train` runs the SageMaker training contract, but there is no job here: "
+                             f"{base / 'input' / 'config'} does not exist ({where}). To run the contract without "
+                             "Docker, lay out a folder as /opt/ml is laid out (README, SageMaker section) and set "
+                             "SAGEMAKER_BASE_DIR to it; to train directly: python train.py --data DIR")
+    failure_dir = base / "output"
     try:
-        argv, dist_env = build_argv(base, extra, dict(os.environ))
+        cfg = base / "input" / "config"
+        dist_env = host_env(_read_json(cfg / "resourceconfig.json"), dict(os.environ))
         os.environ.update(dist_env)
+        if dist_env and os.environ.get("LOCAL_RANK", "0") == "0":  # Lightning's other local ranks do not join
+            hp = _read_json(cfg / "hyperparameters.json")
+            hosts.join(len(json.loads(dist_env["DALI_PIPE_HOSTS"])), _dist_timeout(hp if isinstance(hp, dict) else {}))
+        argv, _ = build_argv(base, extra, dict(os.environ))
         print(f"sagemaker: base {base}; train.py {' '.join(redact_argv(argv))}", flush=True)
         return main(argv)
     except SystemExit as e:
         if e.code in (0, None):  # --help
             raise
-        write_failure(output_dir, "stopped by SIGTERM" if e.code == 143 else f"exited with status {e.code}")
+        reason = getattr(e, "reason", None) or \
+            ("stopped by SIGTERM" if e.code == 143 else f"exited with status {e.code}")
+        _tell_hosts(hosts.current(), reason)
+        write_failure(failure_dir, reason)
         raise
     except BaseException as e:
+        meeting = hosts.current()
+        if isinstance(e, KeyboardInterrupt) and meeting is not None and meeting.interrupted_by:
+            e = hosts.HostsError(meeting.interrupted_by)  # another host failed first: name it, not the interrupt
         if isinstance(e, UserError):
             reason = str(e)
         else:
             reason = f"{type(e).__name__}: {e}\n" + "".join(traceback.format_exc().splitlines(True)[-6:])
-        write_failure(output_dir, reason)
+        _tell_hosts(hosts.current(), " ".join(str(e).split()) if isinstance(e, UserError) else
+                    f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}")
+        write_failure(failure_dir, reason)
         print(f"error: {redact(e)}", file=sys.stderr)
         sys.exit(1)
+
+
+def _tell_hosts(meeting, reason: str) -> None:
+    """Publish this host's failure to the other hosts (redacted, one line)."""
+    if meeting is not None:
+        meeting.fail(redact(" ".join(reason.split())))

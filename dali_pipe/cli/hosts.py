@@ -1,0 +1,251 @@
+"""Multi-node runs: the hosts meet before training, the wait is bounded, and a host that fails is named.
+
+torch's own rendezvous (Lightning's `init_process_group`, a TCPStore on MASTER_PORT) blocks inside
+C++ until its timeout: a SIGTERM waits for it, and a host that died is never named. So the main
+process of each host first joins a small meeting of its own, a TCPStore on MASTER_PORT + 1 of the
+first host (node rank 0 holds it):
+
+- `join()` as early as possible (the SageMaker contract joins before it reads the hyperparameters), so
+  that a host failing at any point can publish why; until it arrives, a watcher thread stops this host
+  (as Ctrl-C would) as soon as another host has failed, instead of letting it sync and scan for nothing;
+- `Meeting.arrive(plan)` after the host's own sync and scan: it says "here, and this is what I will
+  resume", then polls a few times a second until every host has arrived, one has published a
+  failure, --dist-timeout has passed, or a SIGTERM came (Python runs its handler between polls);
+- `Meeting.fail(reason)` from any error path: the others stop at their next poll, or, when they are
+  already inside a collective that fails, name this host's reason instead of a bare socket error.
+
+Lightning's rendezvous then finds every host there at once, and the collectives time out after
+--dist-timeout too (DDPStrategy's timeout, set in fit.make_trainer). Why hand-written: torchrun's
+elastic agent does rendezvous and failure detection, but it is a launcher (it would replace
+Lightning's, and SageMaker starts one process per host itself); torch's TCPStore does the talking.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from contextlib import contextmanager
+from datetime import timedelta
+
+from ..errors import UserError
+
+POLL = 0.2  # seconds between looks at the meeting
+WATCH = 1.0  # seconds between looks for a failed host while this one syncs and scans
+CONNECT_TRY = 0.5  # seconds one connection attempt may block (a SIGTERM waits at most this long)
+LINGER = 10.0  # seconds the first host keeps the meeting open after failing, so the others read why
+
+
+class HostsError(UserError):
+    """The hosts of a multi-node run could not meet, or one of them failed; the message names it."""
+
+
+class Interrupted(SystemExit):
+    """SIGTERM while waiting for the other hosts: exit 143 with the reason for output/failure."""
+
+    def __init__(self, reason: str):
+        super().__init__(143)
+        self.reason = reason
+
+
+@contextmanager
+def _sigterm_means(doing: str):
+    """A SIGTERM (the CLI's handler raises SystemExit(143)) inside the block ends it with a clear reason."""
+    try:
+        yield
+    except SystemExit as e:
+        if e.code == 143 and not isinstance(e, Interrupted):
+            print(f"hosts: stopped by SIGTERM while {doing}", flush=True)
+            raise Interrupted(f"stopped by SIGTERM while {doing}") from None
+        raise
+
+
+class Meeting:
+    """This host's seat at the meeting: the store, its rank and the hosts' names."""
+
+    def __init__(self, store, rank: int, names: list[str], timeout: float):
+        self.store, self.rank, self.names, self.timeout = store, rank, names, timeout
+        self.failed = False
+        self.interrupted_by: str | None = None  # why the watcher stopped this host (another host failed)
+        self._watching = None
+
+    def watch(self) -> None:
+        """Until arrive(): a daemon thread looks for a failed host every WATCH seconds and then interrupts
+        the main thread (KeyboardInterrupt, as Ctrl-C: sync and scan stop cleanly), so that no host syncs
+        for an hour for a job that has already failed. `interrupted_by` says why."""
+        import _thread
+        import threading
+
+        store, stop = self.store.clone(), threading.Event()  # a connection of its own for the thread
+
+        def run():
+            while not stop.wait(WATCH):
+                try:
+                    failed = [r for r in range(len(self.names)) if r != self.rank and store.check([f"failed/{r}"])]
+                    why = (f"host {self.names[failed[0]]} failed: "
+                           f"{store.get(f'failed/{failed[0]}').decode(errors='replace')}") if failed else None
+                except Exception:  # noqa: BLE001  (the first host is gone)
+                    why = self._lost()
+                if why and not stop.is_set():
+                    self.interrupted_by = why
+                    print(f"hosts: {why}; stopping this host", flush=True)
+                    _thread.interrupt_main()
+                    return
+
+        self._watching = stop
+        threading.Thread(target=run, daemon=True, name="dali_pipe-hosts-watch").start()
+
+    def _stop_watching(self) -> None:
+        if self._watching is not None:
+            self._watching.set()
+
+    @property
+    def me(self) -> str:
+        return self.names[self.rank]
+
+    def _keys(self, prefix: str) -> list[str]:
+        return [f"{prefix}/{r}" for r in range(len(self.names))]
+
+    def arrive(self, plan: str = "") -> None:
+        """Wait until every host has arrived; raise HostsError naming a failed, missing or disagreeing host."""
+        with _sigterm_means("waiting for the other hosts"):
+            self._arrive(plan)
+
+    def _arrive(self, plan: str) -> None:
+        self._stop_watching()  # from here on this loop, and then the collectives, notice a failed host
+        self.store.set(f"arrived/{self.rank}", json.dumps({"host": self.me, "plan": plan}))
+        deadline = time.monotonic() + self.timeout
+        said = False
+        while True:
+            peer = self.peer_failure()
+            if peer:
+                raise HostsError(peer)
+            missing = [self.names[r] for r, k in enumerate(self._keys("arrived")) if not self._check(k)]
+            if not missing:
+                break
+            if time.monotonic() > deadline:
+                raise HostsError(f"host(s) {', '.join(missing)} did not arrive within {self.timeout:g} s "
+                                 "(--dist-timeout); see their logs and output/failure, or raise --dist-timeout "
+                                 "if their sync takes that much longer")
+            if not said:
+                print(f"hosts: {self.me} waiting for {', '.join(missing)} (at most {self.timeout:g} s, "
+                      "--dist-timeout)", flush=True)
+                said = True
+            time.sleep(POLL)
+        arrived = [json.loads(self.store.get(k)) for k in self._keys("arrived")]
+        if len({a["plan"] for a in arrived}) > 1:
+            raise HostsError("the hosts disagree on where training starts: " +
+                             "; ".join(f"{a['host']}: {a['plan']}" for a in arrived) +
+                             ". Give every host the same checkpoints (SageMaker's checkpoint_s3_uri does), or "
+                             "start over with --resume never")
+        print(f"hosts: all {len(self.names)} arrived ({', '.join(self.names)})", flush=True)
+
+    def _check(self, key: str) -> bool:
+        try:
+            return self.store.check([key])
+        except Exception:  # noqa: BLE001  (the store's own error types vary by torch version)
+            raise HostsError(self._lost()) from None
+
+    def _lost(self) -> str:
+        return (f"lost contact with host {self.names[0]} (the first host, which holds the meeting on "
+                f"MASTER_PORT + 1): it failed or was stopped; see its log and output/failure")
+
+    def peer_failure(self) -> str | None:
+        """'host NAME failed: REASON' for the first other host that published a failure, else None."""
+        for r, key in enumerate(self._keys("failed")):
+            if r != self.rank and self._check(key):
+                try:
+                    self.store.set(f"seen/{self.rank}", "1")
+                except Exception:  # noqa: BLE001
+                    pass
+                return f"host {self.names[r]} failed: {self.store.get(key).decode(errors='replace')}"
+        return None
+
+    def fail(self, reason: str) -> None:
+        """Publish this host's failure (best effort). The first host then keeps the meeting open briefly,
+        until the others have read it."""
+        if self.failed:
+            return
+        self.failed = True
+        self._stop_watching()
+        try:
+            self.store.set(f"failed/{self.rank}", reason[:900])
+        except Exception:  # noqa: BLE001  (the holder is gone: nobody to tell)
+            return
+        if self.rank != 0:
+            return
+        deadline = time.monotonic() + LINGER
+        others = [k for r, k in enumerate(self._keys("seen")) if r != self.rank]
+        arrived = [r for r, k in enumerate(self._keys("arrived")) if r != self.rank and self._safe_check(k)]
+        while time.monotonic() < deadline and arrived and not all(self._safe_check(k) for k in others):
+            time.sleep(POLL)
+
+    def _safe_check(self, key: str) -> bool:
+        try:
+            return self.store.check([key])
+        except Exception:  # noqa: BLE001
+            return False
+
+
+_current: Meeting | None = None
+
+
+def current() -> Meeting | None:
+    """This process's meeting, if it joined one."""
+    return _current
+
+
+def join(num_nodes: int, timeout: float) -> Meeting:
+    """Join (node rank 0: open) the meeting of `num_nodes` hosts, from MASTER_ADDR, MASTER_PORT (default
+    29500; the meeting uses the port after it) and NODE_RANK; names from DALI_PIPE_HOSTS. At most `timeout`
+    seconds of connection attempts. Once per process: later calls return the same meeting."""
+    global _current
+    if _current is None:
+        missing = [k for k in ("MASTER_ADDR", "NODE_RANK") if not os.environ.get(k)]
+        if missing:
+            raise HostsError(f"--num-nodes {num_nodes} needs {' and '.join(missing)} (and MASTER_PORT, default "
+                             "29500) in the environment of every node, as Lightning does; SageMaker jobs get them "
+                             "from resourceconfig.json")
+        names = json.loads(os.environ.get("DALI_PIPE_HOSTS", "[]")) or [f"node {i}" for i in range(num_nodes)]
+        _current = open_meeting(os.environ["MASTER_ADDR"], int(os.environ.get("MASTER_PORT", "29500")) + 1,
+                                int(os.environ["NODE_RANK"]), names, timeout)
+        _current.watch()
+    return _current
+
+
+def open_meeting(addr: str, port: int, rank: int, names: list[str], timeout: float) -> Meeting:
+    """Rank 0 opens the meeting's store on `port`; the others connect to it at `addr`, retrying until `timeout`."""
+    from torch.distributed import TCPStore
+
+    if rank == 0:
+        try:
+            store = TCPStore(addr, port, None, True, timedelta(seconds=timeout), wait_for_workers=False)
+        except Exception as e:  # noqa: BLE001
+            raise HostsError(f"host {names[0]} cannot open the hosts' meeting on port {port} (MASTER_PORT + 1): "
+                             f"{str(e).splitlines()[0]}; free the port or set another MASTER_PORT") from None
+    else:
+        store = _connect(addr, port, names, rank, timeout)
+    return Meeting(store, rank, names, timeout)
+
+
+def _connect(addr: str, port: int, names: list[str], rank: int, timeout: float):
+    """Connect to the first host's meeting, retrying until `timeout`; SIGTERM ends the wait at once."""
+    from torch.distributed import TCPStore
+
+    deadline = time.monotonic() + timeout
+    said = False
+    with _sigterm_means(f"waiting for host {names[0]} (the first host)"):
+        while True:
+            try:
+                left = max(0.1, min(CONNECT_TRY, deadline - time.monotonic()))
+                return TCPStore(addr, port, None, False, timedelta(seconds=left))
+            except Exception as e:  # noqa: BLE001  (DistNetworkError, RuntimeError, ... by torch version)
+                error = str(e).splitlines()[0] if str(e) else type(e).__name__
+            if time.monotonic() > deadline:
+                raise HostsError(f"host {names[rank]} could not reach host {names[0]} (the first host) at "
+                                 f"{addr}:{port} within {timeout:g} s (--dist-timeout): {error}. Check that it "
+                                 "started, and that the hosts can reach each other on MASTER_PORT + 1")
+            if not said:
+                print(f"hosts: {names[rank]} waiting for host {names[0]} at {addr}:{port} (at most {timeout:g} s, "
+                      "--dist-timeout)", flush=True)
+                said = True
+            time.sleep(POLL)

@@ -1,0 +1,85 @@
+"""The hosts' meeting of a multi-node run (dali_pipe/cli/hosts.py): every host arrives or the wait ends,
+bounded, naming the host that failed or is missing; SIGTERM while waiting ends the process at once.
+The end-to-end runs with two SageMaker hosts are in tests/test_sagemaker.py."""
+from __future__ import annotations
+
+import socket
+import threading
+
+import pytest
+
+from dali_pipe.cli.hosts import HostsError, open_meeting
+
+
+def free_port() -> int:
+    """A loopback port that is free, and the one after it too (MASTER_PORT and the meeting's port)."""
+    for _ in range(50):
+        with socket.socket() as a:
+            a.bind(("127.0.0.1", 0))
+            port = a.getsockname()[1]
+            with socket.socket() as b:
+                try:
+                    b.bind(("127.0.0.1", port + 1))
+                except OSError:
+                    continue
+        return port
+    raise RuntimeError("no two consecutive free ports")
+
+
+def _pair(timeout: float = 10.0):
+    port = free_port() + 1
+    first = open_meeting("127.0.0.1", port, 0, ["algo-1", "algo-2"], timeout)
+    second = open_meeting("127.0.0.1", port, 1, ["algo-1", "algo-2"], timeout)
+    return first, second
+
+
+def test_hosts_that_agree_meet():
+    """Both hosts arrive with the same plan: both pass."""
+    first, second = _pair()
+    t = threading.Thread(target=second.arrive, args=("a fresh start",))
+    t.start()
+    first.arrive("a fresh start")
+    t.join(10)
+    assert not t.is_alive()
+
+
+def test_a_failed_host_is_named_by_the_others():
+    """The second host fails before it arrives: the first stops waiting at once and says which host and why."""
+    first, second = _pair()
+    second.fail("--data: '/opt/ml/input/data/training' has no dataset.tsv")
+    with pytest.raises(HostsError, match=r"host algo-2 failed: --data: '/opt/ml/input/data/training' has no "):
+        first.arrive("a fresh start")
+
+
+def test_a_missing_host_ends_the_wait_in_bounded_time():
+    """Nobody else arrives: the wait ends after the timeout, naming the missing host and the setting."""
+    port = free_port() + 1
+    alone = open_meeting("127.0.0.1", port, 0, ["algo-1", "algo-2"], 0.6)
+    with pytest.raises(HostsError, match=r"host\(s\) algo-2 did not arrive within 0.6 s \(--dist-timeout\)"):
+        alone.arrive("a fresh start")
+
+
+def test_hosts_that_disagree_on_the_resume_point_stop_before_training():
+    """One host would resume, the other start fresh (different checkpoints): both stop, naming the plans."""
+    first, second = _pair()
+    errors = []
+
+    def arrive():
+        try:
+            second.arrive("a fresh start")
+        except HostsError as e:
+            errors.append(e)
+
+    t = threading.Thread(target=arrive)
+    t.start()
+    with pytest.raises(HostsError, match=r"disagree.*algo-1: resume from step 40; algo-2: a fresh start"):
+        first.arrive("resume from step 40")
+    t.join(10)
+    assert errors and "checkpoint_s3_uri" in str(errors[0])
+
+
+def test_no_first_host_ends_the_connection_attempts_in_bounded_time():
+    """The first host never opens the meeting: the second gives up after the timeout, naming it."""
+    port = free_port() + 1
+    with pytest.raises(HostsError, match=r"host algo-2 could not reach host algo-1 \(the first host\).*within 0.3 s"):
+        open_meeting("127.0.0.1", port, 1, ["algo-1", "algo-2"], 0.3)

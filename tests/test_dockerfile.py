@@ -1,5 +1,5 @@
-"""The image: hadolint-clean, installs exactly the lock CI tested (torch's CUDA 12 build of the same
-version), CUDA forward compatibility and the video capability; the entry point, run for real."""
+"""The image: hadolint-clean, installs exactly the lock CI tested (a CUDA 12 build of the same torch that
+PyTorch publishes), CUDA forward compatibility and the video capability; the entry point, run for real."""
 from __future__ import annotations
 
 import os
@@ -35,16 +35,70 @@ def test_hadolint_clean():
     assert r.returncode == 0, r.stdout + r.stderr
 
 
+# The CUDA builds PyTorch publishes for each torch release, on its own index (download.pytorch.org/whl/cuXYZ),
+# from pytorch/pytorch RELEASE.md, "Release Compatibility Matrix" (stable and experimental CUDA columns), and
+# the CUDA support-matrix RFCs: #178665 for 2.12 ("Deprecate CUDA 12.8 - Remove from CI/CD"; 12.6 legacy,
+# 13.0 stable, 13.2 experimental), which 2.13 keeps (RELEASE.md row 2.13: CUDA 12.6, CUDA 13.0; experimental
+# CUDA 13.2), and #190355 for 2.14. A torch bump adds its row here, from the same sources.
+PUBLISHED_CUDA_BUILDS = {
+    "2.11": ("cu126", "cu128", "cu130"),
+    "2.12": ("cu126", "cu130", "cu132"),
+    "2.13": ("cu126", "cu130", "cu132"),
+    "2.14": ("cu126", "cu130", "cu132"),
+}
+# RELEASE.md's "PyTorch CUDA Support Matrix" for 2.12-2.14: the CUDA 12.6 build has Turing (7.5), the T4.
+SM75_BUILDS = ("cu126", "cu130", "cu132")
+
+
+def _dockerfile() -> str:
+    """The Dockerfile's instructions (comments left out)."""
+    return "\n".join(ln for ln in (ROOT / "Dockerfile").read_text().splitlines() if not ln.lstrip().startswith("#"))
+
+
+def _image_torch() -> tuple[str, str]:
+    """(version, CUDA build) of the torch the Dockerfile installs; its --torch-backend must name the same build."""
+    text = _dockerfile()
+    m = re.search(r'"torch==([0-9.]+)\+(cu\d+)"', text)
+    assert m, "the Dockerfile names torch as torch==VERSION+cuXYZ"
+    backend = re.search(r"--torch-backend (\S+)", text)
+    assert backend and backend.group(1) == m.group(2), "uv's --torch-backend is the build the pin names"
+    assert "unsafe-best-match" not in text and "extra-index-url" not in text, "only torch comes from PyTorch's index"
+    return m.group(1), m.group(2)
+
+
+def test_image_torch_is_a_build_pytorch_publishes():
+    """The Dockerfile's torch is the locked version, in a CUDA 12 build (DALI's cuda120 wheels and the
+    R470/R535/R550 hosts) that PyTorch publishes for that version and that has sm_75 kernels (T4)."""
+    version, build = _image_torch()
+    assert version == _lock()["torch"], "the image's torch is the locked version"
+    minor = ".".join(version.split(".")[:2])
+    assert minor in PUBLISHED_CUDA_BUILDS, (f"torch {version}: add the CUDA builds PyTorch publishes for {minor} to "
+                                            "PUBLISHED_CUDA_BUILDS (from RELEASE.md's compatibility matrix)")
+    assert build in PUBLISHED_CUDA_BUILDS[minor], f"PyTorch publishes no {build} build of torch {minor}"
+    assert build.startswith("cu12") and build in SM75_BUILDS
+
+
 def test_image_installs_the_lock_on_a_cuda12_base_with_compat_and_video():
-    text = (ROOT / "Dockerfile").read_text()
-    torch = _lock()["torch"]
-    assert re.search(r"^FROM nvidia/cuda:12\.\d+\.\d+-base-ubuntu", text, re.M), "a CUDA 12 base with compat libs"
+    text = _dockerfile()
+    base = re.search(r"^FROM nvidia/cuda:(12)\.(\d+)\.\d+-base-ubuntu", text, re.M)
+    assert base, "a CUDA 12 base with compat libs"
+    _, build = _image_torch()
+    assert int(base.group(2)) >= int(build[4:]), "the base's compat libraries are at least the CUDA torch needs"
     assert "--constraint requirements.lock" in text and "COPY pyproject.toml requirements.lock" in text
-    cu = re.search(r"download\.pytorch\.org/whl/cu(12\d)", text).group(1)
-    assert f'"torch=={torch}+cu{cu}"' in text, "torch is the locked version, CUDA 12 build"
     assert "NVIDIA_DRIVER_CAPABILITIES=compute,utility,video" in text
-    assert 'ENTRYPOINT ["/opt/program/entrypoint"]' in text and "USER" not in text
+    assert 'ENTRYPOINT ["/opt/program/entrypoint"]' in text and "USER" not in text and "CMD" not in text
     assert "uv venv --python 3.11" in text and sys.version_info[:2] == (3, 11), "the CPython the tests run"
+
+
+def test_texts_name_the_torch_build_the_image_installs():
+    """README, Dockerfile comments, pyproject and tools/lock.sh say the CUDA version of the image's torch."""
+    _, build = _image_torch()
+    cuda = f"{build[2:4]}.{build[4:]}"
+    for name in ("README.md", "Dockerfile", "pyproject.toml", "tools/lock.sh"):
+        text = " ".join((ROOT / name).read_text().split())
+        said = set(re.findall(r"CUDA (1[23]\.\d+) build", text))
+        assert said <= {cuda}, f"{name} names a CUDA {said - {cuda}} build of torch; the image installs {build}"
+    assert f"CUDA {cuda} build" in " ".join((ROOT / "README.md").read_text().split())
 
 
 def test_ci_and_readme_install_the_lock_and_this_environment_is_it():
@@ -79,14 +133,19 @@ def test_the_lock_resolves_for_linux_x86_64_and_cpython_311(tmp_path):
     assert f"Would install {len(_lock())} packages" in r.stderr, r.stderr[-1000:]
 
 
-def _entry(tmp_path, args, *, driver: str | None, compat: str | None):
+def _entry(tmp_path, args, *, driver: str | None, compat: str | None, cuinit: int = 0, compat_cuinit: int = 0):
+    """Run the entry point with a fake driver version file, compat folder and Python; the fake Python's
+    `-c` (the entry point's cuInit probe) exits with `compat_cuinit` when the compat folder leads
+    LD_LIBRARY_PATH, else `cuinit`."""
     tmp_path.mkdir(parents=True, exist_ok=True)
     fake_py = tmp_path / "python"
-    fake_py.write_text('#!/bin/sh\necho "PY LD=${LD_LIBRARY_PATH:-} ARGS=$*"\n')
+    fake_py.write_text('#!/bin/sh\nif [ "$1" = -c ]; then case "${LD_LIBRARY_PATH:-}" in *compat*) exit "$COMPAT_CUINIT";; '
+                       '*) exit "$CUINIT";; esac; fi\necho "PY LD=${LD_LIBRARY_PATH:-} ARGS=$*"\n')
     fake_py.chmod(0o755)
-    env = {"PATH": os.environ["PATH"], "CUDA_VERSION": "12.8.1", "DALI_PIPE_PYTHON": str(fake_py),
+    env = {"PATH": os.environ["PATH"], "CUDA_VERSION": "12.6.3", "DALI_PIPE_PYTHON": str(fake_py),
            "DALI_PIPE_PROGRAM": "/opt/program/train.py", "DALI_PIPE_COMPAT_DIR": str(tmp_path / "compat"),
-           "DALI_PIPE_DRIVER_FILE": str(tmp_path / "version")}
+           "DALI_PIPE_DRIVER_FILE": str(tmp_path / "version"), "CUINIT": str(cuinit),
+           "COMPAT_CUINIT": str(compat_cuinit), "SAGEMAKER_BASE_DIR": str(tmp_path / "no-job")}
     (tmp_path / "compat").mkdir(exist_ok=True)
     if compat:
         (tmp_path / "compat" / f"libcuda.so.{compat}").write_bytes(b"")
@@ -96,13 +155,34 @@ def _entry(tmp_path, args, *, driver: str | None, compat: str | None):
     return subprocess.run(["sh", str(ENTRYPOINT), *args], capture_output=True, text=True, env=env, timeout=30)
 
 
+COMPAT = "560.35.05"  # CUDA 12.6's forward-compatibility libcuda (the base image's)
+
+
 def test_entrypoint_turns_on_forward_compatibility_only_for_an_older_driver(tmp_path):
-    old = _entry(tmp_path / "a", ["train"], driver="470.57.02", compat="570.124.06")
-    assert "driver 470.57.02 is older than CUDA 12.8.1 needs (570.124.06)" in old.stdout
+    """R470 (or R535, R550) on a data-center GPU: the compat libraries work, so they lead LD_LIBRARY_PATH;
+    a newer driver runs as it is."""
+    old = _entry(tmp_path / "a", ["train"], driver="470.57.02", compat=COMPAT)
+    assert f"driver 470.57.02 is older than CUDA 12.6.3 needs ({COMPAT})" in old.stdout
     assert f"PY LD={tmp_path / 'a' / 'compat'} ARGS=/opt/program/train.py train" in old.stdout
-    new = _entry(tmp_path / "b", ["--epochs", "2"], driver="575.51.03", compat="570.124.06")
-    assert "entrypoint: driver 575.51.03, CUDA 12.8.1" in new.stdout
+    new = _entry(tmp_path / "b", ["--epochs", "2"], driver="575.51.03", compat=COMPAT)
+    assert "entrypoint: driver 575.51.03, CUDA 12.6.3" in new.stdout
     assert "PY LD= ARGS=/opt/program/train.py --epochs 2" in new.stdout
+
+
+def test_entrypoint_without_forward_compatibility_uses_a_cuda12_driver_as_it_is(tmp_path):
+    """R550 on a GPU that cannot use forward compatibility (cuInit 804 through the compat libraries): the
+    driver's own CUDA 12 runs it, compat libraries off; R470 there cannot run CUDA 12: one line, exit 2,
+    unless --device cpu."""
+    r550 = _entry(tmp_path / "a", ["--epochs", "1"], driver="550.127.05", compat=COMPAT, compat_cuinit=804 % 256)
+    assert "cannot use the forward-compatibility libraries (cuInit error 36" in r550.stdout
+    assert "minor version compatibility" in r550.stdout and "PY LD= ARGS=/opt/program/train.py --epochs 1" in r550.stdout
+    r470 = _entry(tmp_path / "b", ["train"], driver="470.256.02", compat=COMPAT, compat_cuinit=36)
+    assert r470.returncode == 2 and "PY" not in r470.stdout and r470.stderr.count("\n") == 1
+    assert "driver 470.256.02 has no CUDA 12" in r470.stderr and "install driver 525.60.13 or later" in r470.stderr
+    cpu = _entry(tmp_path / "c", ["--device", "cpu"], driver="470.256.02", compat=COMPAT, compat_cuinit=36)
+    assert cpu.returncode == 0 and "PY LD= ARGS=/opt/program/train.py --device cpu" in cpu.stdout
+    nogpu = _entry(tmp_path / "d", ["--device=gpu"], driver="470.256.02", compat=COMPAT, compat_cuinit=100)
+    assert nogpu.returncode == 2 and "no GPU in this container" in nogpu.stdout and "--device gpu was asked" in nogpu.stderr
 
 
 def test_entrypoint_refuses_device_gpu_without_a_gpu(tmp_path):
@@ -118,3 +198,16 @@ def test_entrypoint_is_shellcheck_clean():
     r = subprocess.run([_tool("shellcheck"), str(ENTRYPOINT), str(ROOT / "tools" / "lock.sh"),
                         str(ROOT / "tools" / "gpu_check.sh")], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_gpu_check_uses_only_flags_train_py_has():
+    """Every flag tools/gpu_check.sh passes to train.py (the T4-like decoder settings too) is one of its flags,
+    so the check cannot fail on a typo where no GPU test would see it."""
+    from dali_pipe.cli import train_parser
+
+    known = {s for a in train_parser()._actions for s in a.option_strings}
+    text = (ROOT / "tools" / "gpu_check.sh").read_text().replace("\\\n", " ")
+    calls = [ln for ln in text.splitlines() if "train.py --benchmark" in ln or "extra=(" in ln]
+    used = {f for ln in calls for f in re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]+)", ln)}
+    assert len(calls) >= 2 and {"--hw-decoder-load", "--hybrid-huffman-threshold", "--cpus"} <= used
+    assert used <= known, used - known

@@ -1,7 +1,7 @@
 #!/bin/sh
 # Regenerate requirements.lock: every package of pyproject.toml (runtime and test extras), pinned for
 # Linux x86_64 and CPython 3.11, resolved against the CPU build of torch (which needs no CUDA wheels).
-# The lock then names torch by its version alone: the CPU build on CPU machines, the CUDA 12.8 build
+# The lock then names torch by its version alone: the CPU build on CPU machines, the CUDA 12.6 build
 # in the image (Dockerfile), whose CUDA runtime wheels torch itself pins.
 #
 #   tools/lock.sh                  # uses PyTorch's CPU index for torch

@@ -157,3 +157,32 @@ def test_random_erase_fills_a_rectangle_with_the_mean(tmp_path):
     zeros = [(img == 0).all(axis=0).mean() for img in erased]
     assert all(0.01 <= z <= 0.4 for z in zeros), zeros  # 2-33% of the area (resampling blurs the edge)
     assert all((img == 0).all(axis=0).mean() < 0.01 for img in plain)
+
+
+def test_decoder_hints_are_dali_arguments_with_dali_defaults():
+    """--hw-decoder-load and --hybrid-huffman-threshold reach the pipeline's resources, name arguments
+    both of DALI's decoders take, and default to DALI's own values (the threshold by leaving it unset)."""
+    from nvidia.dali import backend
+
+    from dali_pipe.config import FIELDS
+
+    res = resources_for_rank(PipelineSettings(device="gpu", num_threads=2, hw_decoder_load=0.0,
+                                              hybrid_huffman_threshold=0))
+    assert (res.hw_decoder_load, res.hybrid_huffman_threshold) == (0.0, 0)
+    for op in ("decoders__Image", "decoders__ImageRandomCrop"):
+        schema = backend.GetSchema(op)
+        assert float(schema.GetArgumentDefaultValueString("hw_decoder_load")) == PipelineSettings().hw_decoder_load
+        dali_threshold = schema.GetArgumentDefaultValueString("hybrid_huffman_threshold")
+        assert PipelineSettings().hybrid_huffman_threshold is None
+        assert f"default DALI's {dali_threshold}" in FIELDS["hybrid_huffman_threshold"][1].metadata["help"]
+
+
+@pytest.mark.gpu
+def test_t4_like_decoding_keeps_the_pixels(photo_root):
+    """No hardware decoder and all Huffman decoding on the GPU (the GPU check's T4-like run): the same
+    pixels as the PIL reference, within the GPU tolerances."""
+    files, labels = _files(photo_root, 8)
+    opts = _options(8, "gpu", hw_decoder_load=0.0, hybrid_huffman_threshold=0)
+    out, _ = _run(build_pipeline(Files(files, labels), SPEC, opts, training=False))
+    err = np.abs(out - np.stack([_reference(f, SPEC) for f in files]))
+    assert err.mean() < TOL["gpu"][0] and err.max() < TOL["gpu"][2]

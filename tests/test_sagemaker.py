@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from dali_pipe.cli.sagemaker import build_argv
+from dali_pipe.cli.sagemaker import build_argv, hyperparameter_argv
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -313,3 +313,91 @@ def test_sigterm_while_waiting_for_the_first_host_ends_at_once(tmp_path, photo_r
     assert proc.returncode == 143 and time.monotonic() - start < 10, text[-2000:]
     reason = f"stopped by SIGTERM while waiting for host {first} (the first host)"
     assert reason in text and (jobs[second][0] / "output" / "failure").read_text() == reason
+
+
+# -- every value form the SDKs send, each to the same setting ---------------------------------------------
+@pytest.mark.parametrize("raw, field, want", [
+    pytest.param("[0.35, 1.0]", "crop_scale", [0.35, 1.0], id="json-list"),
+    pytest.param("(0.35, 1.0)", "crop_scale", [0.35, 1.0], id="str-of-tuple"),
+    pytest.param("[0.35, 1]", "crop_scale", [0.35, 1.0], id="str-of-list"),
+    pytest.param([0.35, 1.0], "crop_scale", [0.35, 1.0], id="json-array-value"),
+    pytest.param("True", "monitor", True, id="str-True"),
+    pytest.param("False", "monitor", False, id="str-False"),
+    pytest.param("false", "monitor", False, id="json-false"),
+    pytest.param("64", "batch_size", 64, id="int-as-string"),
+    pytest.param("5e-05", "lr", 5e-05, id="float-as-string"),
+    pytest.param('"tiny"', "model", "tiny", id="json-string"),
+    pytest.param("google/vit-base-patch16-224", "model", "google/vit-base-patch16-224", id="plain-string"),
+])
+def test_every_value_form_the_sdks_send(tmp_path, raw, field, want):
+    """JSON, Python's str() of a list or tuple, True/False and numbers as strings all land on the setting."""
+    from dali_pipe.cli import parse_train
+
+    key = {"crop_scale": "crop-scale", "monitor": "monitor", "batch_size": "batch-size", "lr": "lr",
+           "model": "model"}[field]
+    argv, _ = hyperparameter_argv({key: raw})
+    s = parse_train(argv)
+    group = {"crop_scale": s.pipeline, "monitor": s.run, "batch_size": s.data, "lr": s.model, "model": s.model}[field]
+    assert getattr(group, field) == want
+
+
+def test_a_string_that_only_looks_like_a_list_stays_a_string():
+    """'(a, b)' (no Python literal) and nested tuples are passed on as they are, so the flag's own check
+    names them."""
+    from dali_pipe.cli.sagemaker import _unwrap
+
+    assert _unwrap("(a, b)") == "(a, b)" and _unwrap("(1, (2,))") == "(1, (2,))" and _unwrap("()") == []
+
+
+# -- how the container may be started --------------------------------------------------------------------
+def test_serve_answers_one_clear_line(capsys):
+    """`serve` (SageMaker hosting) gets one line saying this image trains, exit status 2."""
+    from dali_pipe.cli import cli, main
+
+    assert cli(lambda: main(["serve"])) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "this image trains and does not serve" in err
+
+
+def test_train_outside_a_job_stops_in_one_line_and_writes_nothing(tmp_path, monkeypatch, capsys):
+    """No /opt/ml/input/config and no SAGEMAKER_BASE_DIR: one line naming both ways out, nothing under
+    /opt/ml; a SAGEMAKER_BASE_DIR without input/config is refused the same way, writing nothing there."""
+    from dali_pipe.cli import cli, main
+
+    if Path("/opt/ml/input/config").exists():
+        pytest.skip("this machine has a /opt/ml/input/config")
+    monkeypatch.delenv("SAGEMAKER_BASE_DIR", raising=False)
+    existed = Path("/opt/ml").exists()
+    assert cli(lambda: main(["train"])) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "there is no job here: /opt/ml/input/config does not exist" in err
+    assert "SAGEMAKER_BASE_DIR" in err and Path("/opt/ml").exists() == existed
+    monkeypatch.setenv("SAGEMAKER_BASE_DIR", str(tmp_path))
+    assert cli(lambda: main(["train"])) == 2
+    assert list(tmp_path.iterdir()) == [] and f"{tmp_path}/input/config does not exist" in capsys.readouterr().err
+
+
+def test_a_job_is_recognised_by_its_name_or_its_hyperparameters(tmp_path, monkeypatch):
+    """No arguments means the contract inside a job (TRAINING_JOB_NAME, or input/config/hyperparameters.json
+    under the base) and the demo elsewhere."""
+    from dali_pipe.cli.sagemaker import in_job
+
+    monkeypatch.delenv("TRAINING_JOB_NAME", raising=False)
+    monkeypatch.setenv("SAGEMAKER_BASE_DIR", str(tmp_path))
+    assert not in_job()
+    (tmp_path / "input" / "config").mkdir(parents=True)
+    (tmp_path / "input" / "config" / "hyperparameters.json").write_text("{}")
+    assert in_job()
+    monkeypatch.setenv("SAGEMAKER_BASE_DIR", str(tmp_path / "elsewhere"))
+    monkeypatch.setenv("TRAINING_JOB_NAME", "job-1")
+    assert in_job()
+
+
+def test_help_names_the_cache_path_the_contract_uses():
+    """--help's SageMaker cache dir is where the contract puts it."""
+    from dali_pipe.cli import train_parser
+    from dali_pipe.cli.sagemaker import CACHE_DIR
+
+    assert f"/opt/ml/{CACHE_DIR}" in " ".join(train_parser().format_help().split())
+    argv, _ = build_argv(Path("/opt/ml"), [], {})
+    assert argv[argv.index("--cache-dir") + 1] == f"/opt/ml/{CACHE_DIR}"

@@ -26,10 +26,22 @@ def free_port() -> int:
     raise RuntimeError("no two consecutive free ports")
 
 
+_OPEN = []
+
+
+@pytest.fixture(autouse=True)
+def _close_meetings():
+    """Each test's meetings stop their threads (a thread inside a store at interpreter exit aborts it)."""
+    yield
+    while _OPEN:
+        _OPEN.pop().close()
+
+
 def _pair(timeout: float = 10.0):
     port = free_port() + 1
     first = open_meeting("127.0.0.1", port, 0, ["algo-1", "algo-2"], timeout)
     second = open_meeting("127.0.0.1", port, 1, ["algo-1", "algo-2"], timeout)
+    _OPEN.extend([second, first])
     return first, second
 
 
@@ -83,3 +95,14 @@ def test_no_first_host_ends_the_connection_attempts_in_bounded_time():
     port = free_port() + 1
     with pytest.raises(HostsError, match=r"host algo-2 could not reach host algo-1 \(the first host\).*within 0.3 s"):
         open_meeting("127.0.0.1", port, 1, ["algo-1", "algo-2"], 0.3)
+
+
+def test_a_host_whose_heartbeat_stopped_is_named(monkeypatch):
+    """After the hosts met, a host that died without a word (kill -9, a lost instance) is the one whose
+    heartbeat stopped: a collective error elsewhere can name it."""
+    import dali_pipe.cli.hosts as hosts
+
+    monkeypatch.setattr(hosts, "BEAT", 0.05)
+    first, second = _pair()
+    first._beat()  # the second host never beats: it is gone
+    assert first.silent_hosts() == ["algo-2"]

@@ -115,6 +115,8 @@ def run(s: Settings) -> dict:
         if writes_out:
             check_writable(out, "--output")
             lock(out, "training run", "wait for it to finish, or pass another --output")
+        if main and s.run.report_dir and Path(s.run.report_dir) != out:
+            check_writable(s.run.report_dir, "--report-dir")
         return _fit(s, out, ckpt_dir, main, meeting)
     except BaseException as e:
         if meeting is not None:
@@ -135,17 +137,20 @@ def _fail_together(meeting, error: BaseException) -> None:
 
     if isinstance(error, KeyboardInterrupt) and meeting.interrupted_by:  # the watcher: another host failed
         raise HostsError(meeting.interrupted_by) from None
-    if not isinstance(error, (UserError, SystemExit, KeyboardInterrupt)):
-        for _ in range(15):  # the failed host publishes while it tears down: give it a moment
-            try:
-                peer = meeting.peer_failure()
-            except HostsError as lost:
-                peer = str(lost)
-            if peer:
-                meeting.fail(peer)
-                raise HostsError(f"{peer} (then this host stopped too: {type(error).__name__}: "
-                                 f"{str(error).splitlines()[0] if str(error) else ''})") from error
-            time.sleep(0.2)
+    if not isinstance(error, (UserError, SystemExit, KeyboardInterrupt)):  # e.g. a collective lost its peer
+        first = f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0]}"
+        try:
+            peer = meeting.peer_failure()
+            silent = [] if peer else meeting.silent_hosts()  # some seconds: a failing host publishes meanwhile
+            peer = peer or meeting.peer_failure()
+        except HostsError as lost:
+            peer, silent = str(lost), []
+        if not peer and silent:
+            peer = (f"host {', '.join(silent)} stopped answering (killed, or its instance lost: it said no reason; "
+                    "see its log)")
+        if peer:
+            meeting.fail(peer)
+            raise HostsError(f"{peer}; then this host stopped too ({first})") from error
     from ..redact import redact
 
     if isinstance(error, UserError):

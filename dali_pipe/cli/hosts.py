@@ -32,6 +32,7 @@ from ..errors import UserError
 POLL = 0.2  # seconds between looks at the meeting
 WATCH = 1.0  # seconds between looks for a failed host while this one syncs and scans
 CONNECT_TRY = 0.5  # seconds one connection attempt may block (a SIGTERM waits at most this long)
+BEAT = 2.0  # seconds between heartbeats once the hosts have met (to name a host that died without a word)
 LINGER = 10.0  # seconds the first host keeps the meeting open after failing, so the others read why
 
 
@@ -67,6 +68,16 @@ class Meeting:
         self.failed = False
         self.interrupted_by: str | None = None  # why the watcher stopped this host (another host failed)
         self._watching = None
+        self._threads: list = []  # (thread, stop event) of the watcher and the heartbeat
+
+    def close(self) -> None:
+        """Stop this meeting's threads (at exit: a thread still inside the store while the interpreter
+        ends would abort the process)."""
+        for thread, stop in self._threads:
+            stop.set()
+        for thread, _ in self._threads:
+            thread.join(timeout=2 * max(BEAT, WATCH))
+        self._threads = []
 
     def watch(self) -> None:
         """Until arrive(): a daemon thread looks for a failed host every WATCH seconds and then interrupts
@@ -92,7 +103,9 @@ class Meeting:
                     return
 
         self._watching = stop
-        threading.Thread(target=run, daemon=True, name="dali_pipe-hosts-watch").start()
+        thread = threading.Thread(target=run, daemon=True, name="dali_pipe-hosts-watch")
+        self._threads.append((thread, stop))
+        thread.start()
 
     def _stop_watching(self) -> None:
         if self._watching is not None:
@@ -138,6 +151,36 @@ class Meeting:
                              ". Give every host the same checkpoints (SageMaker's checkpoint_s3_uri does), or "
                              "start over with --resume never")
         print(f"hosts: all {len(self.names)} arrived ({', '.join(self.names)})", flush=True)
+        self._beat()
+
+    def _beat(self) -> None:
+        """A daemon thread counts this host's heartbeats in the store while it trains."""
+        import threading
+
+        store, stop = self.store.clone(), threading.Event()
+
+        def run():
+            while not stop.is_set():
+                try:
+                    store.add(f"beat/{self.rank}", 1)
+                except Exception:  # noqa: BLE001  (the first host is gone: nobody to tell)
+                    return
+                stop.wait(BEAT)
+
+        thread = threading.Thread(target=run, daemon=True, name="dali_pipe-hosts-beat")
+        self._threads.append((thread, stop))
+        thread.start()
+
+    def silent_hosts(self) -> list[str]:
+        """The other hosts whose heartbeat stopped (killed, or their instance lost), over 2.5 beats;
+        HostsError when the first host itself is gone."""
+        try:
+            before = [self.store.add(f"beat/{r}", 0) for r in range(len(self.names))]
+            time.sleep(2.5 * BEAT)
+            after = [self.store.add(f"beat/{r}", 0) for r in range(len(self.names))]
+        except Exception:  # noqa: BLE001
+            raise HostsError(self._lost()) from None
+        return [self.names[r] for r in range(len(self.names)) if r != self.rank and after[r] == before[r]]
 
     def _check(self, key: str) -> bool:
         try:
@@ -208,6 +251,9 @@ def join(num_nodes: int, timeout: float) -> Meeting:
         names = json.loads(os.environ.get("DALI_PIPE_HOSTS", "[]")) or [f"node {i}" for i in range(num_nodes)]
         _current = open_meeting(os.environ["MASTER_ADDR"], int(os.environ.get("MASTER_PORT", "29500")) + 1,
                                 int(os.environ["NODE_RANK"]), names, timeout)
+        import atexit
+
+        atexit.register(_current.close)
         _current.watch()
     return _current
 

@@ -81,8 +81,14 @@ def lock(directory: Path | str, what: str, hint: str) -> None:
         if same:
             break
         os.close(fd)
-    os.ftruncate(fd, 0)
-    os.write(fd, f"{os.getpid()}\t{key}\n".encode())
+    try:
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\t{key}\n".encode())
+    except OSError as e:  # a full disk: no holder's name to give, so no lock
+        path.unlink(missing_ok=True)
+        os.close(fd)
+        raise OutputError(f"cannot write the lock file {path} that guards {directory} ({e.strerror or e}); free "
+                          "space there or set DALI_PIPE_CACHE to another folder") from None
     _held[key] = (fd, path)
     try:
         _remove_legacy_lock(directory, what, hint)

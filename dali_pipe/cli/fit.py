@@ -161,7 +161,7 @@ def _fail_together(meeting, error: BaseException) -> None:
     else:
         reason = getattr(error, "reason", None) or \
             f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0]}"
-    meeting.fail(redact(reason))
+    meeting.fail(redact(reason), linger=not (isinstance(error, SystemExit) and error.code == 143))
 
 
 @dataclass

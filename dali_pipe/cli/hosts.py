@@ -203,9 +203,9 @@ class Meeting:
                 return f"host {self.names[r]} failed: {self.store.get(key).decode(errors='replace')}"
         return None
 
-    def fail(self, reason: str) -> None:
+    def fail(self, reason: str, *, linger: bool = True) -> None:
         """Publish this host's failure (best effort). The first host then keeps the meeting open briefly,
-        until the others have read it."""
+        until the others have read it (not for a SIGTERM: every host gets one)."""
         if self.failed:
             return
         self.failed = True
@@ -214,7 +214,7 @@ class Meeting:
             self.store.set(f"failed/{self.rank}", reason[:900])
         except Exception:  # noqa: BLE001  (the holder is gone: nobody to tell)
             return
-        if self.rank != 0:
+        if self.rank != 0 or not linger:
             return
         deadline = time.monotonic() + LINGER
         others = [k for r, k in enumerate(self._keys("seen")) if r != self.rank]

@@ -251,7 +251,7 @@ def run_sagemaker(extra: list[str], main) -> dict:
             raise
         reason = getattr(e, "reason", None) or \
             ("stopped by SIGTERM" if e.code == 143 else f"exited with status {e.code}")
-        _tell_hosts(hosts.current(), reason)
+        _tell_hosts(hosts.current(), reason, linger=e.code != 143)
         write_failure(failure_dir, reason)
         raise
     except BaseException as e:
@@ -269,7 +269,7 @@ def run_sagemaker(extra: list[str], main) -> dict:
         sys.exit(1)
 
 
-def _tell_hosts(meeting, reason: str) -> None:
+def _tell_hosts(meeting, reason: str, *, linger: bool = True) -> None:
     """Publish this host's failure to the other hosts (redacted, one line)."""
     if meeting is not None:
-        meeting.fail(redact(" ".join(reason.split())))
+        meeting.fail(redact(" ".join(reason.split())), linger=linger)

@@ -225,7 +225,7 @@ def run_sagemaker(extra: list[str], main) -> dict:
     Outside a job (no input/config under $SAGEMAKER_BASE_DIR or /opt/ml) it stops with one line and
     writes nothing. With several hosts, this host first joins the others (dali_pipe/cli/hosts.py), so
     that a failure at any later point is published to them."""
-    from . import hosts
+    from .hosts import HostsError, current, join
 
     base = base_dir()
     if not (base / "input" / "config").is_dir():
@@ -242,7 +242,7 @@ def run_sagemaker(extra: list[str], main) -> dict:
         os.environ.update(dist_env)
         if dist_env and os.environ.get("LOCAL_RANK", "0") == "0":  # Lightning's other local ranks do not join
             hp = _read_json(cfg / "hyperparameters.json")
-            hosts.join(len(json.loads(dist_env["DALI_PIPE_HOSTS"])), _dist_timeout(hp if isinstance(hp, dict) else {}))
+            join(len(json.loads(dist_env["DALI_PIPE_HOSTS"])), _dist_timeout(hp if isinstance(hp, dict) else {}))
         argv, _ = build_argv(base, extra, dict(os.environ))
         print(f"sagemaker: base {base}; train.py {' '.join(redact_argv(argv))}", flush=True)
         return main(argv)
@@ -251,18 +251,18 @@ def run_sagemaker(extra: list[str], main) -> dict:
             raise
         reason = getattr(e, "reason", None) or \
             ("stopped by SIGTERM" if e.code == 143 else f"exited with status {e.code}")
-        _tell_hosts(hosts.current(), reason, linger=e.code != 143)
+        _tell_hosts(current(), reason, linger=e.code != 143)
         write_failure(failure_dir, reason)
         raise
     except BaseException as e:
-        meeting = hosts.current()
+        meeting = current()
         if isinstance(e, KeyboardInterrupt) and meeting is not None and meeting.interrupted_by:
-            e = hosts.HostsError(meeting.interrupted_by)  # another host failed first: name it, not the interrupt
+            e = HostsError(meeting.interrupted_by)  # another host failed first: name it, not the interrupt
         if isinstance(e, UserError):
             reason = str(e)
         else:
             reason = f"{type(e).__name__}: {e}\n" + "".join(traceback.format_exc().splitlines(True)[-6:])
-        _tell_hosts(hosts.current(), " ".join(str(e).split()) if isinstance(e, UserError) else
+        _tell_hosts(current(), " ".join(str(e).split()) if isinstance(e, UserError) else
                     f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}")
         write_failure(failure_dir, reason)
         print(f"error: {redact(e)}", file=sys.stderr)

@@ -120,48 +120,13 @@ def run(s: Settings) -> dict:
         return _fit(s, out, ckpt_dir, main, meeting)
     except BaseException as e:
         if meeting is not None:
-            _fail_together(meeting, e)
+            from .hosts import fail_together
+
+            fail_together(meeting, e)  # tells the others; raises another host's failure when it caused this one
         raise
     finally:
         if writes_out:
             unlock(out)
-
-
-def _fail_together(meeting, error: BaseException) -> None:
-    """Tell the other hosts why this one stops; when this host only failed because another did (a collective
-    lost its peer), raise the other's reason instead."""
-    import time
-
-    from ..errors import UserError
-    from .hosts import HostsError
-
-    if isinstance(error, KeyboardInterrupt) and meeting.interrupted_by:  # the watcher: another host failed
-        raise HostsError(meeting.interrupted_by) from None
-    if not isinstance(error, (UserError, SystemExit, KeyboardInterrupt)):  # e.g. a collective lost its peer
-        first = f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0]}"
-        try:
-            peer = meeting.peer_failure()
-            silent = [] if peer else meeting.silent_hosts()  # some seconds: a failing host publishes meanwhile
-            peer = peer or meeting.peer_failure()
-        except HostsError as lost:
-            peer, silent = str(lost), []
-        if not peer and silent:
-            peer = (f"host {', '.join(silent)} stopped answering (killed, or its instance lost: it said no reason; "
-                    "see its log)")
-        if peer:
-            meeting.fail(peer)
-            raise HostsError(f"{peer}; then this host stopped too ({first})") from error
-    from ..redact import redact
-
-    if isinstance(error, UserError):
-        reason = " ".join(str(error).split())
-    elif isinstance(error, SystemExit):
-        reason = getattr(error, "reason", None) or \
-            ("stopped by SIGTERM" if error.code == 143 else f"exited with status {error.code}")
-    else:
-        reason = getattr(error, "reason", None) or \
-            f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0]}"
-    meeting.fail(redact(reason), linger=not (isinstance(error, SystemExit) and error.code == 143))
 
 
 @dataclass
@@ -208,17 +173,6 @@ def preflight(s: Settings, out: Path, ckpt_dir: Path, main: bool) -> Prepared:
     return Prepared(processor, spec, dm, manifest, params, fingerprint, targets, plan)
 
 
-def _plan_text(plan) -> str:
-    """What this host will do, in words the hosts compare before training together."""
-    if plan.done_step is not None:
-        return f"nothing to do (finished at step {plan.done_step})"
-    if plan.ckpt_path is None:
-        return "a fresh start"
-    from model.checkpoint import read_meta
-
-    return f"resume from step {(read_meta(Path(plan.ckpt_path)) or {}).get('global_step', '?')}"
-
-
 def _fit(s: Settings, out: Path, ckpt_dir: Path, main: bool, meeting=None) -> dict:
     from pytorch_lightning.callbacks import LearningRateMonitor
     from pytorch_lightning.utilities.exceptions import SIGTERMException
@@ -232,7 +186,9 @@ def _fit(s: Settings, out: Path, ckpt_dir: Path, main: bool, meeting=None) -> di
 
     p = preflight(s, out, ckpt_dir, main)
     if meeting is not None:  # every host synced and scanned: meet (bounded), then Lightning's rendezvous is quick
-        meeting.arrive(_plan_text(p.plan))
+        from .hosts import plan_text
+
+        meeting.arrive(plan_text(p.plan))
     if p.plan.done_step is not None:
         print(f"nothing to do: already trained to {p.plan.done_step} steps with these settings "
               f"(model in {out}); pass --resume never to train again from scratch")

@@ -28,6 +28,7 @@ from contextlib import contextmanager
 from datetime import timedelta
 
 from ..errors import UserError
+from ..redact import redact
 
 POLL = 0.2  # seconds between looks at the meeting
 WATCH = 1.0  # seconds between looks for a failed host while this one syncs and scans
@@ -227,6 +228,49 @@ class Meeting:
             return self.store.check([key])
         except Exception:  # noqa: BLE001
             return False
+
+
+def fail_together(meeting: Meeting, error: BaseException) -> None:
+    """Tell the other hosts why this one stops; when this host only failed because another did (a collective
+    lost its peer), raise the other's reason instead."""
+    if isinstance(error, KeyboardInterrupt) and meeting.interrupted_by:  # the watcher: another host failed
+        raise HostsError(meeting.interrupted_by) from None
+    if not isinstance(error, (UserError, SystemExit, KeyboardInterrupt)):  # e.g. a collective lost its peer
+        first = f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0]}"
+        try:
+            peer = meeting.peer_failure()
+            silent = [] if peer else meeting.silent_hosts()  # some seconds: a failing host publishes meanwhile
+            peer = peer or meeting.peer_failure()
+        except HostsError as lost:
+            peer, silent = str(lost), []
+        if not peer and silent:
+            peer = (f"host {', '.join(silent)} stopped answering (killed, or its instance lost: it said no reason; "
+                    "see its log)")
+        if peer:
+            meeting.fail(peer)
+            raise HostsError(f"{peer}; then this host stopped too ({first})") from error
+    if isinstance(error, UserError):
+        reason = " ".join(str(error).split())
+    elif isinstance(error, SystemExit):
+        reason = getattr(error, "reason", None) or \
+            ("stopped by SIGTERM" if error.code == 143 else f"exited with status {error.code}")
+    else:
+        reason = getattr(error, "reason", None) or \
+            f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0]}"
+    meeting.fail(redact(reason), linger=not (isinstance(error, SystemExit) and error.code == 143))
+
+
+def plan_text(plan) -> str:
+    """What this host will do, in words the hosts compare before training together."""
+    if plan.done_step is not None:
+        return f"nothing to do (finished at step {plan.done_step})"
+    if plan.ckpt_path is None:
+        return "a fresh start"
+    from pathlib import Path
+
+    from model.checkpoint import read_meta
+
+    return f"resume from step {(read_meta(Path(plan.ckpt_path)) or {}).get('global_step', '?')}"
 
 
 _current: Meeting | None = None

@@ -112,8 +112,9 @@ def cores() -> int:
 @dataclass
 class DataSettings:
     """What to read, how to split it and how to check it."""
-    data: str | None = setting(None, "dataset root holding dataset.tsv, or s3://bucket/prefix; default: a "
-                                     "generated demo set of real photos")
+    data: str | None = setting(None, "dataset root holding dataset.tsv, a pack, WebDataset shards (a folder of "
+                                     ".tar, a pattern such as shards/train-{000000..000099}.tar), or the same on "
+                                     "s3://bucket/prefix; default: a generated demo set of real photos")
     cache_dir: str | None = setting(None, "where s3:// data is synced and scan verdicts are cached; default "
                                           "$DALI_PIPE_CACHE or ~/.cache/dali_pipe (SageMaker: /opt/ml/input/"
                                           "data/dali_pipe_cache, on the instance volume)")
@@ -486,13 +487,15 @@ def validate(s: Settings, groups=TRAIN_GROUPS, problems: list[str] = ()) -> None
             problems.append("--model: 'none' only makes sense with --benchmark (it times the loaders without a model)")
     if "data" in groups:
         data = s.data.data
-        if isinstance(data, str) and data and not data.startswith("s3://"):
+        shards_pattern = isinstance(data, str) and "{" in data and data.endswith(".tar")  # train-{000..099}.tar
+        if isinstance(data, str) and data and not data.startswith("s3://") and not shards_pattern:
             if not Path(data).is_dir():
                 problems.append(f"--data: {data!r} is not a directory; pass the folder that holds dataset.tsv, "
                                 "or s3://bucket/prefix")
-            elif not (Path(data) / "dataset.tsv").is_file() and not (Path(data) / "packed.json").is_file():
-                problems.append(f"--data: {data!r} has no dataset.tsv (nor packed.json); put the manifest (an "
-                                "image_path column) at the dataset root, or pack it (python -m dali_pipe pack)")
+            elif not any((Path(data) / name).is_file() for name in ("dataset.tsv", "packed.json")) and not any(
+                    Path(data).glob("*.tar")):
+                problems.append(f"--data: {data!r} has no dataset.tsv, packed.json or .tar shards; put the manifest "
+                                "(an image_path column) at the dataset root, or pass a folder of WebDataset shards")
     if "pipeline" in groups and s.pipeline.device == "gpu" and not _cuda_available():
         problems.append("--device: 'gpu' but no CUDA GPU is visible; use --device cpu (or auto)")
     if problems:

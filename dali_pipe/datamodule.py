@@ -17,9 +17,9 @@ import pytorch_lightning as pl
 from .config import DataSettings, PipelineSettings
 from .errors import UserError
 from .manifest import Manifest, Sample, read_manifest
-from .packed import PackedSet, fetch, is_packed, open_packed
 from .pipeline import Augment, Files, PipelineOptions, Shards, build_pipeline, resources_for_rank
 from .scan import ScanResult, scan, write_report
+from .shards.source import ShardSet, source_kind
 from .spec import ImageSpec
 
 
@@ -40,10 +40,13 @@ def local_root(data: DataSettings) -> Path:
     return Path(data.data)
 
 
-def read(data: DataSettings) -> Manifest | PackedSet:
-    """The manifest of the (local) dataset, split as the settings say; or the pack at --data."""
-    if is_packed(data.data, data.cache_dir):
-        return open_packed(data.data, data.cache_dir)
+def read(data: DataSettings) -> Manifest | ShardSet:
+    """The manifest of the (local) dataset, split as the settings say; or the shards at --data (a pack,
+    or shards written by others), checked (shards/source.py; cached verdicts)."""
+    if source_kind(data.data, data.cache_dir) != "files":
+        from .shards.source import open_shards
+
+        return open_shards(data)
     return read_manifest(local_root(data), val_fraction=data.val_fraction, seed=data.seed,
                          skip_missing=data.skip_missing)
 
@@ -89,10 +92,14 @@ def prepare(data: DataSettings, output: Path, *, num_threads: int) -> tuple[Mani
     Returns the manifest without the bad files, and the scan's result."""
     from .config import SyncSettings
 
-    if is_packed(data.data, data.cache_dir):  # scanned when packed: fetch what is needed, nothing to scan
-        fetch(data.data, data.cache_dir, mode=data.packed_s3, workers=SyncSettings.workers)
-        packed = open_packed(data.data, data.cache_dir)
-        return packed, ScanResult(total=len(packed.train) + len(packed.val))
+    if source_kind(data.data, data.cache_dir) != "files":  # shards: fetch a pack, index others', check members
+        from .shards import source
+
+        shards = source.prepare_shards(data, num_threads=num_threads, workers=SyncSettings.workers)
+        source.report(shards, data.scan, output)
+        result = shards.scan_result()
+        check_bad_fraction(result, data, output)
+        return shards, result
     if data.data.startswith("s3://"):
         from .sync import sync
 
@@ -144,7 +151,7 @@ class DaliDataModule(pl.LightningDataModule):
         the batch size for `world_size` ranks (default: the trainer's)."""
         if self.manifest is None:
             manifest = read(self.data)
-            if isinstance(manifest, PackedSet):
+            if isinstance(manifest, ShardSet):
                 self.manifest = manifest
             else:
                 result = scan_manifest(manifest, self.data, num_threads=1, progress=False)

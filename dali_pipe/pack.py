@@ -1,23 +1,28 @@
 """`python -m dali_pipe pack SRC DST`: pre-resized WebDataset shards that DALI reads directly.
 
-Each good image of the dataset (the scan runs first; bad images are listed in DST/bad_images.tsv
-and never packed) is normalised once:
+SRC is a dataset (dataset.tsv and image files) or shards (a pack, or shards written by others, see
+shards/source.py). Each good image (the scan runs first; bad ones are listed in DST/bad_images.tsv and
+never packed) is normalised once:
 - EXIF orientation applied; CMYK, grayscale, palette, 16-bit and PNG/BMP/TIFF/WebP made RGB JPEG;
 - a longer side above `--max-side` downscaled with Lanczos, aspect kept, re-encoded at `--quality`;
 - an RGB JPEG already within `--max-side` (and upright) copied byte for byte.
 
-It writes, per split (fixed now: the manifest's split column, or --val-fraction/--seed):
-- `train-000000.tar`, ... : tar members `KEY.jpg` and `KEY.cls` (the class index, six ASCII
-  digits, as WebDataset's `.cls`), KEY being the image's path without its extension (stable);
+It writes, per split (fixed now: the manifest's split column, or --val-fraction/--seed; the shards'
+own split):
+- `train-000000.tar`, ... : per sample `KEY.jpg`, `KEY.cls` (the class index, plain decimal) and
+  `KEY.json` (`image_path` as dataset.tsv wrote it, and the label name), KEY made from the path and
+  safe by construction (shards/format.py `sample_keys`);
 - `train-000000.idx`, ... : DALI's index (the format of DALI's wds2idx tool, v1.2);
-- `packed.json`: classes, per-split counts, every shard with its size, sample count and sha256,
-  and the pack settings. It is written last: a DST without it is an unfinished pack.
+- `packed.json`: classes, per-split counts, every shard with its size, sample count, sha256 and the
+  image_path of each sample in index order, and the pack settings. It is written last: a DST without
+  it is an unfinished pack.
 
 Deterministic: samples go into shards in an order set by --seed (so shards mix classes), tar
 headers carry no time or owner, and JPEG encoding is repeatable, so the same input and settings
 give byte-identical shards. Resumable: each shard is written under a temporary name and renamed;
-`.pack-progress.json` records finished shards, and a rerun continues after the last one.
-Parallel: images are normalised in a process pool (`--workers`), shards written in order.
+`.pack-progress.json` records finished shards, and a rerun continues after the last one (and is
+removed when the pack is finished). A rerun over a finished pack of the same input and settings has
+nothing to do. Parallel: images are normalised in a process pool (`--workers`), shards written in order.
 """
 from __future__ import annotations
 
@@ -30,12 +35,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import UserError
-from .pipeline import LABEL_DIGITS
-from .shards.format import IndexEntry, file_sha256, format_index
+from .shards.format import FORMAT, PACKED_NAME, IndexEntry, cls_bytes, file_sha256, format_index, json_bytes, sample_keys
 
-PACKED_NAME = "packed.json"
 PROGRESS_NAME = ".pack-progress.json"
-FORMAT = "dali_pipe-packed/1"
 
 
 class PackError(UserError):
@@ -43,13 +45,24 @@ class PackError(UserError):
 
 
 # -- one image -----------------------------------------------------------------------------------
-def normalise(path: str, max_side: int, quality: int) -> tuple[bytes, tuple[int, int]] | str:
-    """(JPEG bytes, (width, height)) ready to pack, or the reason the image cannot be packed."""
+def _read(source: str | tuple[str, int, int]) -> bytes:
+    """A file's bytes, or (tar path, offset, size): a shard member's."""
+    if isinstance(source, str):
+        with open(source, "rb") as f:
+            return f.read()
+    path, offset, size = source
+    with open(path, "rb") as f:
+        f.seek(offset)
+        return f.read(size)
+
+
+def normalise(source, max_side: int, quality: int) -> tuple[bytes, tuple[int, int]] | str:
+    """(JPEG bytes, (width, height)) ready to pack, or the reason the image cannot be packed.
+    `source` is a file path, or (tar path, offset, size) of a shard member."""
     from PIL import Image, ImageOps
 
     try:
-        with open(path, "rb") as f:
-            raw = f.read()
+        raw = _read(source)
         im = Image.open(io.BytesIO(raw))
         orientation = im.getexif().get(0x0112, 1)
         if im.format == "JPEG" and im.mode == "RGB" and orientation == 1 and max(im.size) <= max_side:
@@ -72,42 +85,92 @@ def normalise(path: str, max_side: int, quality: int) -> tuple[bytes, tuple[int,
 
 
 def _normalise_job(job):
-    index, path, max_side, quality = job
-    return index, normalise(path, max_side, quality)
+    index, source, max_side, quality = job
+    return index, normalise(source, max_side, quality)
+
+
+# -- what is packed --------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Item:
+    """One sample to pack."""
+    ident: str  # stable identity (ordering, the report): the image's absolute path, or "SHARD\nKEY"
+    rel: str  # what its key is made from: the path relative to the dataset root, or the shard key
+    image_path: str  # what its json member and packed.json call it: dataset.tsv's image_path, or the key
+    label: int  # index into the pack's classes
+    split: str  # "train" or "val"
+    source: str | tuple[str, int, int]  # a file, or (tar path, offset, size) of a shard member
+
+
+def manifest_items(manifest) -> list[Item]:
+    """The manifest's samples, each with its image_path exactly as dataset.tsv wrote it."""
+    root = manifest.root.resolve()
+    written = _written_paths(root)
+    return [Item(s.path, os.path.relpath(s.path, root), written.get(s.line, os.path.relpath(s.path, root)), s.label,
+                 split, s.path)
+            for split, samples in (("train", manifest.train), ("val", manifest.val)) for s in samples]
+
+
+def _written_paths(root: Path) -> dict[int, str]:
+    """{line: image_path as dataset.tsv wrote it (padding trimmed)}, or {} without a readable manifest."""
+    from .manifest import MANIFEST_NAME, read_table
+
+    try:
+        df = read_table(root / MANIFEST_NAME)
+        return dict(zip(df["_line"], df["image_path"]))
+    except (UserError, KeyError, OSError):
+        return {}
+
+
+def shard_items(shards) -> list[Item]:
+    """The usable samples of a ShardSet (local tars), labelled by class position."""
+    from .shards.format import image_member, read_index
+
+    items = []
+    for s in shards.shards:
+        if s.path.startswith("s3://"):
+            raise PackError(f"{s.name} is not on local disk; pack reads shards from local disk (sync them first)")
+        for e, entry in enumerate(read_index(s.index_path)):
+            if e in s.bad:
+                continue
+            label = s.cls[e] if shards.remap is None else shards.remap[s.cls[e]]
+            off, size = entry.members[image_member(entry.members)]
+            items.append(Item(f"{s.name}\n{s.keys[e]}", s.keys[e], s.image_paths[e], label, s.split[e],
+                              (s.path, off, size)))
+    return items
+
+
+def order(samples, seed: int, key=lambda s: s.path):
+    """Samples in a seeded order that depends on nothing but the sample list and the seed."""
+    import random
+
+    ordered = sorted(samples, key=key)
+    random.Random(seed).shuffle(ordered)
+    return ordered
 
 
 # -- shards ----------------------------------------------------------------------------------------
-def sample_key(rel: str) -> str:
-    """The WebDataset key of an image: its path without the extension, no dots (DALI splits the
-    key from the extensions at the first dot of the file name)."""
-    stem = rel.rsplit(".", 1)[0] if "." in rel.rsplit("/", 1)[-1] else rel
-    head, _, name = stem.rpartition("/")
-    return (head + "/" if head else "") + name.replace(".", "_")
-
-
-def label_bytes(label: int) -> bytes:
-    return f"{label:0{LABEL_DIGITS}d}".encode()
-
-
 class ShardWriter:
     """Writes one tar and its DALI index under temporary names; `close()` renames them into place."""
 
     def __init__(self, directory: Path, name: str):
         self.directory, self.name = directory, name
         self.tmp = directory / f".{name}.tar.tmp-{os.getpid()}"
+        self.idx_tmp = directory / f".{name}.idx.tmp-{os.getpid()}"
         self._f = open(self.tmp, "wb")
         self._tar = tarfile.open(fileobj=self._f, mode="w", format=tarfile.USTAR_FORMAT)
         self.entries: list[IndexEntry] = []
+        self.image_paths: list[str] = []
         self.next = 0  # the position (in the split's packing order) after this shard's last sample
 
-    def add(self, key: str, jpeg: bytes, label: int, position: int) -> None:
+    def add(self, key: str, jpeg: bytes, label: int, label_name: str, image_path: str, position: int) -> None:
         members = {}
-        for ext, data in (("jpg", jpeg), ("cls", label_bytes(label))):
+        for ext, data in (("jpg", jpeg), ("cls", cls_bytes(label)), ("json", json_bytes(image_path, label_name))):
             info = tarfile.TarInfo(f"{key}.{ext}")
             info.size, info.mtime, info.mode, info.uid, info.gid = len(data), 0, 0o644, 0, 0
             self._tar.addfile(info, io.BytesIO(data))
             members[ext] = (self._tar.offset - (len(data) + 511) // 512 * 512, len(data))
         self.entries.append(IndexEntry(key, members))
+        self.image_paths.append(image_path)
         self.next = position + 1
 
     @property
@@ -120,16 +183,19 @@ class ShardWriter:
         os.fsync(self._f.fileno())
         self._f.close()
         tar, idx = self.directory / f"{self.name}.tar", self.directory / f"{self.name}.idx"
-        idx_tmp = self.directory / f".{self.name}.idx.tmp-{os.getpid()}"
-        idx_tmp.write_text(format_index(self.entries))
+        self.idx_tmp.write_text(format_index(self.entries))
         os.replace(self.tmp, tar)
-        os.replace(idx_tmp, idx)
+        os.replace(self.idx_tmp, idx)
         return {"name": tar.name, "index": idx.name, "samples": len(self.entries), "size": tar.stat().st_size,
-                "sha256": file_sha256(tar), "next": self.next}
+                "sha256": file_sha256(tar), "image_paths": self.image_paths, "next": self.next}
 
     def abort(self) -> None:
-        self._f.close()
+        try:
+            self._f.close()
+        except OSError:  # a full disk fails the flush too; the file goes anyway
+            pass
         self.tmp.unlink(missing_ok=True)
+        self.idx_tmp.unlink(missing_ok=True)
 
 
 # -- the pack --------------------------------------------------------------------------------------
@@ -139,31 +205,107 @@ class PackStats:
     bad: int
     shards: int
     skipped_shards: int  # already complete from an earlier run
+    done_before: bool = False  # DST already held this pack: nothing was written
 
 
-def order(samples, seed: int):
-    """Samples in a seeded order that depends on nothing but the file list and the seed."""
-    import random
+def pack_settings(*, digest: str, max_side: int, quality: int, shard_size: int, seed: int) -> dict:
+    """What makes a pack what it is: the input (its digest) and the settings."""
+    return {"max_side": max_side, "quality": quality, "shard_size": shard_size, "seed": seed, "samples": digest}
 
-    ordered = sorted(samples, key=lambda s: s.path)
-    random.Random(seed).shuffle(ordered)
-    return ordered
+
+def same_pack(meta: dict, settings: dict) -> bool:
+    """Whether packed.json `meta` is the pack that `settings` make (this format, input and settings)."""
+    return (meta.get("format") == FORMAT and meta.get("source_digest") == settings["samples"]
+            and meta.get("settings") == {k: v for k, v in settings.items() if k != "samples"})
+
+
+def difference(meta: dict, settings: dict) -> str:
+    """In words, what differs between packed.json `meta` and `settings`."""
+    if meta.get("format") != FORMAT:
+        return f"format {meta.get('format')!r}, this version writes {FORMAT!r}"
+    if meta.get("source_digest") != settings["samples"]:
+        return "other input data (images, labels or split)"
+    old = meta.get("settings", {})
+    return ", ".join(f"{k} {old.get(k)!r} there, {v!r} now" for k, v in settings.items()
+                     if k != "samples" and old.get(k) != v) or "other settings"
+
+
+def finished(dst: Path, settings: dict) -> dict | None:
+    """packed.json of DST when DST holds a finished pack of exactly `settings`, every file of it whole;
+    None when DST holds no finished pack. A finished pack of other input or settings is an error."""
+    path = dst / PACKED_NAME
+    if not path.is_file() or (dst / PROGRESS_NAME).is_file():
+        return None
+    try:
+        meta = json.loads(path.read_text())
+    except (OSError, ValueError):
+        raise PackError(f"{path} is damaged; delete {dst} and pack again") from None
+    if not same_pack(meta, settings):
+        raise PackError(f"{dst} already holds a finished pack of {difference(meta, settings)}; pack into another "
+                        "folder, or delete this one to pack it again")
+    for split in meta["splits"].values():
+        for s in split["shards"]:
+            tar = dst / s["name"]
+            if not tar.is_file() or tar.stat().st_size != s["size"] or not (dst / s["index"]).is_file():
+                raise PackError(f"{tar} (or its index) is missing or changed since it was packed; delete {dst} and "
+                                "pack again")
+    return meta
 
 
 def pack_manifest(manifest, dst: Path, *, max_side: int, quality: int, shard_size: int, workers: int, seed: int,
                   bad: dict[str, str], progress: bool = True) -> PackStats:
-    """Pack the manifest's (good) samples into shards under `dst`; see the module docstring."""
+    """Pack the manifest's (good) samples into shards under `dst`; see the module docstring. `bad`:
+    {absolute path: reason} of the images left out before packing (for DST/bad_images.tsv)."""
+    from .scan import write_report
+
+    root = manifest.root.resolve()
+
+    def report(failed: dict[str, str]) -> int:
+        write_report({**bad, **failed}, root, dst)
+        return len(bad) + len(failed)
+
+    settings = pack_settings(digest=manifest.digest(), max_side=max_side, quality=quality, shard_size=shard_size,
+                             seed=seed)
+    return pack_items(manifest_items(manifest), manifest.classes, dst, settings=settings, workers=workers,
+                      report=report, progress=progress)
+
+
+def pack_shards(shards, dst: Path, *, max_side: int, quality: int, shard_size: int, workers: int, seed: int,
+                progress: bool = True) -> PackStats:
+    """Pack the usable samples of a ShardSet (a pack, or shards written by others) into shards under `dst`."""
+    from .shards.source import write_member_report
+
+    where = {f"{s.name}\n{k}": (s, e) for s in shards.shards for e, k in enumerate(s.keys)}
+
+    def report(failed: dict[str, str]) -> int:
+        extra = [(*where[ident], reason) for ident, reason in failed.items()]
+        write_member_report(shards, dst, extra)
+        return len(shards.bad) + len(extra)
+
+    settings = pack_settings(digest=shards.digest(), max_side=max_side, quality=quality, shard_size=shard_size,
+                             seed=seed)
+    return pack_items(shard_items(shards), shards.classes, dst, settings=settings, workers=workers, report=report,
+                      progress=progress)
+
+
+def pack_items(items: list[Item], classes: list[str], dst: Path, *, settings: dict, workers: int, report,
+               progress: bool = True) -> PackStats:
+    """Pack `items` under `dst`; `report(failed)` writes DST/bad_images.tsv (with the images that could
+    not be packed, {ident: reason}) and returns how many images were left out in all."""
     from multiprocessing import get_context
 
     from tqdm import tqdm
 
     dst.mkdir(parents=True, exist_ok=True)
-    root = manifest.root.resolve()
-    settings = {"max_side": max_side, "quality": quality, "shard_size": shard_size, "seed": seed,
-                "samples": manifest.digest()}
+    meta = finished(dst, settings)
+    if meta is not None:
+        return PackStats({k: v["samples"] for k, v in meta["splits"].items()}, meta.get("bad_images", 0),
+                         sum(len(v["shards"]) for v in meta["splits"].values()),
+                         sum(len(v["shards"]) for v in meta["splits"].values()), done_before=True)
     prog = _load_progress(dst, settings)
-    splits = {"train": order(manifest.train, seed), "val": order(manifest.val, seed)}
-    keys = _keys(splits, root)
+    splits = {split: order([i for i in items if i.split == split], settings["seed"], key=lambda i: i.ident)
+              for split in ("train", "val")}
+    keys = sample_keys([i.rel for i in items])
     done = {split: (prog["splits"].get(split) or [{"next": 0}])[-1]["next"] for split in splits}
     todo = [(split, i, s) for split, samples in splits.items() for i, s in enumerate(samples) if i >= done[split]]
     skipped = sum(len(v) for v in prog["splits"].values())
@@ -171,21 +313,21 @@ def pack_manifest(manifest, dst: Path, *, max_side: int, quality: int, shard_siz
     bar = tqdm(total=len(todo), unit="img", desc="pack", disable=not progress or not todo, file=sys.stderr,
                mininterval=1.0)
     writers: dict[str, ShardWriter | None] = {split: None for split in splits}
-    jobs = [(n, s.path, max_side, quality) for n, (_, _, s) in enumerate(todo)]
+    jobs = [(n, s.source, settings["max_side"], settings["quality"]) for n, (_, _, s) in enumerate(todo)]
     pool = get_context("spawn").Pool(workers) if workers > 1 and len(jobs) > 1 else None
     try:
         results = pool.imap(_normalise_job, jobs, chunksize=4) if pool else map(_normalise_job, jobs)
         for n, result in results:
-            split, i, sample = todo[n]
+            split, i, item = todo[n]
             bar.update(1)
             if isinstance(result, str):
-                failed[sample.path] = result
+                failed[item.ident] = result
                 continue
             if writers[split] is None:
                 number = len(prog["splits"].setdefault(split, []))
                 writers[split] = ShardWriter(dst, f"{split}-{number:06d}")
-            writers[split].add(keys[split][i], result[0], sample.label, i)
-            if writers[split].size >= shard_size:
+            writers[split].add(keys[item.rel], result[0], item.label, classes[item.label], item.image_path, i)
+            if writers[split].size >= settings["shard_size"]:
                 _finish(dst, prog, split, writers)
         for split in splits:
             if writers[split] is not None:
@@ -199,36 +341,25 @@ def pack_manifest(manifest, dst: Path, *, max_side: int, quality: int, shard_siz
         bar.close()
         if pool:
             pool.terminate()
-    all_bad = {**bad, **failed}
+    n_bad = report(dict(failed))
     packed = {split: sum(s["samples"] for s in prog["splits"].get(split, [])) for split in splits}
-    _write_packed(dst, manifest, prog, packed, settings, len(all_bad))
-    from .scan import write_report
-
-    write_report(all_bad, root, dst)
-    return PackStats(packed, len(all_bad), sum(len(v) for v in prog["splits"].values()), skipped)
+    _write_packed(dst, classes, prog, packed, settings, n_bad)
+    return PackStats(packed, n_bad, sum(len(v) for v in prog["splits"].values()), skipped)
 
 
-def _keys(splits: dict, root: Path) -> dict[str, list[str]]:
-    """Stable, unique keys per split, from the images' paths."""
-    out, seen = {}, set()
-    for split, samples in splits.items():
-        keys = []
-        for s in samples:
-            key = sample_key(os.path.relpath(s.path, root))
-            base, n = key, 1
-            while key in seen:
-                n += 1
-                key = f"{base}_{n}"
-            seen.add(key)
-            keys.append(key)
-        out[split] = keys
-    return out
+def _atomic(path: Path, text: str) -> None:
+    """Write `path` under a temporary name (removed if the write fails) and rename it into place."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def _load_progress(dst: Path, settings: dict) -> dict:
     path = dst / PROGRESS_NAME
-    if (dst / PACKED_NAME).is_file() and not path.is_file():
-        raise PackError(f"{dst} already holds a finished pack; pack into another folder or delete this one")
     if not path.is_file():
         return {"settings": settings, "splits": {}}
     prog = json.loads(path.read_text())
@@ -249,19 +380,15 @@ def _load_progress(dst: Path, settings: dict) -> dict:
 def _finish(dst: Path, prog: dict, split: str, writers: dict) -> None:
     prog["splits"].setdefault(split, []).append(writers[split].close())
     writers[split] = None
-    tmp = dst / f".{PROGRESS_NAME}.tmp-{os.getpid()}"
-    tmp.write_text(json.dumps(prog))
-    os.replace(tmp, dst / PROGRESS_NAME)
+    _atomic(dst / PROGRESS_NAME, json.dumps(prog))
 
 
-def _write_packed(dst: Path, manifest, prog: dict, packed: dict, settings: dict, bad: int) -> None:
-    meta = {"format": FORMAT, "classes": manifest.classes,
+def _write_packed(dst: Path, classes: list[str], prog: dict, packed: dict, settings: dict, bad: int) -> None:
+    meta = {"format": FORMAT, "classes": list(classes),
             "splits": {split: {"samples": packed[split],
                                "shards": [{k: v for k, v in s.items() if k != "next"} for s in shards]}
                        for split, shards in prog["splits"].items()},
             "settings": {k: v for k, v in settings.items() if k != "samples"}, "source_digest": settings["samples"],
             "bad_images": bad}
-    tmp = dst / f".{PACKED_NAME}.tmp-{os.getpid()}"
-    tmp.write_text(json.dumps(meta, indent=1))
-    os.replace(tmp, dst / PACKED_NAME)
+    _atomic(dst / PACKED_NAME, json.dumps(meta, indent=1, ensure_ascii=False))
     (dst / PROGRESS_NAME).unlink(missing_ok=True)

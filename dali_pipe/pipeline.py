@@ -67,23 +67,34 @@ class Files:
 
 @dataclass(frozen=True)
 class Shards:
-    """Images packed in WebDataset tars (`python -m dali_pipe pack`): tar paths (local or s3://),
-    their local DALI index files, and a lookup from the pack's class indices to the model's (evaluate)."""
+    """Images in WebDataset tars (a pack, or shards written by others): tar paths (local or s3://),
+    their local DALI index files, the usable samples, and a lookup from the shards' class indices to the
+    model's (evaluate; sparse `cls` integers). Per shard, its size and sha256 where known; `excluded`
+    holds (shard position, entry position in its index) of the members every reader skips."""
     paths: tuple[str, ...]
     index_paths: tuple[str, ...]
     samples: int
     remap: tuple[int, ...] | None = None
+    sizes: tuple[int | None, ...] | None = None
+    sha256: tuple[str | None, ...] | None = None
+    excluded: frozenset[tuple[int, int]] = frozenset()
 
     def __len__(self) -> int:
         return self.samples
 
     def __add__(self, other: "Shards") -> "Shards":
+        n = len(self.paths)
+
+        def per_shard(a, b, count_a, count_b):
+            return None if a is None and b is None else tuple(a or (None,) * count_a) + tuple(b or (None,) * count_b)
+
         return Shards(self.paths + other.paths, self.index_paths + other.index_paths, self.samples + other.samples,
-                      self.remap)
+                      self.remap, sizes=per_shard(self.sizes, other.sizes, n, len(other.paths)),
+                      sha256=per_shard(self.sha256, other.sha256, n, len(other.paths)),
+                      excluded=self.excluded | frozenset((i + n, e) for i, e in other.excluded))
 
 
 SHUFFLE_BUFFER = 1024  # shards: DALI's random_shuffle window (its webdataset reader ignores shuffle_after_epoch)
-LABEL_DIGITS = 6  # a shard's .cls member: the class index as six ASCII digits
 
 
 @dataclass(frozen=True)
@@ -149,6 +160,7 @@ def build_pipeline(source: Files | Shards, spec: ImageSpec, opts: PipelineOption
         order = seeded_order(len(source.files), opts.seed)
         source = Files([source.files[i] for i in order], [int(source.labels[i]) for i in order])
     elif training:
+        source = _readable(source)
         order = seeded_order(len(source.paths), opts.seed)
         source = Shards(tuple(source.paths[i] for i in order), tuple(source.index_paths[i] for i in order),
                         source.samples, source.remap)
@@ -208,17 +220,57 @@ def _read(source: Files | Shards, opts: PipelineOptions, training: bool):
             shard_id=opts.shard_id, num_shards=opts.num_shards, pad_last_batch=True,
             shuffle_after_epoch=training)
     shuffle = dict(random_shuffle=True, initial_fill=SHUFFLE_BUFFER) if training else {}
+    source = _readable(source)
     jpegs, cls = fn.readers.webdataset(
         paths=list(source.paths), index_paths=list(source.index_paths), ext=["jpg", "cls"], name=READER_NAME,
         shard_id=opts.shard_id, num_shards=opts.num_shards, pad_last_batch=True,
         missing_component_behavior="error", **shuffle)
-    digits = fn.cast(cls, dtype=types.INT32) - ord("0")
-    powers = types.Constant(np.array([10 ** k for k in range(LABEL_DIGITS - 1, -1, -1)], dtype=np.int32))
-    lab = fn.reductions.sum(digits * powers, axes=0)
-    if source.remap is not None:  # the pack's class index -> the model's
+    lab = _decimal(cls)
+    if source.remap is not None:  # the shards' class index -> the model's
         lab = fn.lookup_table(lab, keys=list(range(len(source.remap))), values=list(source.remap),
                               default_value=-1)
     return jpegs, lab
+
+
+def _readable(source: Shards) -> Shards:
+    """The shards as DALI's webdataset reader can take them: a shard with excluded members or samples
+    whose image is not a `jpg` member gets an index rewritten with one `jpg` and one `cls` per usable
+    sample (shards.format.readable_index); the others keep theirs."""
+    if not source.excluded and all(_plain(p) for p in source.index_paths):
+        return source
+    from .shards.format import readable_index
+
+    kept = [(path, idx) for i, (path, index) in enumerate(zip(source.paths, source.index_paths))
+            for idx in [readable_index(index, frozenset(e for s, e in source.excluded if s == i))] if idx]
+    return Shards(tuple(p for p, _ in kept), tuple(i for _, i in kept), source.samples, source.remap)
+
+
+def _plain(index_path: str) -> bool:
+    from .shards.format import plain_index
+
+    return plain_index(index_path)
+
+
+CLS_DIGITS = 9  # shards.format.CLS_MAX_BYTES: the widest .cls the reader parses
+
+
+def _decimal(cls):
+    """The class index in a `.cls` member's bytes: plain decimal (`7`, as webdataset writes it), zero
+    padded (`000007`, packs of the first format) or followed by whitespace (`7\\n`). Digits are
+    left-aligned into CLS_DIGITS places, summed with their powers of ten, and divided by 10 to the
+    number of places left empty."""
+    from nvidia.dali import fn, types
+
+    digits = list(range(ord("0"), ord("9") + 1))
+    value = fn.lookup_table(cls, keys=digits, values=list(range(10)), default_value=0, dtype=types.INT32)
+    count = fn.reductions.sum(fn.lookup_table(cls, keys=digits, values=[1] * 10, default_value=0,
+                                              dtype=types.INT32), axes=0)
+    places = fn.pad(value, axes=[0], shape=[CLS_DIGITS], fill_value=0)
+    powers = types.Constant(np.array([10 ** k for k in range(CLS_DIGITS - 1, -1, -1)], dtype=np.int32))
+    left = fn.reductions.sum(places * powers, axes=0)
+    scale = fn.lookup_table(count, keys=list(range(CLS_DIGITS + 1)),
+                            values=[10 ** (CLS_DIGITS - k) for k in range(CLS_DIGITS + 1)], dtype=types.INT32)
+    return left // scale
 
 
 def _auto_augment(images, aug: Augment, shape: tuple[int, int]):

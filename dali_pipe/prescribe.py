@@ -52,7 +52,7 @@ def pack_gain(manifest, spec, pipeline_settings, *, batch_size: int, cores: int)
 
     from .manifest import Manifest
     from .pack import pack_manifest
-    from .packed import open_packed
+    from .shards.source import open_packed
     from .pipeline import Augment, Files, PipelineOptions, resources_for_rank
 
     train = manifest.train[:SAMPLE]

@@ -73,6 +73,23 @@ def check_header(path: str, max_pixels: int) -> str | None:
             tail = f.read()
     except OSError as e:
         return f"unreadable ({e.strerror})"
+    return _check(head, tail, lambda: Image.open(path), max_pixels)
+
+
+def check_bytes(data: bytes, max_pixels: int) -> str | None:
+    """The fast checks on an image held in memory (a shard member). Returns the reason, or None."""
+    import io
+
+    from PIL import Image
+
+    if not data:
+        return "empty file"
+    return _check(data[:64], data[-64:], lambda: Image.open(io.BytesIO(data)), max_pixels)
+
+
+def _check(head: bytes, tail: bytes, open_image, max_pixels: int) -> str | None:
+    from PIL import Image
+
     fmt = sniff(head)
     if fmt is None:
         if all(b in _TEXT for b in head):
@@ -86,7 +103,7 @@ def check_header(path: str, max_pixels: int) -> str | None:
         return "truncated PNG"
     cap, Image.MAX_IMAGE_PIXELS = Image.MAX_IMAGE_PIXELS, None  # our own cap applies, below
     try:
-        with Image.open(path) as im:
+        with open_image() as im:
             w, h = im.size
     except Exception as e:  # PIL raises many kinds for broken headers
         return f"unreadable {fmt} header ({type(e).__name__}: {str(e)[:80]})"
@@ -99,14 +116,20 @@ def check_header(path: str, max_pixels: int) -> str | None:
     return None
 
 
-def _decode_reason(path: str) -> str:
-    """DALI names neither the file nor the cause; PIL's decoder usually says what is wrong."""
+def _decode_reason(path: str | bytes) -> str:
+    """DALI names neither the file nor the cause; PIL's decoder usually says what is wrong.
+    `path` is a file, or the image's bytes."""
+    import io
+
     from PIL import Image
 
-    with open(path, "rb") as f:
-        fmt = sniff(f.read(64)) or "image"
+    if isinstance(path, bytes):
+        fmt, source = sniff(path[:64]) or "image", io.BytesIO(path)
+    else:
+        with open(path, "rb") as f:
+            fmt, source = sniff(f.read(64)) or "image", path
     try:
-        with Image.open(path) as im:
+        with Image.open(source) as im:
             im.load()
     except Exception as e:
         msg = str(e).strip() or type(e).__name__
@@ -136,29 +159,35 @@ class _DaliDecoder:
         pipe.build()
         return pipe
 
-    def _run(self, paths: list[str]) -> None:
+    def _run(self, items: list) -> None:
         import numpy as np
 
-        if self._pipe is None or self._pipe.max_batch_size < len(paths):
-            self._pipe = self._build(max(len(paths), self.batch_size))
-        data = [np.fromfile(p, dtype=np.uint8) for p in paths]
+        if self._pipe is None or self._pipe.max_batch_size < len(items):
+            self._pipe = self._build(max(len(items), self.batch_size))
+        data = [np.frombuffer(x, dtype=np.uint8) if isinstance(x, bytes) else np.fromfile(x, dtype=np.uint8)
+                for x in items]
         self._pipe.feed_input("enc", data)
         self._pipe.run()
 
     def __call__(self, paths: list[str]) -> dict[str, str]:
         """Decode `paths`; return {path: reason} for those that fail."""
+        return self.decode(dict(zip(paths, paths)))
+
+    def decode(self, items: dict) -> dict:
+        """Decode each value of `items` (a file path or the encoded bytes); {its key: reason} for those
+        that fail."""
         try:
-            self._run(paths)
+            self._run(list(items.values()))
             return {}
         except Exception:
             self._pipe = None  # a failed DALI pipeline cannot be reused
         bad = {}
-        for p in paths:  # find the culprit(s) one by one
+        for k, x in items.items():  # find the culprit(s) one by one
             try:
-                self._run([p])
+                self._run([x])
             except Exception:
                 self._pipe = None
-                bad[p] = _decode_reason(p)
+                bad[k] = _decode_reason(x)
         return bad
 
 

@@ -29,7 +29,7 @@ def packed(photo_root, tmp_path_factory):
 
 
 def _shards(packed):
-    from dali_pipe.packed import open_packed
+    from dali_pipe.shards.source import open_packed
 
     return open_packed(str(packed), "unused")
 

@@ -57,7 +57,8 @@ def main(argv: list[str] | None = None) -> int:
         problems.append("--model: required: the folder a training run wrote (train.py's --output), or a hub id")
     validate(s, COMMANDS[command], problems)
     if command == "sync":
-        from ..packed import fetch_to, is_packed
+        from ..packed import fetch_to
+        from ..shards.source import is_packed
         from ..sync import sync
 
         if is_packed(s.sync.uri):  # a pack: its shards and index files, a few large GETs

@@ -39,8 +39,9 @@ def run(s: Settings) -> dict:
         raise LabelError(f"--data has {len(unknown)} label(s) the model was not trained on: {unknown[:10]}; the "
                          f"model knows {len(label2id)} classes (config.json id2label)")
     remap = [label2id[c] for c in manifest.classes]
-    if isinstance(samples, Shards):  # packed: the pipeline maps the pack's class indices to the model's
-        samples = dataclasses.replace(samples, remap=tuple(remap))
+    if isinstance(samples, Shards):  # the pipeline maps the shards' class indices to the model's
+        inner = samples.remap or tuple(range(len(remap)))  # cls integer -> class position, then -> the model's
+        samples = dataclasses.replace(samples, remap=tuple(remap[c] if c >= 0 else -1 for c in inner))
     else:
         samples = [Sample(x.path, remap[x.label], x.line) for x in samples]
     logits, labels = run_model(model, dm.loader(samples, training=False), s.pipeline.device, s.model.precision)

@@ -271,7 +271,7 @@ def summary(s: Settings, manifest, scan_result, params: int) -> str:
     effective = s.data.batch_size * world * s.model.grad_accum
     return "\n".join([
         f"data: {len(manifest.classes)} classes ({names}); {len(manifest.train)} train + {len(manifest.val)} val "
-        f"images; {scan}",
+        f"images; {scan}" + (f"; {manifest.note}" if getattr(manifest, "note", "") else ""),
         f"device: {s.pipeline.device}, precision {s.model.precision}, {world} process(es)",
         f"model: {s.model.model}, {params / 1e6:.2f} M parameters",
         f"batch: {s.data.batch_size} per process x {world} process(es) x {s.model.grad_accum} accumulation = "

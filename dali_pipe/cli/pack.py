@@ -1,23 +1,32 @@
-"""`python -m dali_pipe pack SRC DST`: scan, then pack into shards (dali_pipe/pack.py); an s3://
-DST is packed in the cache dir first and uploaded shard by shard, packed.json last."""
+"""`python -m dali_pipe pack SRC DST`: scan, then pack into shards (dali_pipe/pack.py). SRC is a dataset
+(dataset.tsv) or shards (a pack, or shards written by others), local or s3://.
+
+An s3:// DST is packed in the cache dir first (CACHE/pack-staging/...) and uploaded shard by shard,
+packed.json last, then the staging copy is removed. A rerun continues an interrupted pack or upload;
+over a finished pack of the same input and settings it has nothing to do; with other settings it
+replaces the pack in S3 (its packed.json goes first, so no reader sees a mix, and the objects of the
+old pack that the new one does not name go last).
+"""
 from __future__ import annotations
 
 import dataclasses
+import errno
+import json
+import shutil
 import sys
 from pathlib import Path
 
 from ..config import Settings, cores, resolve
 
 
-def upload(local: Path, uri: str, *, workers: int) -> int:
+def upload(local: Path, uri: str, *, workers: int, previous: dict | None = None) -> int:
     """Upload the finished pack: each file with parallel multipart PUTs (s3transfer), skipping those
-    already there with the same size and sha256; packed.json last, so readers never see half a pack."""
-    import json
-
+    already there with the same size and sha256; packed.json last, so readers never see half a pack.
+    `previous`: the packed.json of another pack at `uri`, which is replaced."""
     from boto3.s3.transfer import TransferConfig
     from botocore.exceptions import BotoCoreError, ClientError
 
-    from ..pack import PACKED_NAME
+    from ..shards.format import PACKED_NAME
     from ..sync import SyncError, explain, list_objects, make_client, parse_s3_uri
 
     bucket, prefix = parse_s3_uri(uri)
@@ -25,6 +34,11 @@ def upload(local: Path, uri: str, *, workers: int) -> int:
     client = make_client(workers)
     meta = json.loads((local / PACKED_NAME).read_text())
     shards = [s for split in meta["splits"].values() for s in split["shards"]]
+    try:
+        if previous is not None:  # no reader may trust the old packed.json while its shards are replaced
+            client.delete_object(Bucket=bucket, Key=base + PACKED_NAME)
+    except (BotoCoreError, ClientError) as e:
+        raise SyncError(f"replacing the pack at {uri}: {explain(e, bucket, base + PACKED_NAME)}") from None
     remote = list_objects(client, bucket, base)
     config = TransferConfig(multipart_threshold=8 << 20, multipart_chunksize=8 << 20, max_concurrency=workers)
     sent = 0
@@ -44,33 +58,146 @@ def upload(local: Path, uri: str, *, workers: int) -> int:
         except (BotoCoreError, ClientError, OSError) as e:
             raise SyncError(f"uploading {name}: {explain(e, bucket, base + name)} (rerun to finish)") from None
         sent += 1
+    if previous is not None:
+        ours = {n for n, _ in files}
+        stale = sorted({n for split in previous.get("splits", {}).values() for s in split.get("shards", [])
+                        for n in (s.get("name"), s.get("index")) if n} - ours)
+        for name in stale:
+            try:
+                client.delete_object(Bucket=bucket, Key=base + name)
+            except (BotoCoreError, ClientError) as e:
+                raise SyncError(f"removing {name} of the replaced pack: {explain(e, bucket, base + name)}") from None
     return sent
 
 
+def remote_pack(uri: str) -> dict | None:
+    """The packed.json at an s3:// DST, or None."""
+    from ..packed import _remote_packed_json
+
+    raw = _remote_packed_json(uri)
+    try:
+        return json.loads(raw) if raw is not None else None
+    except ValueError:
+        return {}  # damaged: replaced like any other pack
+
+
+def remote_complete(uri: str, meta: dict) -> bool:
+    """Every shard and index that packed.json `meta` names is in S3 with its size."""
+    from ..sync import list_objects, make_client, parse_s3_uri
+
+    bucket, prefix = parse_s3_uri(uri)
+    remote = list_objects(make_client(4), bucket, f"{prefix}/" if prefix else "")
+    return all(remote.get(s["name"], (None,))[0] == s["size"] and s["index"] in remote
+               for split in meta["splits"].values() for s in split["shards"])
+
+
+def _clear(staging: Path) -> None:
+    """Empty our staging folder (its lock, if one is kept inside, stays)."""
+    from ..workdir import LOCK_NAME
+
+    for p in staging.iterdir() if staging.is_dir() else []:
+        if p.name != LOCK_NAME:
+            shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
+
+
+def _finished_shards(staging: Path) -> int:
+    from ..pack import PROGRESS_NAME
+
+    try:
+        return sum(len(v) for v in json.loads((staging / PROGRESS_NAME).read_text())["splits"].values())
+    except (OSError, ValueError, KeyError):
+        return 0
+
+
 def run(s: Settings) -> dict:
-    from ..config import SyncSettings
-    from ..datamodule import missing_reasons, prepare
-    from ..pack import PackError, pack_manifest
-    from ..workdir import lock, unlock
+    from ..pack import PackError
 
     s = resolve(s)
+    dst = s.pack.dst
+    staging = (Path(s.data.cache_dir) / "pack-staging" / dst[5:].strip("/")) if dst.startswith("s3://") else Path(dst)
+    try:
+        return _run(s, staging)
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        raise PackError(f"no space left on the disk of {e.filename or staging} ({e.strerror}); the "
+                        f"{_finished_shards(staging)} finished shard(s) in {staging} are kept: free space and rerun "
+                        "the same command to continue") from None
+
+
+def _run(s: Settings, staging: Path) -> dict:
+    from ..datamodule import missing_reasons, prepare
+    from ..pack import PackError, finished, pack_manifest, pack_settings, pack_shards, same_pack
+    from ..shards.source import ShardSet, source_kind
+    from ..workdir import lock, unlock
+
     src, dst = s.pack.src, s.pack.dst
-    data = dataclasses.replace(s.data, data=src)
-    if not src.startswith("s3://") and not (Path(src) / "dataset.tsv").is_file():
-        raise PackError(f"SRC {src!r} holds no dataset.tsv; pass the dataset root (or s3://bucket/prefix)")
+    data = dataclasses.replace(s.data, data=src, packed_s3="sync")  # packing reads every shard from local disk
+    kind = source_kind(src, data.cache_dir)
+    if kind == "files" and not src.startswith("s3://") and not (Path(src) / "dataset.tsv").is_file():
+        raise PackError(f"SRC {src!r} holds no dataset.tsv and no WebDataset shards; pass the dataset root (or "
+                        "s3://bucket/prefix), a pack, or a folder / brace pattern / s3:// prefix of .tar shards")
     workers = s.pack.pack_workers or cores()
-    staging = (Path(data.cache_dir) / "pack-staging" / dst[5:].strip("/")) if dst.startswith("s3://") else Path(dst)
+    opts = dict(max_side=s.pack.max_side, quality=s.pack.quality, shard_size=s.pack.shard_size, workers=workers,
+                seed=data.seed)
     lock(staging, "pack", "wait for it to finish, or pack into another folder")
     try:
-        manifest, result = prepare(data, staging, num_threads=max(1, workers - 1))  # sync, scan, report, bound
-        stats = pack_manifest(manifest, staging, max_side=s.pack.max_side, quality=s.pack.quality,
-                              shard_size=s.pack.shard_size, workers=workers, seed=data.seed,
-                              bad={**result.bad, **missing_reasons(manifest)})
+        source, result = prepare(data, staging, num_threads=max(1, workers - 1))  # sync, scan, report, bound
+        if isinstance(source, ShardSet):
+            _local_tars(source, data)
+        digest = source.digest()
+        previous = None
         if dst.startswith("s3://"):
-            upload(staging, dst, workers=SyncSettings.workers)
+            settings = pack_settings(digest=digest, **{k: opts[k] for k in ("max_side", "quality", "shard_size",
+                                                                           "seed")})
+            previous = remote_pack(dst)
+            try:
+                staged = finished(staging, settings)
+            except PackError:  # our staging holds another pack: it is ours to replace
+                _clear(staging)
+                staged = None
+            if staged is None and previous is not None and same_pack(previous, settings) and remote_complete(
+                    dst, previous):
+                _clear(staging)
+                print(f"pack: {dst} already holds this pack ({_counts(previous)}); nothing to do", file=sys.stderr)
+                return {"done_before": True}
+        if isinstance(source, ShardSet):
+            stats = pack_shards(source, staging, **opts)
+        else:
+            stats = pack_manifest(source, staging, **opts, bad={**result.bad, **missing_reasons(source)})
+        if dst.startswith("s3://"):
+            from ..config import SyncSettings
+
+            upload(staging, dst, workers=SyncSettings.workers,
+                   previous=previous if previous is not None and not same_pack(previous, settings) else None)
+            _clear(staging)  # the pack lives in S3 now; a rerun finds it there
     finally:
         unlock(staging)
-    print(f"pack: {stats.packed['train']} train + {stats.packed['val']} val images in {stats.shards} shard(s) "
-          f"({stats.skipped_shards} from an earlier run), {stats.bad} left out (listed in bad_images.tsv); "
-          f"read it with --data {dst}", file=sys.stderr)
+    if stats.done_before and not dst.startswith("s3://"):
+        print(f"pack: {dst} already holds this pack ({stats.packed.get('train', 0)} train + "
+              f"{stats.packed.get('val', 0)} val images); nothing to do", file=sys.stderr)
+    else:
+        print(f"pack: {stats.packed.get('train', 0)} train + {stats.packed.get('val', 0)} val images in {stats.shards} "
+              f"shard(s) ({stats.skipped_shards} from an earlier run), {stats.bad} left out (listed in "
+              f"bad_images.tsv); read it with --data {dst}", file=sys.stderr)
     return dataclasses.asdict(stats)
+
+
+def _counts(meta: dict) -> str:
+    return " + ".join(f"{v['samples']} {k}" for k, v in meta["splits"].items()) + " images"
+
+
+def _local_tars(source, data) -> None:
+    """Shards of others on S3 are read from a copy in the cache dir (CACHE/s3/...), fetched with ranged GETs."""
+    from ..sync import local_target, sync_objects
+
+    remote = [s for s in source.shards if s.path.startswith("s3://")]
+    if not remote:
+        return
+    prefix = remote[0].path.rsplit("/", 1)[0]
+    local = local_target(prefix, Path(data.cache_dir))
+    from ..config import SyncSettings
+
+    sync_objects(prefix, local, [s.path.rsplit("/", 1)[1] for s in remote], workers=SyncSettings.workers)
+    for s in remote:
+        s.path = str((local / s.path.rsplit("/", 1)[1]).resolve())

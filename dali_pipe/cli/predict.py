@@ -1,5 +1,5 @@
-"""`python -m dali_pipe predict`: label a folder of images (or a manifest's image_path rows) with a
-trained model, through the same DALI validation pipeline as training. Writes PRED/predictions.tsv,
+"""`python -m dali_pipe predict`: label a folder of images (or a manifest's image_path rows, or shards)
+with a trained model, through the same DALI validation pipeline as training. Writes PRED/predictions.tsv,
 one row per readable image; unreadable ones go to PRED/bad_images.tsv instead of stopping the run."""
 from __future__ import annotations
 
@@ -67,10 +67,10 @@ def run(s: Settings) -> dict:
     out = Path(s.predict.predict_output)
     model = load_trained(s.model.model)
     dm = DaliDataModule(s.data, s.pipeline, ImageSpec.from_processor(load_processor(s.model.model)), out)
-    from ..packed import is_packed
+    from ..shards.source import source_kind
 
-    if is_packed(s.data.data, s.data.cache_dir):
-        return _predict_packed(s, dm, model, out)
+    if source_kind(s.data.data, s.data.cache_dir) != "files":
+        return _predict_shards(s, dm, model, out)
     root, rels = list_images(s.data.data, s.data.cache_dir)
     paths = [str((root / r).resolve()) for r in rels]
     result = scan(paths, s.data.scan if s.data.scan != "off" else "fast", max_pixels=s.data.max_pixels,
@@ -89,19 +89,21 @@ def run(s: Settings) -> dict:
     return {"predicted": len(good), "bad": len(bad)}
 
 
-def _predict_packed(s: Settings, dm, model, out: Path) -> dict:
-    """Every image of a pack (train and val shards), named by its key (its path without extension)."""
-    from ..shards.format import read_index
+def _predict_shards(s: Settings, dm, model, out: Path) -> dict:
+    """Every usable image of the shards (a pack's train and val, or shards written by others), named by
+    its image_path in dataset.tsv (a pack) or its key; members the checks left out are listed in
+    PRED/bad_images.tsv."""
     from .infer import run_model
 
-    dm.prepare_data()
-    packed = dm.manifest
-    shards = packed.train + packed.val
-    keys = [e.key for idx in shards.index_paths for e in read_index(idx)]
-    logits, _ = run_model(model, dm.loader(shards, training=False), s.pipeline.device, s.model.precision)
-    write_predictions(out, keys, logits, model, s.predict.top_k)
-    print(f"predict: {len(keys)} packed image(s) labelled in {out / 'predictions.tsv'}")
-    return {"predicted": len(keys), "bad": 0}
+    dm.prepare_data()  # fetch, index, check; PRED/bad_images.tsv
+    shards = dm.manifest
+    names = shards.names(shards.everything)
+    logits, _ = run_model(model, dm.loader(shards.everything, training=False), s.pipeline.device, s.model.precision)
+    write_predictions(out, names, logits, model, s.predict.top_k)
+    bad = len(shards.bad)
+    print(f"predict: {len(names)} image(s) of the shards labelled in {out / 'predictions.tsv'}"
+          + (f"; {bad} left out, listed in {out / 'bad_images.tsv'}" if bad else ""))
+    return {"predicted": len(names), "bad": bad}
 
 
 def write_predictions(out: Path, names: list[str], logits, model, top_k: int) -> None:

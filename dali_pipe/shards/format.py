@@ -1,29 +1,192 @@
 """The on-disk shard format, shared by the writer (pack.py) and every reader.
 
-A shard is a WebDataset tar: the members of one sample share a key (`KEY.jpg`, `KEY.cls`, ...).
-Beside it, a DALI index file (the format of DALI's `wds2idx` tool, version 1.2) lists, per sample,
+A shard is a WebDataset tar: the members of one sample share a key (`KEY.jpg`, `KEY.cls`, `KEY.json`),
+grouped consecutively, the key being the member name up to the first dot of its last path segment
+(webdataset's `base_plus_ext`, DALI's `split_name`). What this project writes per sample:
+
+- `KEY.jpg`: the image;
+- `KEY.cls`: the class index as plain decimal ASCII (`b"7"`), as webdataset, img2dataset and timm
+  write it (packs of the first format wrote six digits, `b"000007"`; `parse_cls` reads both);
+- `KEY.json`: `{"image_path": ..., "label": ...}`, the row of dataset.tsv it came from (webdataset's
+  convention for metadata).
+
+Keys are safe by construction (`sample_keys`): ASCII letters, digits, `_`, `-` and `/` only, so no key
+holds a dot or a space, and a path that needed changing (or that shares its key with another path) gets
+a hash of the whole path, so two paths never share a key.
+
+Beside each tar, a DALI index file (the format of DALI's `wds2idx` tool, version 1.2) lists, per sample,
 each member's extension, data offset, size and file name:
 
     v1.2 N
     jpg 512 10349 KEY.jpg cls 11264 1 KEY.cls
     ...
 
-`read_index` parses it into `IndexEntry`s; `format_index` writes it back. A `.cls` member holds the
-class index as decimal ASCII (`parse_cls`).
+`read_index` parses it into `IndexEntry`s; `format_index` writes it back. DALI splits these lines at
+whitespace and uses the file name only to name a sample in its messages, so a name holding whitespace
+(which peer shards may have) is written with that whitespace and `%` percent-encoded. `index_tar` makes
+an index from a tar stream in one pass, the way `wds2idx` does (regular files, grouped by key, hidden
+names skipped), and hands each member's bytes to the caller on the way (labels, checks).
 """
 from __future__ import annotations
 
+import functools
 import hashlib
+import json
+import os
+import posixpath
+import re
+import tarfile
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import unquote
 
 INDEX_VERSION = "v1.2"
+PACKED_NAME = "packed.json"
+FORMAT = "dali_pipe-packed/2"  # plain-decimal .cls, a json member per sample, image_paths per shard
+READABLE_FORMATS = ("dali_pipe-packed/1", FORMAT)  # /1: six-digit .cls, keys with dots replaced, no json
+IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")  # a sample's image: the first of these present (any case)
+LABEL_EXT = "cls"
+META_EXT = "json"
+CLS_MAX_BYTES = 9  # the widest .cls today's DALI reader parses (an int32 holds any 9-digit index)
+KEY_MAX = 90  # longest key: KEY.json still fits a plain (ustar) tar name without a prefix field
 
 
 class IndexFormatError(ValueError):
     """An index file that is not DALI's v1.2 format; the message names the file and line."""
 
 
+class LabelFormatError(ValueError):
+    """A `.cls` member that is not a non-negative decimal integer."""
+
+
+class PackedFormatError(ValueError):
+    """A packed.json this version cannot read; the message names it and says what to do."""
+
+
+# -- keys ------------------------------------------------------------------------------------------
+_UNSAFE = re.compile(r"[^A-Za-z0-9_\-]")
+
+
+def _stem(rel: str) -> str:
+    """The path without its last extension (`a/b.c.jpg` -> `a/b.c`; a hidden name keeps its dot)."""
+    head, name = posixpath.split(rel)
+    stem, _ = posixpath.splitext(name)
+    return posixpath.join(head, stem) if head else stem
+
+
+def _digest(rel: str, n: int) -> str:
+    return hashlib.sha256(rel.encode("utf-8", "surrogatepass")).hexdigest()[:n]
+
+
+def sample_keys(paths: list[str]) -> dict[str, str]:
+    """{relative path: key} for every path, each key unique and safe by construction.
+
+    A key is the path without its extension, every character outside `A-Za-z0-9_-` (per folder
+    segment) replaced by `_`. When that changed the path, made it longer than KEY_MAX, or when two paths
+    give the same key (`a.jpg` and `a.png`; `my photo.jpg` and `my_photo.jpg`), the key ends in `-` and
+    a hash of the whole path, so it stays unique and stable whatever other files the dataset holds."""
+    candidate = {}
+    for rel in paths:
+        stem = _stem(rel)
+        safe = "/".join(_UNSAFE.sub("_", seg) or "_" for seg in stem.split("/"))
+        candidate[rel] = (safe, safe != stem or len(safe) > KEY_MAX)
+    taken: dict[str, int] = {}
+    for safe, _ in candidate.values():
+        taken[safe] = taken.get(safe, 0) + 1
+    keys, seen = {}, set()
+    for rel, (safe, changed) in candidate.items():
+        key = safe
+        if changed or taken[safe] > 1:
+            for n in (10, 20, 40, 64):
+                key = f"{safe[:KEY_MAX - n - 1].rstrip('/')}-{_digest(rel, n)}"
+                if key not in seen and key not in taken:
+                    break
+        if key in seen:  # only a hash collision of 64 hex digits could get here
+            raise ValueError(f"no unique key for {rel!r}")
+        seen.add(key)
+        keys[rel] = key
+    return keys
+
+
+def split_name(name: str) -> tuple[str | None, str | None]:
+    """(key, extension) of a tar member name, as webdataset and DALI split it: at the first dot of the
+    last path segment. (None, None) for a name with no such dot or a hidden one (`dir/.x.jpg`)."""
+    slash = name.rfind("/") + 1
+    dot = name.find(".", slash)
+    if dot <= slash:
+        return None, None
+    return name[:dot], name[dot + 1:]
+
+
+# -- members ---------------------------------------------------------------------------------------
+def cls_bytes(label: int) -> bytes:
+    """A `.cls` member: the class index as plain decimal ASCII."""
+    return str(int(label)).encode()
+
+
+def parse_cls(raw: bytes) -> int:
+    """The class index in a `.cls` member: decimal ASCII, as webdataset writes it (`b"7"`); surrounding
+    whitespace and zero padding (`b"000007"`, this project's first format) are accepted."""
+    text = raw.strip()
+    if not text.isdigit():
+        raise LabelFormatError(f"{raw[:20]!r} is not a class index (a non-negative decimal integer)")
+    return int(text)
+
+
+def cls_problem(raw: bytes | None) -> str | None:
+    """Why a sample's `.cls` cannot be trained on, or None. Beyond `parse_cls`, today's DALI reader
+    (pipeline.py) reads at most CLS_MAX_BYTES and no leading whitespace."""
+    if raw is None:
+        return "no .cls member (the class index)"
+    try:
+        parse_cls(raw)
+    except LabelFormatError:
+        return f"cls {raw[:20]!r} is not an integer class index"
+    if len(raw) > CLS_MAX_BYTES or raw != raw.lstrip():
+        return f"cls {raw[:20]!r} is longer than {CLS_MAX_BYTES} bytes or starts with spaces"
+    return None
+
+
+def json_bytes(image_path: str, label: str) -> bytes:
+    """The `json` member of a packed sample: the dataset.tsv row it came from."""
+    return json.dumps({"image_path": image_path, "label": label}, ensure_ascii=False, sort_keys=True).encode()
+
+
+def json_label(raw: bytes | None) -> str | None:
+    """The label name in a sample's json member (`label`, else `class_name`), or None."""
+    if not raw:
+        return None
+    try:
+        meta = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        return None
+    if not isinstance(meta, dict):
+        return None
+    for field in ("label", "class_name"):
+        if isinstance(meta.get(field), (str, int)) and not isinstance(meta.get(field), bool):
+            return str(meta[field])
+    return None
+
+
+def _find(members, wanted: tuple[str, ...]) -> str | None:
+    lower = {ext.lower(): ext for ext in reversed(list(members))}  # the first member of each spelling wins
+    return next((lower[w] for w in wanted if w in lower), None)
+
+
+def image_member(members) -> str | None:
+    """The extension of a sample's image member: the first of IMAGE_EXTS present, in any case."""
+    return _find(members, IMAGE_EXTS)
+
+
+def label_member(members) -> str | None:
+    return _find(members, (LABEL_EXT,))
+
+
+def meta_member(members) -> str | None:
+    return _find(members, (META_EXT,))
+
+
+# -- index files -----------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class IndexEntry:
     """One sample of a shard: its key and, per member extension, (data offset, size) in the tar."""
@@ -31,10 +194,17 @@ class IndexEntry:
     members: dict[str, tuple[int, int]]
 
 
+def _token(text: str) -> str:
+    """A file name as one whitespace-free token: whitespace and `%` percent-encoded (UTF-8)."""
+    if not any(c == "%" or c.isspace() for c in text):
+        return text
+    return "".join("".join(f"%{b:02X}" for b in c.encode()) if c == "%" or c.isspace() else c for c in text)
+
+
 def read_index(path: str | Path) -> list[IndexEntry]:
     """The samples of a DALI v1.2 index file, in order."""
     path = Path(path)
-    lines = path.read_text().splitlines()
+    lines = path.read_text(encoding="utf-8", errors="surrogateescape").splitlines()  # keys as the tar names them
     head = lines[0].split() if lines else []
     if len(head) != 2 or head[0] != INDEX_VERSION or not head[1].isdigit():
         raise IndexFormatError(f"{path}: line 1 is not '{INDEX_VERSION} COUNT'")
@@ -50,8 +220,11 @@ def read_index(path: str | Path) -> list[IndexEntry]:
             ext, offset, size, name = tokens[i:i + 4]
             if not (offset.isdigit() and size.isdigit()):
                 raise IndexFormatError(f"{path}: line {n}: offset and size must be integers")
-            members[ext] = (int(offset), int(size))
+            if int(offset) % 512:
+                raise IndexFormatError(f"{path}: line {n}: offset {offset} is not at a tar block (512 bytes)")
+            members.setdefault(ext, (int(offset), int(size)))
             if key is None:
+                name = unquote(name, errors="surrogateescape") if "%" in name else name
                 key = name[: -len(ext) - 1] if name.endswith("." + ext) else name
         entries.append(IndexEntry(key, members))
     if len(entries) != int(head[1]):
@@ -60,24 +233,132 @@ def read_index(path: str | Path) -> list[IndexEntry]:
 
 
 def format_index(entries: list[IndexEntry]) -> str:
-    """The text of a DALI v1.2 index file for `entries` (keys and extensions hold no whitespace)."""
+    """The text of a DALI v1.2 index file for `entries` (extensions hold no whitespace)."""
     lines = [f"{INDEX_VERSION} {len(entries)}"]
     for e in entries:
-        lines.append(" ".join(f"{ext} {off} {size} {e.key}.{ext}" for ext, (off, size) in e.members.items()))
+        lines.append(" ".join(f"{ext} {off} {size} {_token(e.key + '.' + ext)}"
+                              for ext, (off, size) in e.members.items()))
     return "\n".join(lines) + "\n"
 
 
-class LabelFormatError(ValueError):
-    """A `.cls` member that is not a non-negative decimal integer."""
+def plain_index(path: str | Path) -> bool:
+    """Whether every sample of the index has a `jpg` and a `cls` member (what DALI's reader asks for)."""
+    st = os.stat(path)
+    return _plain(str(path), st.st_size, st.st_mtime_ns)
 
 
-def parse_cls(raw: bytes) -> int:
-    """The class index in a `.cls` member: decimal ASCII, as webdataset writes it (`b"7"`); surrounding
-    whitespace and zero padding (`b"000007"`, this project's first format) are accepted."""
-    text = raw.strip()
-    if not text.isdigit():
-        raise LabelFormatError(f"{raw[:20]!r} is not a class index (a non-negative decimal integer)")
-    return int(text)
+@functools.lru_cache(maxsize=4096)
+def _plain(path: str, size: int, mtime_ns: int) -> bool:
+    return all("jpg" in e.members and "cls" in e.members for e in read_index(path))
+
+
+_readable_dir: list[Path] = []
+
+
+def readable_index(path: str | Path, excluded: frozenset[int]) -> str | None:
+    """An index of the same shard for DALI's webdataset reader (pipeline.py): the samples not in
+    `excluded`, each as its image member (the first of IMAGE_EXTS) under the extension `jpg` and its
+    label member as `cls`; DALI matches members by the extension in the index and decodes by content.
+    Written once per content into a temporary folder of this process; None when no sample is left."""
+    import atexit
+    import shutil
+    import tempfile
+
+    kept = []
+    for pos, e in enumerate(read_index(path)):
+        if pos in excluded:
+            continue
+        img, lab = image_member(e.members), label_member(e.members)
+        if img is None or lab is None:
+            raise ValueError(f"{path}: sample {e.key!r} has no image or no cls member and is not excluded")
+        kept.append(IndexEntry(e.key, {"jpg": e.members[img], "cls": e.members[lab]}))
+    if not kept:
+        return None
+    text = format_index(kept)
+    if not _readable_dir:
+        _readable_dir.append(Path(tempfile.mkdtemp(prefix="dali_pipe-index-")))
+        atexit.register(shutil.rmtree, _readable_dir[0], True)
+    out = _readable_dir[0] / f"{hashlib.sha256(text.encode('utf-8', 'surrogateescape')).hexdigest()[:32]}.idx"
+    if not out.is_file():
+        tmp = out.with_name(f".{out.name}.tmp")
+        tmp.write_text(text, encoding="utf-8", errors="surrogateescape")
+        os.replace(tmp, out)
+    return str(out)
+
+
+# -- indexing a tar ---------------------------------------------------------------------------------
+class _Hashing:
+    """A read-only stream that hashes and counts what passes through it."""
+
+    def __init__(self, raw):
+        self.raw, self.h, self.n = raw, hashlib.sha256(), 0
+
+    def read(self, n: int = -1) -> bytes:
+        data = self.raw.read(n) if n is not None and n >= 0 else self.raw.read()
+        self.h.update(data)
+        self.n += len(data)
+        return data
+
+    def drain(self) -> None:
+        while self.read(1 << 20):
+            pass
+
+
+class TarFormatError(ValueError):
+    """A shard that is not a readable tar; the message says what is wrong."""
+
+
+@dataclass
+class IndexedTar:
+    entries: list[IndexEntry]
+    size: int
+    sha256: str
+    duplicates: dict[int, str]  # entry position -> the member extension that appeared twice in it
+
+
+def index_tar(stream, on_member=None) -> IndexedTar:
+    """Index a tar read once from `stream` (a local file or an S3 body), as DALI's `wds2idx` does:
+    regular files only, consecutive members with the same key make one sample, names whose last
+    segment has no dot or starts with one are skipped. `on_member(position, key, ext, data)` sees every
+    member's bytes as they pass. Returns the entries with the size and sha256 of the whole stream."""
+    src = _Hashing(stream)
+    entries: list[IndexEntry] = []
+    duplicates: dict[int, str] = {}
+    try:
+        with tarfile.open(fileobj=src, mode="r|") as tar:
+            for m in tar:
+                if not m.isreg():
+                    continue
+                key, ext = split_name(m.name)
+                if key is None or any(c.isspace() for c in ext):
+                    continue
+                if not entries or entries[-1].key != key:
+                    entries.append(IndexEntry(key, {}))
+                members = entries[-1].members
+                if ext in members:
+                    duplicates.setdefault(len(entries) - 1, ext)
+                else:
+                    members[ext] = (m.offset_data, m.size)
+                if on_member is not None:
+                    on_member(len(entries) - 1, key, ext, tar.extractfile(m).read())
+        src.drain()
+    except (tarfile.TarError, EOFError) as e:
+        raise TarFormatError(f"not a readable tar ({type(e).__name__}: {str(e)[:100]})") from None
+    return IndexedTar(entries, src.n, src.h.hexdigest(), duplicates)
+
+
+# -- packed.json -----------------------------------------------------------------------------------
+def parse_packed(raw: bytes, where: str) -> dict:
+    """packed.json's content, refused with a message naming `where` unless this version reads it."""
+    try:
+        meta = json.loads(raw)
+    except ValueError as e:
+        raise PackedFormatError(f"{where} is not valid JSON ({e})") from None
+    if not isinstance(meta, dict) or meta.get("format") not in READABLE_FORMATS:
+        fmt = meta.get("format") if isinstance(meta, dict) else None
+        raise PackedFormatError(f"{where} is not a pack this version reads (format {fmt!r}, expected one of "
+                                f"{', '.join(READABLE_FORMATS)}); pack the data again")
+    return meta
 
 
 def file_sha256(path: str | Path) -> str:

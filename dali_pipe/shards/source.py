@@ -1,0 +1,718 @@
+"""Where shards come from, and what a run reads from them: classes, split, the bad members left out.
+
+`--data` holds shards in one of two ways:
+
+- a pack (`python -m dali_pipe pack`): `packed.json` with the classes, the split, and per shard its
+  index file, sample count, size, sha256 and the image_path of each sample; a folder or s3:// prefix
+  (`packed.fetch` brings it local);
+- shards written by others (webdataset's `ShardWriter`, img2dataset, any WebDataset tool) with no
+  packed.json and no dataset.tsv: a folder of `.tar` files, a brace pattern
+  (`shards/train-{000000..000099}.tar`), or an s3:// prefix of `.tar` objects. Each shard is indexed
+  once (`format.index_tar`, one pass; on S3 one streaming GET) into CACHE_DIR/shards, with its size
+  and sha256; the user's folder or bucket is never written. Images are the first of jpg, jpeg, png
+  and webp in a sample, labels its integer `cls`. Classes are the `cls` integers, named by a
+  `classes.txt` beside the shards (one name per line, in index order), else by the `label` of each
+  sample's `json`, else by the integers themselves. The split: shards named `val`/`validation` are
+  validation and the rest training; when no shard is so named, a sample goes to validation when a
+  hash of its key and --seed falls below --val-fraction (so adding shards never moves a sample).
+
+Every shard's samples are then checked before any pipeline is built, their verdicts cached by shard
+(path, size, mtime; or URL, size, ETag): the `.cls` of each (outside the classes of a pack: an error
+naming the shard and key), and with `--scan fast|full` its image, with the checks the file scan uses
+(headers; or a decode with DALI's CPU decoder). Bad members of peer shards (no `.cls`, a non-integer
+one, no image, a duplicate key, an image that fails the scan) and bad images of packs are kept out
+of the pipeline through `Shards.excluded` and listed in bad_images.tsv with shard and key, under the
+same --max-bad-fraction bound as files.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..errors import UserError
+from ..pipeline import Shards
+from .format import (
+    PACKED_NAME,
+    IndexEntry,
+    IndexFormatError,
+    PackedFormatError,
+    TarFormatError,
+    cls_problem,
+    format_index,
+    image_member,
+    index_tar,
+    json_label,
+    label_member,
+    meta_member,
+    parse_cls,
+    parse_packed,
+    read_index,
+)
+
+CLASSES_NAME = "classes.txt"
+VAL_WORDS = {"val", "valid", "validation"}
+MANIFEST_NAME = "dataset.tsv"
+
+
+class ShardSourceError(UserError):
+    """Shards that cannot be read as they are; the message names the file, shard or key and the fix."""
+
+
+# -- what --data is -----------------------------------------------------------------------------
+def is_brace_pattern(data: str) -> bool:
+    return bool(re.search(r"\{[^{}]*(\.\.|,)[^{}]*\}", data))
+
+
+def expand_braces(pattern: str) -> list[str]:
+    """webdataset's shard patterns: `{000..099}` (zero padding kept, as braceexpand does) and
+    `{a,b,c}`, several groups allowed, not nested. Hand-written: a dependency for these few lines
+    would be one more package in the image (tests check it against braceexpand)."""
+    m = re.search(r"\{([^{}]*)\}", pattern)
+    if not m:
+        return [pattern]
+    body, head, tail = m.group(1), pattern[:m.start()], pattern[m.end():]
+    r = re.fullmatch(r"(-?\d+)\.\.(-?\d+)(?:\.\.(-?\d+))?", body)
+    if r:
+        a, b = int(r.group(1)), int(r.group(2))
+        step = abs(int(r.group(3) or 1)) or 1
+        width = max(len(r.group(1)), len(r.group(2))) if (
+            r.group(1).lstrip("-").startswith("0") or r.group(2).lstrip("-").startswith("0")) else 0
+        values = range(a, b + 1, step) if a <= b else range(a, b - 1, -step)
+        items = [f"{v:0{width}d}" for v in values]
+    elif "," in body:
+        items = body.split(",")
+    else:
+        return [head + "{" + body + "}" + t for t in expand_braces(tail)]
+    return [head + item + t for item in items for t in expand_braces(tail)]
+
+
+def source_kind(data: str, cache_dir: str | None = None) -> str:
+    """'pack', 'shards' (written by others) or 'files' (a dataset.tsv and image files, or a folder of
+    images for predict). An s3:// prefix is asked once per process; a pack already fetched is known
+    from the cache dir."""
+    if data.startswith("s3://"):
+        return _s3_kind(data, cache_dir)
+    if is_brace_pattern(data):
+        return "shards"
+    p = Path(data)
+    if (p / PACKED_NAME).is_file():
+        return "pack"
+    if (p / MANIFEST_NAME).is_file() or not p.is_dir():
+        return "files"
+    return "shards" if any(f.is_file() for f in p.glob("*.tar")) else "files"
+
+
+def _s3_kind(data: str, cache_dir: str | None) -> str:
+    from ..packed import _remote_packed_json
+    from ..sync import local_target, make_client, parse_s3_uri
+
+    if is_brace_pattern(data):
+        return "shards"
+    if cache_dir is not None:
+        local = local_target(data, Path(cache_dir))
+        if (local / PACKED_NAME).is_file():
+            return "pack"
+        if (local / MANIFEST_NAME).is_file():  # synced as plain files before: no need to ask S3 again
+            return "files"
+    if _remote_packed_json(data) is not None:
+        return "pack"
+    bucket, prefix = parse_s3_uri(data)
+    base = f"{prefix}/" if prefix else ""
+    names = _list_top(make_client(4), bucket, base, pages=1)  # one page: enough to tell, whatever the prefix holds
+    if MANIFEST_NAME in names:
+        return "files"
+    return "shards" if any(n.endswith(".tar") for n in names) else "files"
+
+
+def _list_top(client, bucket: str, base: str, pages: int | None = None) -> dict[str, tuple[int, str]]:
+    """{name: (size, ETag)} of the objects directly under s3://bucket/base (not in its sub-folders)."""
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    from ..sync import SyncError, explain
+
+    out: dict[str, tuple[int, str]] = {}
+    try:
+        for n, page in enumerate(client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=base,
+                                                                                 Delimiter="/")):
+            for obj in page.get("Contents", []):
+                out[obj["Key"][len(base):]] = (obj["Size"], obj["ETag"].strip('"'))
+            if pages is not None and n + 1 >= pages:
+                break
+    except (BotoCoreError, ClientError) as e:
+        raise SyncError(explain(e, bucket, base)) from None
+    return out
+
+
+def is_packed(data: str, cache_dir: str | Path | None = None) -> bool:
+    """Whether --data is a pack (an s3:// prefix is asked once, then remembered in the cache dir)."""
+    return source_kind(data, None if cache_dir is None else str(cache_dir)) == "pack"
+
+
+# -- what a run reads ---------------------------------------------------------------------------
+@dataclass
+class Shard:
+    """One shard and what its check found, entry by entry (positions in its index file)."""
+    name: str  # as a person reads it: the file name, or the s3:// URL
+    path: str  # what the reader opens: an absolute local path or an s3:// URL
+    index_path: str  # local DALI index
+    size: int | None
+    sha256: str | None
+    keys: list[str]
+    image_paths: list[str]  # what bad_images.tsv and predict call each sample
+    cls: list[int | None]  # the class index in each .cls (None: unknown or bad)
+    bad: dict[int, str] = field(default_factory=dict)  # entry -> reason it is left out
+    split: list[str] = field(default_factory=list)  # "train" or "val" per entry
+    label_names: list[str | None] = field(default_factory=list)  # json labels (shards of others)
+
+
+@dataclass
+class ShardSet:
+    """What a run reads from shards (the questions a Manifest answers, for shards)."""
+    data: str
+    kind: str  # "pack" or "shards"
+    classes: list[str]
+    shards: list[Shard]
+    remap: tuple[int, ...] | None = None  # cls integer -> class position (shards of others, sparse cls)
+    note: str = ""  # where the class names came from (the start-up summary says it)
+    root: Path | None = None  # a pack: the local folder holding packed.json and the index files
+    meta: dict = field(default_factory=dict)
+    missing: list[str] = field(default_factory=list)
+    unscanned: int = 0  # shards read from S3 as needed, whose members could not be checked beforehand
+    train: Shards = field(init=False)
+    val: Shards = field(init=False)
+    everything: Shards = field(init=False)  # every shard once, the bad members left out (predict)
+
+    def __post_init__(self):
+        self.train, self.val = self._select("train"), self._select("val")
+        self.everything = self._select(None)
+
+    def _select(self, split: str | None) -> Shards:
+        def left_out(s: Shard, e: int) -> bool:
+            return e in s.bad or (split is not None and s.split[e] != split)
+
+        chosen = [s for s in self.shards if not all(left_out(s, e) for e in range(len(s.keys)))]
+        excluded = frozenset((i, e) for i, s in enumerate(chosen) for e in range(len(s.keys)) if left_out(s, e))
+        return Shards(paths=tuple(s.path for s in chosen), index_paths=tuple(s.index_path for s in chosen),
+                      samples=sum(len(s.keys) for s in chosen) - len(excluded), remap=self.remap,
+                      sizes=tuple(s.size for s in chosen), sha256=tuple(s.sha256 for s in chosen), excluded=excluded)
+
+    @property
+    def total(self) -> int:
+        return sum(len(s.keys) for s in self.shards)
+
+    @property
+    def bad(self) -> list[tuple[Shard, int, str]]:
+        return [(s, e, r) for s in self.shards for e, r in sorted(s.bad.items())]
+
+    @property
+    def id2label(self) -> dict[int, str]:
+        return dict(enumerate(self.classes))
+
+    def names(self, shards: Shards) -> list[str]:
+        """The image_path of each sample `shards` yields outside training, in that order."""
+        by_path = {(s.path, s.index_path): s for s in self.shards}
+        out = []
+        for i, (path, idx) in enumerate(zip(shards.paths, shards.index_paths)):
+            s = by_path[(path, idx)]
+            out += [p for e, p in enumerate(s.image_paths) if (i, e) not in shards.excluded]
+        return out
+
+    def digest(self) -> str:
+        """A hash of what a run reads: classes, shards, split and the members left out."""
+        if self.kind == "pack" and not any(s.bad for s in self.shards):  # as before checks existed: resumes match
+            return hashlib.sha256(json.dumps([self.classes, self.meta["splits"]], sort_keys=True).encode()
+                                  ).hexdigest()[:16]
+        h = hashlib.sha256(json.dumps(self.classes).encode())
+        for s in self.shards:
+            h.update(f"{s.name}\t{s.size}\t{s.sha256}\t{len(s.keys)}\n".encode())
+            h.update(json.dumps([s.split, sorted(s.bad)]).encode())
+        return h.hexdigest()[:16]
+
+    def without(self, bad) -> "ShardSet":
+        return self  # bad members are already left out (excluded)
+
+    def scan_result(self):
+        from ..scan import ScanResult
+
+        return ScanResult(bad={f"{s.name} {s.keys[e]}": r for s, e, r in self.bad}, total=self.total)
+
+
+# -- opening --------------------------------------------------------------------------------------
+def open_packed(data: str, cache_dir: str | Path) -> ShardSet:
+    """The pack at --data read from local disk (after `packed.fetch` for s3://), with its structural
+    checks but no check of its members (that is `open_shards`)."""
+    from ..config import DataSettings
+
+    return _open_pack(DataSettings(data=data, cache_dir=str(cache_dir), scan="off"), members=False)
+
+
+def open_shards(data, *, num_threads: int = 1, progress: bool = False) -> ShardSet:
+    """The shards at --data (a pack or shards of others), checked; verdicts are cached, so only the
+    first call reads the shards."""
+    kind = source_kind(data.data, data.cache_dir)
+    if kind == "pack":
+        return _open_pack(data, members=True, num_threads=num_threads, progress=progress)
+    return _open_peer(data, num_threads=num_threads, progress=progress)
+
+
+def prepare_shards(data, *, num_threads: int, workers: int) -> ShardSet:
+    """Once per node: fetch a pack from S3 (packed.fetch), index shards of others, check every member."""
+    if source_kind(data.data, data.cache_dir) == "pack":
+        from ..packed import fetch
+
+        fetch(data.data, data.cache_dir, mode=data.packed_s3, workers=workers)
+    return open_shards(data, num_threads=num_threads, progress=True)
+
+
+def _pack_root(data: str, cache_dir) -> Path:
+    if data.startswith("s3://"):
+        from ..sync import local_target
+
+        return local_target(data, Path(cache_dir))
+    return Path(data)
+
+
+def _open_pack(data, *, members: bool, num_threads: int = 1, progress: bool = False) -> ShardSet:
+    root = _pack_root(data.data, data.cache_dir)
+    remote = data.data.startswith("s3://")
+    path = root / PACKED_NAME
+    if not path.is_file():
+        raise ShardSourceError(f"{path} is missing; pack the data first (python -m dali_pipe pack)")
+    try:
+        meta = parse_packed(path.read_bytes(), str(path))
+    except PackedFormatError as e:
+        raise ShardSourceError(str(e)) from None
+    classes = list(meta["classes"])
+    shards = []
+    for split, info in meta["splits"].items():
+        listed = info.get("shards", [])
+        if sum(s["samples"] for s in listed) != info.get("samples"):
+            raise ShardSourceError(f"{path}: splits.{split}.samples is {info.get('samples')}, its shards hold "
+                                   f"{sum(s['samples'] for s in listed)}; packed.json was edited or damaged: pack "
+                                   "the data again")
+        for s in listed:
+            shards.append(_pack_shard(root, s, split, path, data.data.rstrip("/") if remote else None))
+    if members:
+        _check_pack_members(shards, classes, data, num_threads=num_threads, progress=progress)
+    unscanned = sum(1 for s in shards if s.path.startswith("s3://"))
+    return ShardSet(data.data, "pack", classes, shards, root=root, meta=meta, unscanned=unscanned)
+
+
+def _pack_shard(root: Path, s: dict, split: str, packed: Path, prefix: str | None) -> Shard:
+    idx = root / s["index"]
+    if not idx.is_file():
+        raise ShardSourceError(f"{idx} is missing (packed.json lists it for {s['name']}); copy the whole pack "
+                               "again, or pack the data again")
+    try:
+        entries = read_index(idx)
+    except (IndexFormatError, UnicodeDecodeError) as e:
+        raise ShardSourceError(f"{e}; copy the whole pack again, or pack the data again") from None
+    if len(entries) != s["samples"]:
+        raise ShardSourceError(f"{packed}: {s['name']} holds {s['samples']} samples by packed.json, but its index "
+                               f"{idx.name} lists {len(entries)}; packed.json was edited or damaged: pack the data "
+                               "again")
+    local = root / s["name"]
+    if local.is_file() and local.stat().st_size == s["size"]:
+        where = str(local.resolve())
+    elif prefix is not None:
+        where = f"{prefix}/{s['name']}"
+    else:
+        raise ShardSourceError(f"{local} is missing or incomplete ({s['size']} bytes expected); pack again or copy "
+                               "the whole pack")
+    keys = [e.key for e in entries]
+    paths = s.get("image_paths") or keys
+    if len(paths) != len(keys):
+        raise ShardSourceError(f"{packed}: {s['name']} lists {len(paths)} image_paths for {len(keys)} samples; "
+                               "pack the data again")
+    end = max((off + size for e in entries for off, size in e.members.values()), default=0)
+    if local.is_file() and end > local.stat().st_size:
+        raise ShardSourceError(f"{idx} points past the end of {local.name} ({end} > {local.stat().st_size} bytes); "
+                               "the index does not belong to this shard: copy the whole pack again")
+    return Shard(s["name"], where, str(idx.resolve()), s.get("size"), s.get("sha256"), keys, list(paths),
+                 [None] * len(keys), split=[split] * len(keys))
+
+
+def _check_pack_members(shards: list[Shard], classes: list[str], data, *, num_threads: int, progress: bool) -> None:
+    """Each local shard's .cls (an error when outside the classes) and, with --scan, its images."""
+    level = data.scan
+    bar = _bar(len(shards), "check pack", progress)
+    for s in shards:
+        if s.path.startswith("s3://"):
+            bar.update(1)
+            continue
+        checked = _cached_check(s, Path(data.cache_dir), level, data.max_pixels, num_threads)
+        for e, raw_problem in checked["problems"].items():
+            raise ShardSourceError(f"{s.name}: sample {s.keys[int(e)]!r} {raw_problem} (in {s.index_path}); the pack "
+                                   "is damaged: pack the data again")
+        for e, c in enumerate(checked["cls"]):
+            if c is not None and c >= len(classes):
+                raise ShardSourceError(
+                    f"{s.name}: sample {s.keys[e]!r} has class {c}, but packed.json lists {len(classes)} classes "
+                    f"({', '.join(classes[:5])}{', ...' if len(classes) > 5 else ''}); packed.json does not belong "
+                    "to these shards: pack the data again")
+        s.cls = checked["cls"]
+        if level != "off":
+            s.bad = {int(e): r for e, r in checked["images"].items()}
+        bar.update(1)
+    bar.close()
+
+
+# -- checking members ----------------------------------------------------------------------------
+LEVELS = {"off": 0, "fast": 1, "full": 2}
+
+
+class _Collector:
+    """Receives a shard's members sample by sample and records, per entry, its class index, json label,
+    structural problem and (at `level`) image verdict."""
+
+    def __init__(self, level: str, max_pixels: int, num_threads: int):
+        self.level, self.max_pixels = level, max_pixels
+        self.cls: dict[int, int | None] = {}
+        self.names: dict[int, str | None] = {}
+        self.problems: dict[int, str] = {}
+        self.images: dict[int, str] = {}
+        self._pos, self._members, self._batch = None, {}, {}
+        self._decoder = None
+        if level == "full":
+            from ..scan import _DaliDecoder
+
+            self._decoder = _DaliDecoder(num_threads)
+
+    def member(self, pos: int, key: str, ext: str, data: bytes) -> None:
+        if pos != self._pos:
+            self._finish()
+            self._pos, self._members = pos, {}
+        self._members.setdefault(ext, data)
+
+    def _finish(self) -> None:
+        if self._pos is None:
+            return
+        from ..scan import check_bytes
+
+        pos, m = self._pos, self._members
+        ext = label_member(m)
+        raw = m.get(ext) if ext else None
+        problem = cls_problem(raw)
+        self.cls[pos] = parse_cls(raw) if problem is None else None
+        if problem:
+            self.problems[pos] = problem
+        meta = meta_member(m)
+        self.names[pos] = json_label(m[meta]) if meta else None
+        img = image_member(m)
+        if img is None:
+            self.problems.setdefault(pos, "has no image member (jpg, jpeg, png or webp)")
+        elif self.level != "off":
+            reason = check_bytes(m[img], self.max_pixels)
+            if reason:
+                self.images[pos] = reason
+            elif self._decoder is not None:
+                self._batch[pos] = m[img]
+                if len(self._batch) >= self._decoder.batch_size:
+                    self._flush()
+        self._pos, self._members = None, {}
+
+    def _flush(self) -> None:
+        if self._batch:
+            self.images.update(self._decoder.decode(self._batch))
+            self._batch = {}
+
+    def close(self, n: int) -> dict:
+        self._finish()
+        if self._decoder is not None:
+            self._flush()
+        return {"cls": [self.cls.get(e) for e in range(n)], "names": [self.names.get(e) for e in range(n)],
+                "problems": {str(e): r for e, r in self.problems.items()},
+                "images": {str(e): r for e, r in self.images.items()}, "level": self.level,
+                "max_pixels": self.max_pixels}
+
+
+def _read_members(path: str, entries: list[IndexEntry], collector: _Collector, images: bool) -> None:
+    """Feed each entry's label, json and (when `images`) image member from a local tar."""
+    with open(path, "rb") as f:
+        for pos, e in enumerate(entries):
+            collector.member(pos, e.key, "", b"")  # the entry, even with none of the members below
+            img = image_member(e.members)
+            for ext in (label_member(e.members), meta_member(e.members), img):
+                if ext:
+                    off, size = e.members[ext]
+                    f.seek(off)
+                    collector.member(pos, e.key, ext, f.read(size) if images or ext != img else b"")
+
+
+def _cache_file(cache_dir: Path, identity: str, suffix: str) -> Path:
+    return cache_dir / "shards" / (hashlib.sha256(identity.encode("utf-8", "surrogatepass")).hexdigest()[:32]
+                                   + suffix)
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        tmp.write_text(text, encoding="utf-8", errors="surrogateescape")
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def _load(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text(encoding="utf-8", errors="surrogateescape"))
+    except (OSError, ValueError):
+        return None
+
+
+def _covers(checked: dict | None, level: str, max_pixels: int, n: int) -> bool:
+    return bool(checked) and len(checked["cls"]) == n and LEVELS[checked["level"]] >= LEVELS[level] and (
+        level == "off" or checked["max_pixels"] == max_pixels)
+
+
+def _cached_check(s: Shard, cache_dir: Path, level: str, max_pixels: int, num_threads: int) -> dict:
+    """A local pack shard's member check, cached by (shard, index) path, size and mtime."""
+    st, ist = os.stat(s.path), os.stat(s.index_path)
+    identity = f"pack\0{s.path}\0{st.st_size}\0{st.st_mtime_ns}\0{s.index_path}\0{ist.st_size}\0{ist.st_mtime_ns}"
+    cache = _cache_file(cache_dir, identity, ".json")
+    checked = _load(cache)
+    if not _covers(checked, level, max_pixels, len(s.keys)):
+        entries = read_index(s.index_path)
+        collector = _Collector(level, max_pixels, num_threads)
+        _read_members(s.path, entries, collector, images=level != "off")
+        checked = collector.close(len(entries))
+        _write_atomic(cache, json.dumps(checked))
+    return checked
+
+
+# -- shards written by others -------------------------------------------------------------------
+@dataclass
+class _Listed:
+    name: str  # file name or URL, for messages
+    path: str  # local absolute path or s3:// URL
+    identity: str  # what the cached index is valid for
+    size: int | None
+
+
+def _list_peer(data: str) -> tuple[list[_Listed], str | None]:
+    """The shards --data names, in order, and the text of its classes.txt (or None)."""
+    if data.startswith("s3://"):
+        return _list_s3(data)
+    if is_brace_pattern(data):
+        paths = [Path(p) for p in expand_braces(data)]
+        missing = [str(p) for p in paths if not p.is_file()]
+        if missing:
+            raise ShardSourceError(f"--data {data!r}: {len(missing)} of its {len(paths)} shard(s) do not exist, e.g. "
+                                   f"{missing[0]}; fix the pattern or the files")
+        folder = paths[0].parent
+    else:
+        folder = Path(data)
+        paths = sorted(p for p in folder.glob("*.tar") if p.is_file())
+    listed = []
+    for p in paths:
+        st = p.stat()
+        path = str(p.resolve())
+        listed.append(_Listed(p.name, path, f"file\0{path}\0{st.st_size}\0{st.st_mtime_ns}", st.st_size))
+    classes = folder / CLASSES_NAME
+    return listed, classes.read_text(encoding="utf-8") if classes.is_file() else None
+
+
+def _list_s3(data: str) -> tuple[list[_Listed], str | None]:
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    from ..sync import SyncError, explain, make_client, parse_s3_uri
+
+    pattern = data if is_brace_pattern(data) else None
+    bucket, prefix = parse_s3_uri(data.rsplit("/", 1)[0] if pattern else data)
+    base = f"{prefix}/" if prefix else ""
+    client = make_client(4)
+    remote = _list_top(client, bucket, base)
+    if pattern:
+        names = [u.rsplit("/", 1)[1] for u in expand_braces(pattern)]
+        missing = [n for n in names if n not in remote]
+        if missing:
+            raise ShardSourceError(f"--data {data!r}: {len(missing)} of its {len(names)} shard(s) are not in "
+                                   f"s3://{bucket}/{base}, e.g. {missing[0]}; fix the pattern or upload them")
+    else:
+        names = sorted(n for n in remote if n.endswith(".tar"))
+    listed = [_Listed(f"s3://{bucket}/{base}{n}", f"s3://{bucket}/{base}{n}",
+                      f"s3\0{bucket}\0{base}{n}\0{remote[n][0]}\0{remote[n][1]}", remote[n][0]) for n in names]
+    classes = None
+    if CLASSES_NAME in remote:
+        try:
+            classes = client.get_object(Bucket=bucket, Key=base + CLASSES_NAME)["Body"].read().decode("utf-8")
+        except (BotoCoreError, ClientError) as e:
+            raise SyncError(explain(e, bucket, base + CLASSES_NAME)) from None
+    return listed, classes
+
+
+def _index_peer(item: _Listed, cache_dir: Path, level: str, max_pixels: int, num_threads: int) -> dict:
+    """Index one shard written by others (once: cached by its identity) and check its members at
+    `level` (at least the fast header checks, which cost nothing while its bytes pass)."""
+    idx = _cache_file(cache_dir, item.identity, ".idx")
+    meta_path = _cache_file(cache_dir, item.identity, ".json")
+    meta = _load(meta_path)
+    if meta and idx.is_file() and _covers(meta.get("checked"), level, max_pixels, meta["entries"]):
+        return {**meta, "index": str(idx)}
+    level = "fast" if level == "off" else level
+    collector = _Collector(level, max_pixels, num_threads)
+    try:
+        if item.path.startswith("s3://"):
+            indexed = _index_s3(item, collector)
+        else:
+            with open(item.path, "rb") as f:
+                indexed = index_tar(f, collector.member)
+    except TarFormatError as e:
+        raise ShardSourceError(f"{item.name}: {e}; check the file, or leave it out of --data") from None
+    if not indexed.entries:
+        raise ShardSourceError(f"{item.name} holds no samples (no member named KEY.EXT); leave it out of --data")
+    if item.size is not None and indexed.size != item.size:
+        raise ShardSourceError(f"{item.name} changed while it was read ({indexed.size} bytes, listed as {item.size}); "
+                               "rerun when it no longer changes")
+    checked = collector.close(len(indexed.entries))
+    for e, ext in indexed.duplicates.items():
+        checked["problems"].setdefault(str(e), f"holds two {ext} members (a key that repeats)")
+    _write_atomic(idx, format_index(indexed.entries))
+    meta = {"source": item.name, "entries": len(indexed.entries), "size": indexed.size, "sha256": indexed.sha256,
+            "keys": [e.key for e in indexed.entries], "checked": checked}
+    _write_atomic(meta_path, json.dumps(meta))
+    return {**meta, "index": str(idx)}
+
+
+def _index_s3(item: _Listed, collector: _Collector):
+    """One streaming GET of the shard, indexed and checked as it passes; nothing of it is stored."""
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    from ..sync import SyncError, explain, make_client, parse_s3_uri
+
+    bucket, key = parse_s3_uri(item.path)
+    try:
+        body = make_client(1).get_object(Bucket=bucket, Key=key)["Body"]
+        return index_tar(body, collector.member)
+    except (BotoCoreError, ClientError) as e:
+        raise SyncError(f"indexing {item.name}: {explain(e, bucket, key)}") from None
+
+
+def _open_peer(data, *, num_threads: int, progress: bool) -> ShardSet:
+    listed, classes_txt = _list_peer(data.data)
+    if not listed:
+        raise ShardSourceError(f"--data {data.data!r} holds no .tar shards, no dataset.tsv and no packed.json; pass a "
+                               "dataset folder, a pack, or a folder / brace pattern / s3:// prefix of WebDataset shards")
+    cache_dir = Path(data.cache_dir)
+    bar = _bar(len(listed), "index shards", progress)
+    metas = []
+    if listed[0].path.startswith("s3://") and len(listed) > 1:
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(min(4, len(listed))) as pool:
+            for meta in pool.map(lambda it: _index_peer(it, cache_dir, data.scan, data.max_pixels, 1), listed):
+                metas.append(meta)
+                bar.update(1)
+    else:
+        for it in listed:
+            metas.append(_index_peer(it, cache_dir, data.scan, data.max_pixels, num_threads))
+            bar.update(1)
+    bar.close()
+    shards, seen = [], {}
+    for it, meta in zip(listed, metas):
+        checked = meta["checked"]
+        bad = {int(e): r for e, r in checked["problems"].items()}
+        if data.scan != "off":
+            for e, r in checked["images"].items():
+                bad.setdefault(int(e), r)
+        for e, key in enumerate(meta["keys"]):
+            if key in seen and e not in bad:
+                bad[e] = f"duplicate key (also in {seen[key]})"
+            seen.setdefault(key, it.name)
+        shards.append(Shard(it.name, it.path, meta["index"], meta["size"], meta["sha256"], meta["keys"],
+                            list(meta["keys"]), checked["cls"], bad, label_names=checked["names"]))
+    classes, remap, note = _peer_classes(shards, classes_txt, data.data)
+    _peer_split(shards, data.val_fraction, data.seed)
+    return ShardSet(data.data, "shards", classes, shards, remap=remap, note=note)
+
+
+def _peer_classes(shards: list[Shard], classes_txt: str | None, data: str):
+    """(class names, cls -> position remap or None, a note saying where the names came from)."""
+    good = [(s, e, s.cls[e]) for s in shards for e in range(len(s.keys)) if e not in s.bad]
+    used = sorted({c for _, _, c in good})
+    if not used:
+        raise ShardSourceError(f"--data {data!r}: no sample has a usable image and integer cls; see bad_images.tsv")
+    if classes_txt is not None:
+        names = [line.strip() for line in classes_txt.splitlines()]
+        while names and not names[-1]:
+            names.pop()
+        for s, e, c in good:
+            if c >= len(names):
+                raise ShardSourceError(f"{s.name}: sample {s.keys[e]!r} has class {c}, but {CLASSES_NAME} names "
+                                       f"{len(names)} classes (one per line, from 0); add the missing names")
+        classes, note = [names[c] or str(c) for c in used], f"classes named by {CLASSES_NAME}"
+    else:
+        by_cls: dict[int, set] = {}
+        for s, e, c in good:
+            by_cls.setdefault(c, set()).add(s.label_names[e])
+        single = all(len(v) == 1 and None not in v for v in by_cls.values())
+        names = [next(iter(by_cls[c])) for c in used] if single else []
+        if single and len(set(names)) == len(names):
+            classes, note = names, "classes named by the json label"
+        else:
+            classes = [str(c) for c in used]
+            clash = next((f"; the json labels disagree (cls {c}: {sorted(map(str, v))[:3]})" for c, v in by_cls.items()
+                          if len(v) > 1 and None not in v), "")
+            note = f"classes are the cls integers (no {CLASSES_NAME}, no json label){clash}"
+    remap = None if used == list(range(len(used))) else tuple(used.index(c) if c in used else -1
+                                                             for c in range(used[-1] + 1))
+    return classes, remap, note
+
+
+def _unit_hash(key: str, seed: int) -> float:
+    digest = hashlib.sha256(f"{seed}:{key}".encode("utf-8", "surrogatepass")).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64
+
+
+def _peer_split(shards: list[Shard], val_fraction: float, seed: int) -> None:
+    """Shards named val/validation are validation; without any, a hash of (seed, key) per sample."""
+    def words(s: Shard) -> set[str]:
+        return set(re.split(r"[^a-z0-9]+", s.name.rsplit("/", 1)[-1].lower().removesuffix(".tar")))
+
+    named = [bool(words(s) & VAL_WORDS) for s in shards]
+    for s, is_val in zip(shards, named):
+        if any(named):
+            s.split = ["val" if is_val else "train"] * len(s.keys)
+        else:
+            s.split = ["val" if _unit_hash(k, seed) < val_fraction else "train" for k in s.keys]
+
+
+# -- reporting ------------------------------------------------------------------------------------
+def write_member_report(shards: ShardSet, out: Path, extra: list = ()) -> Path:
+    """OUT/bad_images.tsv for shards: image_path (the dataset.tsv path of a pack's sample, else its key),
+    reason, shard, key; `extra`: more (Shard, entry, reason) rows (images that could not be packed)."""
+    def cell(text: str) -> str:
+        return text.replace("\\", "\\\\").replace("\t", "\\t").replace("\n", "\\n").replace("\r", "\\r")
+
+    out.mkdir(parents=True, exist_ok=True)
+    report = out / "bad_images.tsv"
+    rows = ["image_path\treason\tshard\tkey"] + [
+        "\t".join(cell(x) for x in (s.image_paths[e], reason, s.name, s.keys[e])) for s, e, reason in shards.bad + list(extra)]
+    _write_atomic(report, "\n".join(rows) + "\n")
+    return report
+
+
+def report(shards: ShardSet, scan: str, out: Path) -> None:
+    """Write OUT/bad_images.tsv and say what was left out (and what could not be checked)."""
+    if shards.bad or scan != "off":
+        path = write_member_report(shards, out)
+        if shards.bad:
+            print(f"scan: excluded {len(shards.bad)} of {shards.total} sample(s) of the shards; reasons in {path}",
+                  file=sys.stderr)
+    if shards.unscanned:
+        print(f"scan: {shards.unscanned} shard(s) are read from S3 as needed; their members were not checked "
+              "beforehand (pass --packed-s3 sync to check them)", file=sys.stderr)
+
+
+def _bar(total: int, desc: str, progress: bool):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="shard", disable=not progress or total < 2, file=sys.stderr,
+                mininterval=1.0)

@@ -115,3 +115,62 @@ def trained(photo_root, tmp_path_factory) -> Path:
     finally:
         os.environ.pop("DALI_PIPE_CACHE") if old is None else os.environ.update(DALI_PIPE_CACHE=old)
     return out / "model"
+
+
+@pytest.fixture(scope="session")
+def odd_root(photo_root, tmp_path_factory) -> Path:
+    """photo_root's 48 photos under odd names, each its own class (corpus.odd_names_dataset)."""
+    from corpus import odd_names_dataset
+
+    return odd_names_dataset(photo_root, tmp_path_factory.mktemp("odd"))
+
+
+@pytest.fixture(scope="session")
+def odd_pack(odd_root, tmp_path_factory) -> Path:
+    """odd_root packed (max side 96, 60 kB shards, one process)."""
+    import os
+
+    from dali_pipe.cli.commands import main
+
+    dst = tmp_path_factory.mktemp("oddpack") / "p"
+    old = os.environ.get("DALI_PIPE_CACHE")
+    os.environ["DALI_PIPE_CACHE"] = str(dst.parent / "cache")
+    try:
+        main(["pack", str(odd_root), str(dst), "--max-side", "96", "--shard-size", "60kB", "--workers", "1"])
+    finally:
+        os.environ.pop("DALI_PIPE_CACHE") if old is None else os.environ.update(DALI_PIPE_CACHE=old)
+    return dst
+
+
+BAD_MEMBERS = {"nocls": "no .cls member", "textcls": "is not an integer", "broken": "truncated JPEG",
+               "p001": "duplicate key", "noimage": "no image member", "huffman": "corrupt JPEG data"}
+
+
+@pytest.fixture(scope="session")
+def peer_dir(photo_root, tmp_path_factory) -> Path:
+    """photo_root written by webdataset's ShardWriter (corpus.peer_shards: train/val shards, jpg/png/webp,
+    plain cls, json labels), plus the bad members of BAD_MEMBERS in the last training shard (the last only
+    found by --scan full)."""
+    import io
+
+    import skimage.data
+    from corpus import peer_shards
+    from PIL import Image
+
+    photo = Image.fromarray(skimage.data.astronaut()).resize((64, 64))
+    buf = io.BytesIO()
+    photo.save(buf, format="JPEG")
+    good = buf.getvalue()
+    i = good.index(b"\xff\xc4")  # the Huffman table's code counts made impossible: headers parse, decoding fails
+
+    def extra(write):
+        write({"__key__": "nocls", "jpg": good})
+        write({"__key__": "textcls", "jpg": good, "cls": "cat"})
+        write({"__key__": "broken", "jpg": good[: len(good) // 2], "cls": 1})
+        write({"__key__": "p001", "jpg": good, "cls": 1})
+        write({"__key__": "noimage", "txt": "no picture here", "cls": 2})
+        write({"__key__": "huffman", "jpg": good[:i + 4] + b"\x00" + b"\xff" * 16 + good[i + 21:], "cls": 3})
+
+    dest = tmp_path_factory.mktemp("peer") / "shards"
+    peer_shards(photo_root, dest, extra=extra)
+    return dest

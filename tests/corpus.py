@@ -80,3 +80,58 @@ def make_corpus(root: Path, good_per_class: int = 12) -> dict[str, str | None]:
     expected = {p: r for p, r in BAD.items()}
     expected.update({p: None for p in ODD})
     return expected
+
+
+ODD_NAMES = ["my photo {i}.jpg", "IMG.2021.{i}.x.jpg", "café_{i}_ü.jpg", "#{i} hash.jpg", "{i}% off.jpg",
+             "a+b {i}.jpg", "one, two {i}.jpg", "it's \"{i}\".jpg", "nested/deeper dir/{i}.jpg", "sub.dir/{i}.JPG",
+             "same stem {i}.jpg", "same_stem_{i}.jpg"]  # the last two differ only in characters a key cannot hold
+
+
+def odd_names_dataset(photo_root: Path, dest: Path) -> Path:
+    """photo_root's 48 photos under names a manifest may hold (spaces, dots, unicode, # % + , quotes, nested
+    folders; two names that differ only in characters a key cannot hold), each photo its own class
+    ('s007', so a batch's labels say which photos it holds). dataset.tsv writes one path per class with a
+    leading './' (which must come back exactly as written)."""
+    photos = sorted(photo_root.glob("*/*.jpg"))
+    lines = ["image_path\tlabel"]
+    for i, photo in enumerate(photos):
+        rel = f"{photo.parent.name}/{ODD_NAMES[i % len(ODD_NAMES)].format(i=i)}"
+        (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+        (dest / rel).symlink_to(photo)
+        lines.append(f"{'./' if i % 12 == 0 else ''}{rel}\ts{i:03d}")
+    (dest / "dataset.tsv").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return dest
+
+
+def peer_shards(photo_root: Path, dest: Path, *, val_every: int | None = 8, maxcount: int = 20,
+                extra=None) -> dict[str, int]:
+    """photo_root's photos written by webdataset's own ShardWriter, as others write shards: `KEY.jpg`
+    (some as png or webp), `KEY.cls` (webdataset's plain integer; each photo its own class) and
+    `KEY.json` with the label name. Every `val_every`-th photo goes to `val-%06d.tar`, the rest to
+    `train-%06d.tar` (None: all to `shard-%06d.tar`), `maxcount` samples per shard. `extra(write)` may
+    add samples (`write(sample)`) to the last training shard. Returns {key: cls} of the photos."""
+    import webdataset as wds
+    from PIL import Image
+
+    photos = sorted(photo_root.glob("*/*.jpg"))
+    dest.mkdir(parents=True, exist_ok=True)
+    names = {"train": "shard"} if val_every is None else {"train": "train", "val": "val"}
+    writers = {split: wds.ShardWriter(str(dest / f"{name}-%06d.tar"), maxcount=maxcount, verbose=0)
+               for split, name in names.items()}
+    labels = {}
+    for i, photo in enumerate(photos):
+        key = f"photo {i:03d}" if i % 5 == 0 else f"p{i:03d}"  # a space: the index must still parse
+        sample = {"__key__": key, "cls": i, "json": {"label": f"s{i:03d}"}}
+        if i % 7 == 3:
+            buf = io.BytesIO()
+            Image.open(photo).save(buf, format="PNG" if i % 2 else "WEBP")
+            sample["png" if i % 2 else "webp"] = buf.getvalue()
+        else:
+            sample["jpg"] = photo.read_bytes()
+        writers["val" if val_every and i % val_every == 5 else "train"].write(sample)
+        labels[key] = i
+    if extra:
+        extra(writers["train"].write)
+    for w in writers.values():
+        w.close()
+    return labels

@@ -119,3 +119,107 @@ def test_other_settings_on_an_unfinished_pack_are_refused(photo_root, tmp_path, 
     (dst / PROGRESS_NAME).write_text(json.dumps({"settings": {"max_side": 999}, "splits": {}}))
     with pytest.raises(PackError, match="unfinished pack of other data or settings"):
         _pack(photo_root, dst)
+
+
+def _pack_files(dst: Path) -> set[str]:
+    """What DST must hold: the shards, their indexes, packed.json and bad_images.tsv; nothing else of ours."""
+    from dali_pipe.workdir import LOCK_NAME
+
+    meta = json.loads((dst / "packed.json").read_text())
+    names = {n for split in meta["splits"].values() for s in split["shards"] for n in (s["name"], s["index"])}
+    # LOCK_NAME: until locks move out of the folders they guard (workdir.lock); then drop it from this set
+    return names | {"packed.json", "bad_images.tsv"} | ({LOCK_NAME} if (dst / LOCK_NAME).exists() else set())
+
+
+def test_odd_names_pack_as_webdataset_reads_them(odd_pack, odd_root):
+    """The webdataset library reads a pack of odd names sample by sample: each image decodes, cls as webdataset
+    decodes it is the manifest label's index in packed.json's classes, and the json member names the row as
+    dataset.tsv wrote it; DST holds the pack and nothing else."""
+    import webdataset as wds
+
+    from dali_pipe.manifest import read_table
+
+    meta = json.loads((odd_pack / "packed.json").read_text())
+    rows = dict(zip(read_table(odd_root / "dataset.tsv")["image_path"], read_table(odd_root / "dataset.tsv")["label"]))
+    shards = [str(odd_pack / s["name"]) for split in meta["splits"].values() for s in split["shards"]]
+    seen = []
+    for sample in wds.WebDataset(shards, shardshuffle=False).decode("pil"):
+        assert sample["jpg"].mode == "RGB" and max(sample["jpg"].size) <= 96
+        assert sample["cls"] == meta["classes"].index(rows[sample["json"]["image_path"]])
+        assert sample["json"]["label"] == rows[sample["json"]["image_path"]]
+        seen.append(sample["json"]["image_path"])
+    assert sorted(seen) == sorted(rows)
+    assert {p.name for p in odd_pack.iterdir()} == _pack_files(odd_pack)
+
+
+def test_shards_of_others_repack_with_pre_resize_and_scan(peer_dir, tmp_path, cache_dir):
+    """pack SRC=a folder of ShardWriter shards: every good sample once, its label by name, the split kept, the
+    images resized to --max-side; the bad members (--scan full) listed with shard and key, never packed."""
+    import webdataset as wds
+    from conftest import BAD_MEMBERS
+
+    dst = tmp_path / "re"
+    _pack(peer_dir, dst, "--max-side", "64", "--scan", "full", "--max-bad-fraction", "0.2", "--workers", "1")
+    meta = json.loads((dst / "packed.json").read_text())
+    assert meta["splits"]["val"]["samples"] == 6 and meta["splits"]["train"]["samples"] == 42
+    labels = {}
+    for split in ("train", "val"):
+        for s in wds.WebDataset([str(dst / s["name"]) for s in meta["splits"][split]["shards"]],
+                                shardshuffle=False).decode("pil"):
+            assert max(s["jpg"].size) <= 64 and meta["classes"][s["cls"]] == s["json"]["label"]
+            labels[s["json"]["image_path"]] = (s["json"]["label"], split)
+    assert len(labels) == 48 and all(label == f"s{int(key[-3:]):03d}" for key, (label, _) in labels.items())
+    rows = [r.split("\t") for r in (dst / "bad_images.tsv").read_text().splitlines()[1:]]
+    assert {r[3] for r in rows} == set(BAD_MEMBERS) and all(r[2] == "train-000002.tar" for r in rows)
+
+
+def test_an_s3_pack_killed_during_its_upload_finishes_on_rerun(photo_root, s3, tmp_path, cache_dir, capsys):
+    """An s3:// pack whose upload stopped half way (its finished pack still in the staging folder) is uploaded
+    on a rerun; a rerun after that has nothing to do; other settings replace the pack in S3, its stale objects
+    removed. The bucket never holds a lock, temporary or progress file."""
+    from dali_pipe.sync import list_objects, make_client
+
+    client = make_client(4)
+    client.create_bucket(Bucket="data")
+    staging = cache_dir / "pack-staging" / "data" / "packed"
+    _pack(photo_root, staging, "--workers", "1")  # what a kill -9 during the upload leaves behind
+    first = json.loads((staging / "packed.json").read_text())["splits"]["train"]["shards"][0]
+    client.upload_file(str(staging / first["name"]), "data", f"packed/{first['name']}")
+    _pack(photo_root, "s3://data/packed", "--workers", "1")
+    local = tmp_path / "fresh"
+    _pack(photo_root, local, "--workers", "1")
+    assert set(list_objects(client, "data", "packed/")) == _pack_files(local) - {".dali_pipe.lock"}
+    assert json.loads(client.get_object(Bucket="data", Key="packed/packed.json")["Body"].read()) == json.loads(
+        (local / "packed.json").read_text())
+    capsys.readouterr()
+    _pack(photo_root, "s3://data/packed", "--workers", "1")
+    assert "already holds this pack" in capsys.readouterr().err
+    _pack(photo_root, "s3://data/packed", "--workers", "1", "--shard-size", "150kB")
+    meta = json.loads(client.get_object(Bucket="data", Key="packed/packed.json")["Body"].read())
+    names = {n for sp in meta["splits"].values() for s in sp["shards"] for n in (s["name"], s["index"])}
+    assert meta["settings"]["shard_size"] == 150_000 and set(list_objects(client, "data", "packed/")) == names | {
+        "packed.json", "bad_images.tsv"}
+
+
+def test_a_full_disk_during_pack_is_one_message_and_loses_nothing(photo_root, tmp_path, cache_dir):
+    """Packing onto a disk that fills up stops with one message naming the folder; the finished shards stay and
+    no temporary file is left; after room is made, the rerun ends with the same pack as one that never stopped."""
+    from dali_pipe.pack import PackError
+
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=160k", "tmpfs", str(disk)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here (needs root and mount rights)")
+    try:
+        with pytest.raises(PackError, match=r"no space left on the disk of .*disk.*finished shard\(s\) .* are kept"):
+            _pack(photo_root, disk / "p", "--workers", "1")
+        left = {p.name for p in (disk / "p").iterdir()}
+        assert any(n.endswith(".tar") for n in left) and not [n for n in left if ".tmp" in n]
+        subprocess.run(["mount", "-o", "remount,size=4m", str(disk)], check=True)
+        _pack(photo_root, disk / "p", "--workers", "1")
+        _pack(photo_root, tmp_path / "clean", "--workers", "1")
+        assert json.loads((disk / "p" / "packed.json").read_text()) == json.loads(
+            (tmp_path / "clean" / "packed.json").read_text())
+        assert {p.name for p in (disk / "p").iterdir()} == _pack_files(disk / "p")
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], capture_output=True)

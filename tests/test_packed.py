@@ -2,6 +2,7 @@
 and evaluation from a local pack and from S3 (synced, or streamed when it does not fit)."""
 from __future__ import annotations
 
+import io
 import json
 from collections import Counter
 
@@ -18,14 +19,9 @@ SPEC = ImageSpec(16, 16, (0.5,) * 3, (0.5,) * 3)
 
 
 @pytest.fixture(scope="module")
-def packed(photo_root, tmp_path_factory):
-    """photo_root (43 train / 5 val) packed into several small shards."""
-    import os
-
-    dst = tmp_path_factory.mktemp("packed")
-    os.environ.setdefault("DALI_PIPE_CACHE", str(dst / "cache"))
-    main(["pack", str(photo_root), str(dst / "p"), "--max-side", "96", "--shard-size", "60kB", "--workers", "2"])
-    return dst / "p"
+def packed(odd_pack):
+    """photo_root under odd names (corpus.odd_names_dataset; 43 train / 5 val) packed into several small shards."""
+    return odd_pack
 
 
 def _shards(packed):
@@ -64,11 +60,11 @@ def test_each_sample_once_per_epoch_on_one_and_two_ranks(packed):
         assert not Counter(per_rank[0] + per_rank[1]) - train_counts, "no sample on both ranks or twice"
 
 
-def test_pack_keys_and_labels_survive_the_pipeline(packed, photo_root):
+def test_pack_keys_and_labels_survive_the_pipeline(packed, odd_root):
     """Validation through DALI yields every val image's class, as the manifest says."""
     from dali_pipe.manifest import read_manifest
 
-    m = read_manifest(photo_root, val_fraction=0.1, seed=0, skip_missing=False)
+    m = read_manifest(odd_root, val_fraction=0.1, seed=0, skip_missing=False)
     assert sorted(_labels(_loader(_shards(packed).val, 2, False))) == sorted(s.label for s in m.val)
 
 
@@ -89,14 +85,55 @@ def test_seed_changes_the_shard_order(packed):
     assert _labels(_loader(p.train, 5, True, seed=1)) != _labels(_loader(p.train, 5, True, seed=2))
 
 
-def test_train_and_evaluate_from_a_local_pack(packed, tmp_path, cache_dir):
-    out = tmp_path / "m"
+def test_train_evaluate_and_predict_from_a_local_pack(packed, odd_root, tmp_path, cache_dir, monkeypatch):
+    """Odd names packed: training sees every training image once and validates every val image once; evaluate
+    reads all 48; predict writes one row per image whose image_path joins back to dataset.tsv as written. With a
+    JPEG start marker broken inside the pack, evaluate and predict leave that image out and list it."""
+    import shutil
+
+    import resume_trace
+
+    from dali_pipe.manifest import read_manifest, read_table
+    from dali_pipe.shards.format import read_index
+
+    trace, out = tmp_path / "trace.jsonl", tmp_path / "m"
+    resume_trace.install(trace, patch=monkeypatch.setattr)
     res = train.main(["--data", str(packed), "--model", "tiny", "--device", "cpu", "--epochs", "1", "--batch-size",
                       "8", "--num-threads", "1", "--output", str(out)])
-    assert res["global_step"] == 43 // 8 and res["val_samples"] == 5
+    m = read_manifest(odd_root, val_fraction=0.1, seed=0, skip_missing=False)
+    assert res["global_step"] == len(m.train) // 8 and res["val_samples"] == len(m.val)
+    resume_trace.assert_each_sample_once_per_epoch(resume_trace.read(trace), epochs=1, batch=8,
+                                                   train={m.classes[x.label] for x in m.train},
+                                                   val={m.classes[x.label] for x in m.val})
     main(["evaluate", "--model", str(out), "--data", str(packed), "--device", "cpu", "--output", str(tmp_path / "e"),
           "--split", "all"])
     assert json.loads((tmp_path / "e" / "metrics.json").read_text())["images"] == 48
+    written = list(read_table(odd_root / "dataset.tsv")["image_path"])
+    assert any(p.startswith("./") for p in written) and any("%" in p for p in written)
+    main(["predict", "--model", str(out), "--data", str(packed), "--device", "cpu", "--output", str(tmp_path / "p")])
+    rows = [r.split("\t") for r in (tmp_path / "p" / "predictions.tsv").read_text(encoding="utf-8").splitlines()[1:]]
+    assert sorted(r[0] for r in rows) == sorted(written), "one row per image, named as dataset.tsv names it"
+
+    broken = tmp_path / "broken"
+    shutil.copytree(packed, broken)
+    meta = json.loads((broken / "packed.json").read_text())
+    shard = meta["splits"]["val"]["shards"][0]
+    off, _ = read_index(broken / shard["index"])[0].members["jpg"]
+    with open(broken / shard["name"], "r+b") as f:  # the start marker (FF D8) gone, as a buggy tool might write it
+        f.seek(off)
+        f.write(b"\x00\x00")
+    from dali_pipe.shards.format import file_sha256
+
+    shard["sha256"] = file_sha256(broken / shard["name"])  # a pack whose checksums agree: only the scan can tell
+    (broken / "packed.json").write_text(json.dumps(meta))
+    for command, folder in (("evaluate", "e2"), ("predict", "p2")):
+        main([command, "--model", str(out), "--data", str(broken), "--device", "cpu", "--output", str(tmp_path / folder),
+              "--split", "all"][: None if command == "evaluate" else -2])
+        report = (tmp_path / folder / "bad_images.tsv").read_text(encoding="utf-8").splitlines()
+        assert len(report) == 2 and report[1].split("\t")[0] == shard["image_paths"][0]
+        assert "not an image" in report[1] and shard["name"] in report[1]
+    assert json.loads((tmp_path / "e2" / "metrics.json").read_text())["images"] == 47
+    assert len((tmp_path / "p2" / "predictions.tsv").read_text().splitlines()) == 48
 
 
 @pytest.mark.parametrize("route", ["sync", "stream"])
@@ -121,3 +158,35 @@ def test_train_from_a_pack_on_s3(route, photo_root, s3_process, tmp_path, cache_
         assert len(tars) == len(json.loads((local / "packed.json").read_text())["splits"]["train"]["shards"]) + 1
     else:
         assert not tars and "reading them from S3 as needed" in capsys.readouterr().err
+
+
+def test_a_pack_of_the_first_format_reads_its_six_digit_labels(photo_root, tmp_path):
+    """A pack written the first way (format /1: six-digit .cls, no json member, no image_paths) still reads
+    with every label right."""
+    import tarfile
+
+    from dali_pipe.shards.format import IndexEntry, file_sha256, format_index
+
+    photos = sorted(photo_root.glob("*/*.jpg"))[:12]
+    tar, entries = tmp_path / "train-000000.tar", []
+    with tarfile.open(tar, "w", format=tarfile.USTAR_FORMAT) as t:
+        for i, photo in enumerate(photos):
+            members = {}
+            for ext, data in (("jpg", photo.read_bytes()), ("cls", f"{i % 11:06d}".encode())):
+                info = tarfile.TarInfo(f"{photo.parent.name}/{photo.stem}.{ext}")
+                info.size = len(data)
+                t.addfile(info, io.BytesIO(data))
+                members[ext] = (t.offset - (len(data) + 511) // 512 * 512, len(data))
+            entries.append(IndexEntry(f"{photo.parent.name}/{photo.stem}", members))
+    (tmp_path / "train-000000.idx").write_text(format_index(entries))
+    shard = {"name": tar.name, "index": "train-000000.idx", "samples": 12, "size": tar.stat().st_size,
+             "sha256": file_sha256(tar)}
+    (tmp_path / "packed.json").write_text(json.dumps({"format": "dali_pipe-packed/1", "classes": [f"c{i}" for i in
+                                                      range(11)], "splits": {"train": {"samples": 12,
+                                                                                       "shards": [shard]}}}))
+    from dali_pipe.config import DataSettings
+    from dali_pipe.shards.source import open_shards
+
+    p = open_shards(DataSettings(data=str(tmp_path), cache_dir=str(tmp_path / "cache")))
+    assert [s.cls for s in p.shards] == [[i % 11 for i in range(12)]]
+    assert _labels(_loader(p.train, 12, False)) == [i % 11 for i in range(12)]

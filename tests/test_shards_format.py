@@ -1,20 +1,36 @@
-"""The shard format's index files: DALI v1.2, written and read back."""
+"""The shard format: keys, labels, index files (checked against DALI's own wds2idx and reader), patterns."""
+import re
+
 import pytest
 
-from dali_pipe.shards.format import IndexEntry, IndexFormatError, LabelFormatError, format_index, parse_cls, read_index
+from dali_pipe.shards.format import (
+    KEY_MAX,
+    IndexEntry,
+    IndexFormatError,
+    LabelFormatError,
+    cls_problem,
+    format_index,
+    index_tar,
+    parse_cls,
+    read_index,
+    sample_keys,
+)
 
 
 def test_index_round_trip(tmp_path):
     """format_index then read_index gives the same keys, members, offsets and sizes."""
     entries = [IndexEntry("cat/a", {"jpg": (512, 1000), "cls": (2048, 1)}),
-               IndexEntry("dog/b_2", {"jpg": (2560, 7), "cls": (3584, 2)})]
+               IndexEntry("dog/b_2", {"jpg": (2560, 7), "cls": (3584, 2)}),
+               IndexEntry("odd/my photo 100%", {"seg.png": (4096, 9), "cls": (5120, 1)})]
     path = tmp_path / "s.idx"
     path.write_text(format_index(entries))
     assert read_index(path) == entries
+    assert len(path.read_text().splitlines()[3].split()) == 8, "a name with a space stays one token"
 
 
 @pytest.mark.parametrize("text, where", [("v1.1 1\njpg 0 1 a.jpg\n", "line 1"), ("v1.2 1\njpg 0 1\n", "line 2"),
-                                         ("v1.2 2\njpg 0 1 a.jpg\n", "announces 2")])
+                                         ("v1.2 2\njpg 0 1 a.jpg\n", "announces 2"),
+                                         ("v1.2 1\njpg 100 1 a.jpg\n", "tar block")])
 def test_bad_index_named(tmp_path, text, where):
     """A malformed index is an error naming the file and what is wrong."""
     path = tmp_path / "bad.idx"
@@ -25,8 +41,86 @@ def test_bad_index_named(tmp_path, text, where):
 
 
 def test_parse_cls_plain_padded_and_bad():
-    """`.cls` reads webdataset's plain decimal and the zero-padded form; anything else is refused."""
+    """`.cls` reads webdataset's plain decimal and the zero-padded form; anything else is refused, and the
+    forms today's DALI reader cannot parse are named."""
     assert parse_cls(b"7") == 7 and parse_cls(b"000007") == 7 and parse_cls(b"12\n") == 12
     for bad in (b"", b"-1", b"cat", b"1.5"):
         with pytest.raises(LabelFormatError):
             parse_cls(bad)
+    assert [cls_problem(x) is None for x in (b"7", b"000007", b"7\n", None, b"cat", b" 7", b"1234567890")] == [
+        True, True, True, False, False, False, False]
+
+
+def test_keys_are_safe_unique_and_traceable():
+    """Every name a manifest may hold gets a key of A-Za-z0-9_-/ only, at most KEY_MAX long; names that differ only
+    in characters a key cannot hold, or only in their extension, get different keys; a safe name keeps its stem."""
+    from corpus import ODD_NAMES
+
+    paths = [f"c/{n.format(i=7)}" for n in ODD_NAMES] + ["a/b.jpg", "a/b.png", "plain/x_1-2.jpg", "p.q/r.s.jpg",
+                                                         "deep/" * 30 + "long name.jpg", "c/.hidden.jpg"]
+    keys = sample_keys(paths)
+    assert len(set(keys.values())) == len(paths)
+    assert all(re.fullmatch(r"[A-Za-z0-9_/-]+", k) and len(k) <= KEY_MAX for k in keys.values()), keys
+    assert keys["plain/x_1-2.jpg"] == "plain/x_1-2" and keys["c/my photo 7.jpg"].startswith("c/my_photo_7-")
+    assert sample_keys(["c/my photo 7.jpg"])["c/my photo 7.jpg"] == keys["c/my photo 7.jpg"], "stable"
+
+
+def _peer_tar(path, samples):
+    import webdataset as wds
+
+    with wds.TarWriter(str(path)) as w:
+        for s in samples:
+            w.write(s)
+
+
+def test_index_matches_dalis_own_wds2idx(tmp_path):
+    """index_tar writes, for a webdataset-written shard, the very index DALI's wds2idx (shipped in the DALI wheel)
+    writes: members grouped by key at the first dot of the last segment, dotted folders, two-dot extensions."""
+    import wds2idx
+
+    tar = tmp_path / "s.tar"
+    _peer_tar(tar, [{"__key__": "dir.v2/café", "jpg": b"\xff\xd8" * 300, "cls": 1, "seg.png": b"x" * 700},
+                    {"__key__": "k2", "jpg": b"y" * 5, "cls": 12, "json": {"label": "dog"}},
+                    {"__key__": "k3", "jpeg": b"z" * 1025, "cls": 0}])
+    with wds2idx.IndexCreator(str(tar), str(tmp_path / "dali.idx"), verbose=False) as ic:
+        ic.create_index()
+    with open(tar, "rb") as f:
+        ours = index_tar(f)
+    assert format_index(ours.entries) == (tmp_path / "dali.idx").read_text()
+    assert ours.size == tar.stat().st_size and len(ours.sha256) == 64
+
+
+def test_dali_reads_every_member_through_our_index_even_with_spaces(tmp_path):
+    """DALI's webdataset reader, given our index of a shard whose keys hold spaces (where wds2idx's index breaks
+    DALI's parser), yields each sample's bytes as the webdataset library reads them."""
+    import numpy as np
+    import webdataset as wds
+    from nvidia.dali import fn, pipeline_def
+
+    tar, idx = tmp_path / "s.tar", tmp_path / "s.idx"
+    _peer_tar(tar, [{"__key__": f"my photo {i}", "jpg": bytes([i]) * (100 + i), "cls": i} for i in range(5)])
+    with open(tar, "rb") as f:
+        idx.write_text(format_index(index_tar(f).entries))
+    assert [e.key for e in read_index(idx)] == [f"my photo {i}" for i in range(5)]
+
+    @pipeline_def(batch_size=5, num_threads=1, device_id=None)
+    def read():
+        return tuple(fn.readers.webdataset(paths=[str(tar)], index_paths=[str(idx)], ext=["jpg", "cls"]))
+
+    pipe = read()
+    pipe.build()
+    jpg, cls = pipe.run()
+    expected = list(wds.WebDataset(str(tar), shardshuffle=False))
+    assert [bytes(np.array(jpg[i])) for i in range(5)] == [s["jpg"] for s in expected]
+    assert [bytes(np.array(cls[i])) for i in range(5)] == [s["cls"] for s in expected]
+
+
+def test_brace_patterns_expand_as_webdataset_does():
+    """Shard patterns expand as braceexpand (webdataset's own expander) expands them."""
+    from braceexpand import braceexpand
+
+    from dali_pipe.shards.source import expand_braces
+
+    for p in ["s/train-{000000..000012}.tar", "x{1..10}y", "a{01..3}", "{a,b}-{0..2}.tar", "plain.tar", "x{5..1}",
+              "s3://b/p/shard-{0000..0003}.tar"]:
+        assert expand_braces(p) == list(braceexpand(p)), p

@@ -95,6 +95,9 @@ def _predict_shards(s: Settings, dm, model, out: Path) -> dict:
     PRED/bad_images.tsv."""
     from .infer import run_model
 
+    import dataclasses
+
+    dm.data = dataclasses.replace(dm.data, max_bad_fraction=1.0)  # as for files: bad ones are listed, never a stop
     dm.prepare_data()  # fetch, index, check; PRED/bad_images.tsv
     shards = dm.manifest
     names = shards.names(shards.everything)

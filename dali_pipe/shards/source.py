@@ -291,12 +291,12 @@ def _open_pack(data, *, members: bool, num_threads: int = 1, progress: bool = Fa
     shards = []
     for split, info in meta["splits"].items():
         listed = info.get("shards", [])
+        for s in listed:
+            shards.append(_pack_shard(root, s, split, path, data.data.rstrip("/") if remote else None))
         if sum(s["samples"] for s in listed) != info.get("samples"):
             raise ShardSourceError(f"{path}: splits.{split}.samples is {info.get('samples')}, its shards hold "
                                    f"{sum(s['samples'] for s in listed)}; packed.json was edited or damaged: pack "
                                    "the data again")
-        for s in listed:
-            shards.append(_pack_shard(root, s, split, path, data.data.rstrip("/") if remote else None))
     if members:
         _check_pack_members(shards, classes, data, num_threads=num_threads, progress=progress)
     unscanned = sum(1 for s in shards if s.path.startswith("s3://"))

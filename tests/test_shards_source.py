@@ -1,0 +1,174 @@
+"""Shards as a source: packs and shards written by others, their classes and split, every member checked
+before training (bad ones left out and listed, pack damage named), indexes made once in the cache dir."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+from conftest import BAD_MEMBERS
+
+from dali_pipe.config import DataSettings
+from dali_pipe.shards.source import ShardSourceError, open_shards
+
+
+def _open(data, cache_dir, **kw):
+    return open_shards(DataSettings(data=str(data), cache_dir=str(cache_dir), **kw))
+
+
+def _listing(folder):
+    return {p.name: p.stat().st_mtime_ns for p in folder.iterdir()}
+
+
+def test_shards_of_others_classes_split_and_bad_members(peer_dir, tmp_path, monkeypatch):
+    """A folder of ShardWriter shards: classes named by the json label, validation from the shards named val,
+    every bad member (no cls, a non-integer cls, a broken or missing image, a repeated key; a corrupt one with
+    --scan full) left out and listed with shard and key; indexed once into the cache dir, the folder untouched."""
+    import dali_pipe.shards.source as source
+    from dali_pipe.datamodule import ScanError, prepare
+
+    before = _listing(peer_dir)
+    s = _open(peer_dir, tmp_path / "cache", scan="full", max_bad_fraction=0.2)
+    assert s.note == "classes named by the json label" and s.classes == [f"s{i:03d}" for i in range(48)]
+    assert len(s.val) == 6 and len(s.train) == 42 and s.remap is None
+    assert all(sh.split == ["val"] * len(sh.keys) for sh in s.shards if sh.name.startswith("val-"))
+    bad = {sh.keys[e]: (sh.name, r) for sh, e, r in s.bad}
+    assert set(bad) == set(BAD_MEMBERS) and all(BAD_MEMBERS[k] in r for k, (_, r) in bad.items()), bad
+    assert bad["p001"][0] == "train-000002.tar" and "also in train-000000.tar" in bad["p001"][1]
+    assert _listing(peer_dir) == before and len(list((tmp_path / "cache" / "shards").glob("*.idx"))) == 4
+    fast = _open(peer_dir, tmp_path / "fresh", scan="fast")
+    assert {sh.keys[e] for sh, e, _ in fast.bad} == set(BAD_MEMBERS) - {"huffman"}, "only a decode finds it"
+
+    monkeypatch.setattr(source, "index_tar", lambda *a, **k: pytest.fail("indexed twice"))
+    out = tmp_path / "out"
+    data = DataSettings(data=str(peer_dir), cache_dir=str(tmp_path / "cache"), scan="full", max_bad_fraction=0.2)
+    shards, result = prepare(data, out, num_threads=1)
+    rows = [r.split("\t") for r in (out / "bad_images.tsv").read_text().splitlines()]
+    assert rows[0] == ["image_path", "reason", "shard", "key"] and {r[3] for r in rows[1:]} == set(BAD_MEMBERS)
+    assert len(result.bad) == 6 and result.total == 54
+    with pytest.raises(ScanError, match="6 of 54 images are bad"):
+        prepare(DataSettings(data=str(peer_dir), cache_dir=str(tmp_path / "cache"), scan="full"), out, num_threads=1)
+
+
+def test_classes_txt_names_sparse_classes_and_a_hash_split_stays_put(photo_root, tmp_path):
+    """classes.txt names the cls integers (sparse ones map to contiguous classes); a cls it does not name is an
+    error naming shard and key; without val shards the split is a hash of the key, unmoved by new shards; a brace
+    pattern selects shards."""
+    import webdataset as wds
+
+    photo = next(photo_root.glob("*/*.jpg")).read_bytes()
+    d = tmp_path / "d"
+    d.mkdir()
+    for n in range(2):
+        with wds.TarWriter(str(d / f"part-{n}.tar")) as w:
+            for i in range(20):
+                w.write({"__key__": f"k{n}_{i}", "jpg": photo, "cls": 5 * (i % 2)})
+    (d / "classes.txt").write_text("cat\nx\nx\nx\nx\ndog\n")
+    s = _open(f"{d}/part-{{0..1}}.tar", tmp_path / "c", val_fraction=0.3)
+    assert s.classes == ["cat", "dog"] and s.remap == (0, -1, -1, -1, -1, 1) and s.note == "classes named by classes.txt"
+    split = {sh.keys[e]: sh.split[e] for sh in s.shards for e in range(len(sh.keys))}
+    assert 0 < list(split.values()).count("val") < 40
+    with wds.TarWriter(str(d / "part-2.tar")) as w:
+        w.write({"__key__": "new", "jpg": photo, "cls": 0})
+    grown = _open(d, tmp_path / "c", val_fraction=0.3)
+    assert {k: v for sh in grown.shards for k, v in zip(sh.keys, sh.split) if k != "new"} == split
+    (d / "classes.txt").write_text("cat\n")
+    with pytest.raises(ShardSourceError, match=r"part-0.tar: sample 'k0_1' has class 5, but classes.txt names 1"):
+        _open(d, tmp_path / "c")
+
+
+def _damaged(odd_pack, tmp_path, damage):
+    p = tmp_path / "p"
+    shutil.copytree(odd_pack, p)
+    meta = json.loads((p / "packed.json").read_text())
+    damage(p, meta)
+    (p / "packed.json").write_text(json.dumps(meta))
+    return p
+
+
+def _cls_to(p, meta, value: bytes):
+    from dali_pipe.shards.format import read_index
+
+    shard = meta["splits"]["train"]["shards"][0]
+    off, size = read_index(p / shard["index"])[1].members["cls"]
+    with open(p / shard["name"], "r+b") as f:
+        f.seek(off)
+        f.write(value.rjust(size, b"9")[:size])
+
+
+DAMAGE = {
+    "cls outside the classes": (lambda p, m: _cls_to(p, m, b"99"), r"has class 99, but packed.json lists 48"),
+    "a class missing": (lambda p, m: m["classes"].pop(), r"has class 47, but packed.json lists 47 classes"),
+    "index deleted": (lambda p, m: (p / m["splits"]["val"]["shards"][0]["index"]).unlink(), r"val-000000.idx is missing"),
+    "a wrong shard count": (lambda p, m: m["splits"]["train"]["shards"][0].update(samples=99),
+                            r"train-000000.tar holds 99 samples by packed.json, but its index"),
+    "a wrong split count": (lambda p, m: m["splits"]["train"].update(samples=85), r"splits.train.samples is 85"),
+}
+
+
+@pytest.mark.parametrize("case", list(DAMAGE))
+def test_pack_damage_is_an_error_naming_the_file(case, odd_pack, tmp_path):
+    """A .cls outside the classes, a class missing from packed.json, a deleted index file and wrong counts stop
+    the run before training with an error naming the file."""
+    damage, message = DAMAGE[case]
+    with pytest.raises(ShardSourceError, match=message):
+        _open(_damaged(odd_pack, tmp_path, damage), tmp_path / "cache")
+
+
+def test_train_and_predict_on_shards_of_others(peer_dir, tmp_path, cache_dir, monkeypatch, capsys):
+    """ShardWriter shards in a folder train: each sample once per epoch with its own label (the bad members never
+    reach the pipeline), the summary says where the class names came from; predict names each sample by its key."""
+    import resume_trace
+
+    import train
+    from dali_pipe.cli.commands import main
+
+    trace, out = tmp_path / "trace.jsonl", tmp_path / "m"
+    resume_trace.install(trace, patch=monkeypatch.setattr)
+    train.main(["--data", str(peer_dir), "--model", "tiny", "--device", "cpu", "--epochs", "2", "--batch-size", "8",
+                "--num-threads", "1", "--scan", "full", "--max-bad-fraction", "0.2", "--output", str(out)])
+    assert "classes named by the json label" in capsys.readouterr().out
+    val = {f"s{i:03d}" for i in range(48) if i % 8 == 5}
+    resume_trace.assert_each_sample_once_per_epoch(resume_trace.read(trace), epochs=2, batch=8, val=val,
+                                                   train={f"s{i:03d}" for i in range(48)} - val)
+    main(["predict", "--model", str(out), "--data", str(peer_dir), "--device", "cpu", "--output", str(tmp_path / "p"),
+          "--scan", "full"])
+    rows = [r.split("\t")[0] for r in (tmp_path / "p" / "predictions.tsv").read_text().splitlines()[1:]]
+    assert sorted(rows) == sorted(f"photo {i:03d}" if i % 5 == 0 else f"p{i:03d}" for i in range(48))
+
+
+def test_shards_of_others_on_s3_each_sample_once(photo_root, s3_process, tmp_path):
+    """An s3:// prefix of ShardWriter shards (no val shards: a hash split by --val-fraction): indexed with one
+    GET per shard into the cache dir, the bucket untouched; the reader yields each training sample once with its
+    own label, and validation every other sample once."""
+    from collections import Counter
+
+    from corpus import peer_shards
+    from helpers import datamodule
+
+    from dali_pipe.spec import ImageSpec
+    from dali_pipe.sync import list_objects, make_client
+
+    labels = peer_shards(photo_root, tmp_path / "peer", val_every=None)
+    client = make_client(4)
+    client.create_bucket(Bucket="data")
+    for p in sorted((tmp_path / "peer").iterdir()):
+        client.upload_file(str(p), "data", f"peer/{p.name}")
+    before = list_objects(client, "data", "")
+    dm = datamodule("s3://data/peer", tmp_path / "out", batch_size=5, cache_dir=tmp_path / "cache",
+                    spec=ImageSpec(16, 16, (0.5,) * 3, (0.5,) * 3), val_fraction=0.25)
+    dm.prepare_data()
+    dm.setup()
+    names = dm.manifest.classes
+    val = [names[i] for i in _labels(dm.val_dataloader())]
+    # the training split in index order (DALI's own S3 streaming under a 1024-sample shuffle buffer takes ~10 s here;
+    # the training order over Shards is the local test's)
+    trained = [names[i] for i in _labels(dm.loader(dm.manifest.train, training=False))]
+    assert max(Counter(val + trained).values()) == 1, "no sample twice, none in both splits"
+    assert len(val) == len(dm.manifest.val) > 0 and len(trained) == len(dm.manifest.train)
+    assert len(dm.manifest.train) + len(val) == 48 and sorted(names) == sorted(f"s{i:03d}" for i in labels.values())
+    assert list_objects(client, "data", "") == before and len(list((tmp_path / "cache" / "shards").glob("*.idx"))) == 3
+
+
+def _labels(loader):
+    return [i for _, y in loader for i in y.tolist()]

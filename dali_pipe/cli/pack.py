@@ -137,6 +137,8 @@ def _run(s: Settings, staging: Path) -> dict:
     if kind == "files" and not src.startswith("s3://") and not (Path(src) / "dataset.tsv").is_file():
         raise PackError(f"SRC {src!r} holds no dataset.tsv and no WebDataset shards; pass the dataset root (or "
                         "s3://bucket/prefix), a pack, or a folder / brace pattern / s3:// prefix of .tar shards")
+    if not dst.startswith("s3://") and not src.startswith("s3://") and Path(dst).resolve() == Path(src).resolve():
+        raise PackError(f"DST {dst!r} is SRC; pack into another folder")
     workers = s.pack.pack_workers or cores()
     opts = dict(max_side=s.pack.max_side, quality=s.pack.quality, shard_size=s.pack.shard_size, workers=workers,
                 seed=data.seed)

@@ -168,6 +168,11 @@ def json_label(raw: bytes | None) -> str | None:
     return None
 
 
+def used_member(ext: str) -> bool:
+    """Whether a member with this extension is one a reader uses (image, label or metadata)."""
+    return ext.lower() in IMAGE_EXTS or ext.lower() in (LABEL_EXT, META_EXT)
+
+
 def _find(members, wanted: tuple[str, ...]) -> str | None:
     lower = {ext.lower(): ext for ext in reversed(list(members))}  # the first member of each spelling wins
     return next((lower[w] for w in wanted if w in lower), None)
@@ -316,11 +321,12 @@ class IndexedTar:
     duplicates: dict[int, str]  # entry position -> the member extension that appeared twice in it
 
 
-def index_tar(stream, on_member=None) -> IndexedTar:
+def index_tar(stream, on_member=None, wanted=lambda ext: True) -> IndexedTar:
     """Index a tar read once from `stream` (a local file or an S3 body), as DALI's `wds2idx` does:
     regular files only, consecutive members with the same key make one sample, names whose last
-    segment has no dot or starts with one are skipped. `on_member(position, key, ext, data)` sees every
-    member's bytes as they pass. Returns the entries with the size and sha256 of the whole stream."""
+    segment has no dot or starts with one are skipped. `on_member(position, key, ext, data)` sees the
+    bytes of each member whose extension is `wanted` as they pass (the others are skipped unread).
+    Returns the entries with the size and sha256 of the whole stream."""
     src = _Hashing(stream)
     entries: list[IndexEntry] = []
     duplicates: dict[int, str] = {}
@@ -339,7 +345,7 @@ def index_tar(stream, on_member=None) -> IndexedTar:
                     duplicates.setdefault(len(entries) - 1, ext)
                 else:
                     members[ext] = (m.offset_data, m.size)
-                if on_member is not None:
+                if on_member is not None and wanted(ext):
                     on_member(len(entries) - 1, key, ext, tar.extractfile(m).read())
         src.drain()
     except (tarfile.TarError, EOFError) as e:
@@ -358,7 +364,37 @@ def parse_packed(raw: bytes, where: str) -> dict:
         fmt = meta.get("format") if isinstance(meta, dict) else None
         raise PackedFormatError(f"{where} is not a pack this version reads (format {fmt!r}, expected one of "
                                 f"{', '.join(READABLE_FORMATS)}); pack the data again")
+    problem = _schema_problem(meta)
+    if problem:
+        raise PackedFormatError(f"{where}: {problem}; packed.json was edited or damaged: pack the data again")
     return meta
+
+
+def _plain_name(name) -> bool:
+    return isinstance(name, str) and bool(name) and "/" not in name and "\\" not in name and not name.startswith(".")
+
+
+def _schema_problem(meta: dict) -> str | None:
+    """What is missing or malformed in packed.json (the contract's fields), or None. Shard and index names
+    must be plain file names: a reader joins them to the pack's folder."""
+    if not isinstance(meta.get("classes"), list) or not all(isinstance(c, str) for c in meta["classes"]):
+        return "'classes' is not a list of class names"
+    if not isinstance(meta.get("splits"), dict):
+        return "'splits' is not a mapping of split names"
+    for split, info in meta["splits"].items():
+        if not isinstance(info, dict) or not isinstance(info.get("samples"), int) or not isinstance(
+                info.get("shards"), list):
+            return f"splits.{split} lacks 'samples' (an integer) or 'shards' (a list)"
+        for n, shard in enumerate(info["shards"]):
+            where = f"splits.{split}.shards[{n}]"
+            if not isinstance(shard, dict) or not all(_plain_name(shard.get(k)) for k in ("name", "index")):
+                return f"{where}: 'name' and 'index' must be file names in the pack's folder"
+            if not all(isinstance(shard.get(k), int) and shard[k] >= 0 for k in ("samples", "size")):
+                return f"{where}: 'samples' and 'size' must be non-negative integers"
+            if "image_paths" in shard and not (isinstance(shard["image_paths"], list) and all(
+                    isinstance(x, str) for x in shard["image_paths"])):
+                return f"{where}: 'image_paths' is not a list of paths"
+    return None
 
 
 def file_sha256(path: str | Path) -> str:

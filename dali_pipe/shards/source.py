@@ -26,6 +26,7 @@ same --max-bad-fraction bound as files.
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -52,9 +53,11 @@ from .format import (
     parse_cls,
     parse_packed,
     read_index,
+    used_member,
 )
 
 CLASSES_NAME = "classes.txt"
+S3_ATTEMPTS = 3  # streaming GETs of one shard while indexing it, when the connection is cut
 VAL_WORDS = {"val", "valid", "validation"}
 MANIFEST_NAME = "dataset.tsv"
 
@@ -219,7 +222,7 @@ class ShardSet:
         out = []
         for i, (path, idx) in enumerate(zip(shards.paths, shards.index_paths)):
             s = by_path[(path, idx)]
-            out += [p for e, p in enumerate(s.image_paths) if (i, e) not in shards.excluded]
+            out += [tsv_cell(p) for e, p in enumerate(s.image_paths) if (i, e) not in shards.excluded]
         return out
 
     def digest(self) -> str:
@@ -383,6 +386,11 @@ class _Collector:
 
             self._decoder = _DaliDecoder(num_threads)
 
+    def reset(self) -> None:
+        """Forget what was collected (the shard is read again from its start)."""
+        self.cls, self.names, self.problems, self.images = {}, {}, {}, {}
+        self._pos, self._members, self._batch = None, {}, {}
+
     def member(self, pos: int, key: str, ext: str, data: bytes) -> None:
         if pos != self._pos:
             self._finish()
@@ -450,11 +458,17 @@ def _cache_file(cache_dir: Path, identity: str, suffix: str) -> Path:
 
 
 def _write_atomic(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
         tmp.write_text(text, encoding="utf-8", errors="surrogateescape")
         os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise ShardSourceError(f"no space left to write {path} ({e.strerror}); free space there, or pass "
+                                   "another --cache-dir / --output") from None
+        raise
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
@@ -563,11 +577,9 @@ def _index_peer(item: _Listed, cache_dir: Path, level: str, max_pixels: int, num
             indexed = _index_s3(item, collector)
         else:
             with open(item.path, "rb") as f:
-                indexed = index_tar(f, collector.member)
+                indexed = index_tar(f, collector.member, used_member)
     except TarFormatError as e:
         raise ShardSourceError(f"{item.name}: {e}; check the file, or leave it out of --data") from None
-    if not indexed.entries:
-        raise ShardSourceError(f"{item.name} holds no samples (no member named KEY.EXT); leave it out of --data")
     if item.size is not None and indexed.size != item.size:
         raise ShardSourceError(f"{item.name} changed while it was read ({indexed.size} bytes, listed as {item.size}); "
                                "rerun when it no longer changes")
@@ -588,11 +600,19 @@ def _index_s3(item: _Listed, collector: _Collector):
     from ..sync import SyncError, explain, make_client, parse_s3_uri
 
     bucket, key = parse_s3_uri(item.path)
-    try:
-        body = make_client(1).get_object(Bucket=bucket, Key=key)["Body"]
-        return index_tar(body, collector.member)
-    except (BotoCoreError, ClientError) as e:
-        raise SyncError(f"indexing {item.name}: {explain(e, bucket, key)}") from None
+    client = make_client(1)
+    for attempt in range(S3_ATTEMPTS):  # a cut connection or a short body: read it again from the start
+        collector.reset()
+        try:
+            indexed = index_tar(client.get_object(Bucket=bucket, Key=key)["Body"], collector.member, used_member)
+            if indexed.size == item.size or attempt + 1 == S3_ATTEMPTS:
+                return indexed
+        except (BotoCoreError, ClientError) as e:
+            if isinstance(e, ClientError) or attempt + 1 == S3_ATTEMPTS:
+                raise SyncError(f"indexing {item.name}: {explain(e, bucket, key)}") from None
+        except TarFormatError:
+            if attempt + 1 == S3_ATTEMPTS:
+                raise
 
 
 def _open_peer(data, *, num_threads: int, progress: bool) -> ShardSet:
@@ -638,7 +658,9 @@ def _peer_classes(shards: list[Shard], classes_txt: str | None, data: str):
     good = [(s, e, s.cls[e]) for s in shards for e in range(len(s.keys)) if e not in s.bad]
     used = sorted({c for _, _, c in good})
     if not used:
-        raise ShardSourceError(f"--data {data!r}: no sample has a usable image and integer cls; see bad_images.tsv")
+        seen = "; ".join(f"{s.name} {s.keys[e]!r}: {r}" for s in shards for e, r in list(s.bad.items())[:2])[:500]
+        raise ShardSourceError(f"--data {data!r}: no sample has a usable image and an integer cls (e.g. {seen}); "
+                               "write the shards with KEY.jpg (or jpeg, png, webp) and KEY.cls members")
     if classes_txt is not None:
         names = [line.strip() for line in classes_txt.splitlines()]
         while names and not names[-1]:
@@ -685,11 +707,16 @@ def _peer_split(shards: list[Shard], val_fraction: float, seed: int) -> None:
 
 
 # -- reporting ------------------------------------------------------------------------------------
+def tsv_cell(text: str) -> str:
+    """A key or path as one TSV cell: tab and line breaks written as \\t, \\n, \\r (peer keys may hold them;
+    a manifest's paths cannot, so they come out exactly as dataset.tsv wrote them)."""
+    return text.replace("\t", "\\t").replace("\n", "\\n").replace("\r", "\\r")
+
+
 def write_member_report(shards: ShardSet, out: Path, extra: list = ()) -> Path:
     """OUT/bad_images.tsv for shards: image_path (the dataset.tsv path of a pack's sample, else its key),
     reason, shard, key; `extra`: more (Shard, entry, reason) rows (images that could not be packed)."""
-    def cell(text: str) -> str:
-        return text.replace("\\", "\\\\").replace("\t", "\\t").replace("\n", "\\n").replace("\r", "\\r")
+    cell = tsv_cell
 
     out.mkdir(parents=True, exist_ok=True)
     report = out / "bad_images.tsv"

@@ -61,18 +61,28 @@ def s3(monkeypatch):
     server.stop()
 
 
-@pytest.fixture
-def s3_process(monkeypatch):
-    """moto's S3 server in its own process (DALI's own S3 client must not wait on this process's GIL,
-    as it would with the threaded server); the AWS env points boto3 and DALI at it."""
+@pytest.fixture(scope="session")
+def s3_process_port() -> int:
+    """One loopback port for every s3_process server of the session: DALI's S3 client keeps the endpoint of
+    its first use for the life of the process, so a second server on another port would be unreachable to it."""
     import socket
-    import subprocess
-    import time
 
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
     sock.close()
+    return port
+
+
+@pytest.fixture
+def s3_process(monkeypatch, s3_process_port):
+    """moto's S3 server in its own process (DALI's own S3 client must not wait on this process's GIL,
+    as it would with the threaded server), fresh for each test; the AWS env points boto3 and DALI at it."""
+    import socket
+    import subprocess
+    import time
+
+    port = s3_process_port
     proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     for _ in range(200):

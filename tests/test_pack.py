@@ -122,13 +122,11 @@ def test_other_settings_on_an_unfinished_pack_are_refused(photo_root, tmp_path, 
 
 
 def _pack_files(dst: Path) -> set[str]:
-    """What DST must hold: the shards, their indexes, packed.json and bad_images.tsv; nothing else of ours."""
-    from dali_pipe.workdir import LOCK_NAME
-
+    """What DST must hold: the shards, their indexes, packed.json and bad_images.tsv; nothing else of ours
+    (no lock, temporary or progress file)."""
     meta = json.loads((dst / "packed.json").read_text())
     names = {n for split in meta["splits"].values() for s in split["shards"] for n in (s["name"], s["index"])}
-    # LOCK_NAME: until locks move out of the folders they guard (workdir.lock); then drop it from this set
-    return names | {"packed.json", "bad_images.tsv"} | ({LOCK_NAME} if (dst / LOCK_NAME).exists() else set())
+    return names | {"packed.json", "bad_images.tsv"}
 
 
 def test_odd_names_pack_as_webdataset_reads_them(odd_pack, odd_root):
@@ -188,7 +186,7 @@ def test_an_s3_pack_killed_during_its_upload_finishes_on_rerun(photo_root, s3, t
     _pack(photo_root, "s3://data/packed", "--workers", "1")
     local = tmp_path / "fresh"
     _pack(photo_root, local, "--workers", "1")
-    assert set(list_objects(client, "data", "packed/")) == _pack_files(local) - {".dali_pipe.lock"}
+    assert set(list_objects(client, "data", "packed/")) == _pack_files(local)
     assert json.loads(client.get_object(Bucket="data", Key="packed/packed.json")["Body"].read()) == json.loads(
         (local / "packed.json").read_text())
     capsys.readouterr()

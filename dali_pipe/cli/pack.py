@@ -92,12 +92,9 @@ def remote_complete(uri: str, meta: dict) -> bool:
 
 
 def _clear(staging: Path) -> None:
-    """Empty our staging folder (its lock, if one is kept inside, stays)."""
-    from ..workdir import LOCK_NAME
-
+    """Empty our staging folder (its lock lives outside it, workdir.lock_path)."""
     for p in staging.iterdir() if staging.is_dir() else []:
-        if p.name != LOCK_NAME:
-            shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
+        shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
 
 
 def _finished_shards(staging: Path) -> int:

@@ -24,6 +24,7 @@ import argparse
 import dataclasses
 import difflib
 import os
+import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -381,10 +382,11 @@ def build_parser(prog: str, description: str, groups=TRAIN_GROUPS, epilog: str |
                         groups)
 
 
-def add_subcommand(subparsers, name: str, summary: str, description: str, groups) -> _Parser:
-    """A subcommand (`python -m dali_pipe NAME`) whose flags are the settings of `groups`."""
+def add_subcommand(subparsers, name: str, summary: str, description: str, groups, helps: dict | None = None) -> _Parser:
+    """A subcommand (`python -m dali_pipe NAME`) whose flags are the settings of `groups`; `helps` replaces
+    a setting's help text where the command reads it differently (predict's --data is no dataset root)."""
     return add_settings(subparsers.add_parser(name, help=summary, description=description,
-                                              formatter_class=_Formatter), groups)
+                                              formatter_class=_Formatter), groups, helps)
 
 
 def selected(groups) -> list[str]:
@@ -392,9 +394,9 @@ def selected(groups) -> list[str]:
     return [n for n, (g, _, _) in FIELDS.items() if g in groups or flag_of(n) in groups]
 
 
-def add_settings(p: argparse.ArgumentParser, groups):
+def add_settings(p: argparse.ArgumentParser, groups, helps: dict | None = None):
     """Add one argument per setting of `groups` (group names or single field names) to `p`, in one
-    help section per settings class."""
+    help section per settings class (`helps`: a command's own help text for some of them, by name)."""
     sections = {}
     several = len({FIELDS[n][0] for n in selected(groups)}) > 1
     for name in selected(groups):
@@ -405,7 +407,7 @@ def add_settings(p: argparse.ArgumentParser, groups):
         section = sections[group]
         meta = f.metadata
         conv, expected = _converter(name)
-        kw = dict(help=meta["help"], default=f.default, type=_tolerant(conv, expected))
+        kw = dict(help=(helps or {}).get(name, meta["help"]), default=f.default, type=_tolerant(conv, expected))
         if meta["metavar"]:
             kw["metavar"] = meta["metavar"]
         elif meta["choices"]:
@@ -448,6 +450,50 @@ def settings_from(ns: argparse.Namespace) -> Settings:
         group = FIELDS[name][0]
         setattr(getattr(s, group), name, value)
     return s
+
+
+def settings_from_keywords(values: dict, names) -> Settings:
+    """Settings from Python keyword arguments (the library API: `batch_size=8` for `--batch-size 8`),
+    for the settings `names`. A string is read as the CLI reads it ("8", "64MB"); any other value that is
+    not of the setting's type is kept as Invalid, so that validate() lists it with the other problems in
+    the CLI's words. An unknown name is a TypeError naming the closest one."""
+    s = Settings()
+    names = list(names)
+    for name, value in values.items():
+        if name not in names:
+            close = difflib.get_close_matches(name, names, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise TypeError(f"unexpected keyword argument {name!r}{hint}")
+        group, f, tp = FIELDS[name]
+        conv, expected = _converter(name)
+        if isinstance(value, str) and conv is not str:
+            value = _tolerant(conv, expected)(value)
+        elif value is not None and not _of_type(value, tp):
+            value = Invalid(repr(value), expected)
+        elif isinstance(value, list):
+            value = tuple(value)
+        setattr(getattr(s, group), name, value)
+    return s
+
+
+def _of_type(value, tp) -> bool:
+    """Whether a Python value fits a setting's annotation (int for float, a 2-sequence of numbers for a pair)."""
+    union = typing.get_origin(tp) in (typing.Union, types.UnionType)
+    args = [a for a in typing.get_args(tp) if a is not type(None)] if union else [tp]
+    for a in args:
+        if typing.get_origin(a) is tuple:
+            if isinstance(value, (tuple, list)) and len(value) == len(typing.get_args(a)) and all(
+                    isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
+                return True
+        elif a is float:
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                return True
+        elif a is int:
+            if isinstance(value, int) and not isinstance(value, bool):
+                return True
+        elif isinstance(a, type) and isinstance(value, a):
+            return True
+    return False
 
 
 def field_problems(s: Settings, names) -> list[str]:

@@ -6,16 +6,23 @@
   (cache hits only, no decoding) and build the pipelines: `device_id` = local rank, sharded by
   global rank, sized by `resources_for_rank`. The loaders are not torch DataLoaders, so
   Lightning adds no sampler.
+- `state_dict` / `load_state_dict`: every rank's loader position, with the run's data fingerprint;
+  a checkpoint of other data (files, classes, image size, batch size, processes, seed) is refused.
+
+This class takes the settings objects (the CLI builds it from them); the keyword form that users
+call, `dali_pipe.DaliDataModule(data=..., batch_size=...)`, is its subclass in `dali_pipe/api.py`.
 """
 from __future__ import annotations
 
+import os
 import sys
+import time
 from pathlib import Path
 
 import pytorch_lightning as pl
 
 from .config import DataSettings, PipelineSettings
-from .errors import UserError
+from .errors import RunMismatchError, UserError
 from .manifest import Manifest, Sample, read_manifest
 from .pipeline import Augment, Files, PipelineOptions, Shards, build_pipeline, resources_for_rank
 from .scan import ScanResult, scan, write_report
@@ -29,6 +36,14 @@ class ScanError(UserError):
 
 class BatchTooLargeError(UserError):
     """The batch is larger than one rank's share of the training data."""
+
+
+class NotPreparedError(UserError):
+    """The data was asked about before prepare_data() read it."""
+
+
+class DeviceMismatchError(UserError):
+    """device='gpu' for a Trainer that runs on the CPU."""
 
 
 def local_root(data: DataSettings) -> Path:
@@ -63,12 +78,13 @@ def missing_reasons(manifest: Manifest) -> dict[str, str]:
     return {str(root / rel): "missing on disk (listed in dataset.tsv; --skip-missing)" for rel in manifest.missing}
 
 
-def report(manifest: Manifest, result: ScanResult, data: DataSettings, output: Path) -> None:
-    """Write OUT/bad_images.tsv (bad and, with --skip-missing, missing files) and say what was excluded."""
+def report(manifest: Manifest, result: ScanResult, data: DataSettings, output: Path, *, empty: bool = True) -> None:
+    """Write OUT/bad_images.tsv (bad and, with --skip-missing, missing files) and say what was excluded
+    (`empty`: also when nothing was)."""
     if data.skip_missing and manifest.missing:
         print(f"--skip-missing: training without {len(manifest.missing)} listed file(s) that are missing, "
               f"e.g. {manifest.missing[0]!r}", file=sys.stderr)
-    if data.scan == "off" and not manifest.missing:
+    if (data.scan == "off" or not empty and not result.bad) and not manifest.missing:
         return
     missing = missing_reasons(manifest)
     path = write_report({**result.bad, **missing}, manifest.root.resolve(), output)
@@ -87,7 +103,8 @@ def check_bad_fraction(result: ScanResult, data: DataSettings, output: Path) -> 
                         "--max-bad-fraction.")
 
 
-def prepare(data: DataSettings, output: Path, *, num_threads: int) -> tuple[Manifest, ScanResult]:
+def prepare(data: DataSettings, output: Path, *, num_threads: int,
+            report_empty: bool = True) -> tuple[Manifest, ScanResult]:
     """Once per node: sync s3:// data, scan, write the report, enforce --max-bad-fraction.
     Returns the manifest without the bad files, and the scan's result."""
     from .config import SyncSettings
@@ -106,9 +123,28 @@ def prepare(data: DataSettings, output: Path, *, num_threads: int) -> tuple[Mani
         sync(data.data, local_root(data), workers=SyncSettings.workers, skip_missing=data.skip_missing)
     manifest = read(data)
     result = scan_manifest(manifest, data, num_threads=num_threads, progress=True)
-    report(manifest, result, data, output)
+    report(manifest, result, data, output, empty=report_empty)
     check_bad_fraction(result, data, output)
     return manifest.without(set(result.bad)), result
+
+
+def dropped_per_epoch(n: int, batch_size: int, num_shards: int) -> int:
+    """Training images left out of each epoch: each rank keeps full batches of its share only."""
+    return n - num_shards * ((n // num_shards) // batch_size) * batch_size
+
+
+def drop_note(n: int, batch_size: int, num_shards: int) -> str | None:
+    """One line when the dropped partial batches exceed 10% of the training images: how many, why, and
+    the largest batch size up to this one that drops at most 10%; else None."""
+    dropped = dropped_per_epoch(n, batch_size, num_shards)
+    if not n or dropped <= 0.10 * n:
+        return None
+    better = next((b for b in range(batch_size - 1, 0, -1) if dropped_per_epoch(n, b, num_shards) <= 0.10 * n), None)
+    steps = (n // num_shards) // batch_size
+    fix = (f"; --batch-size {better} would drop {dropped_per_epoch(n, better, num_shards)}" if better else "")
+    return (f"note: {dropped} of the {n} training images ({dropped / n:.0%}) are left out of every epoch: each of the "
+            f"{num_shards} process(es) trains {steps} full batch(es) of {batch_size} and drops its partial batch (the "
+            f"order changes every epoch, so a different {dropped} each time){fix}. Validation still sees every image.")
 
 
 def check_batch(n: int, batch_size: int, num_shards: int) -> None:
@@ -119,17 +155,68 @@ def check_batch(n: int, batch_size: int, num_shards: int) -> None:
 
 
 class DaliDataModule(pl.LightningDataModule):
-    def __init__(self, data: DataSettings, pipeline: PipelineSettings, spec: ImageSpec, output: Path):
+    """The DALI loaders for Lightning, built from resolved settings (see `dali_pipe.DaliDataModule` for
+    the keyword form). `output` is where reports go (None: the Trainer's default_root_dir); a device of
+    "auto" follows the Trainer's accelerator once one is attached."""
+
+    def __init__(self, data: DataSettings, pipeline: PipelineSettings, spec: ImageSpec, output: Path | None = None):
         super().__init__()
-        self.data, self.pipeline, self.spec, self.output = data, pipeline, spec, Path(output)
+        self.data, self.pipeline, self.spec = data, pipeline, spec
+        self._output = None if output is None else Path(output)
         self.manifest: Manifest | None = None
         self._train = self._val = None
         self._prepared = False
         self.scan_result: ScanResult | None = None  # what prepare_data's scan found (the main process's)
+        self.spans: dict[str, tuple[float, float]] = {}  # perf_counter (start, end) of prepare_data and setup
+        self.announce = False  # setup() prints drop_note() (the CLI's start-up summary says it instead)
+        self._digest: str | None = None
+
+    @property
+    def output(self) -> Path:
+        """Where reports go (bad_images.tsv): as given, else the Trainer's default_root_dir, else the
+        current directory (Lightning's own default root); without a given output, only a report that
+        lists something is written."""
+        if self._output is not None:
+            return self._output
+        return Path(self.trainer.default_root_dir) if self.trainer is not None else Path.cwd()
+
+    @property
+    def device(self) -> str:
+        """Where DALI decodes: "gpu" or "cpu" as set; "auto" follows the attached Trainer (its CUDA
+        accelerator: gpu, else cpu), and without one picks the GPU when CUDA is available."""
+        want, t = self.pipeline.device, self.trainer
+        if t is None:
+            from .config import resolve_device
+
+            return resolve_device(want)
+        from pytorch_lightning.accelerators import CUDAAccelerator
+
+        on_gpu = isinstance(t.accelerator, CUDAAccelerator)
+        if want == "gpu" and not on_gpu:
+            raise DeviceMismatchError(f"device='gpu', but the Trainer runs on {type(t.accelerator).__name__}; pass "
+                                      "device='auto' to follow the Trainer, or Trainer(accelerator='gpu')")
+        return ("gpu" if on_gpu else "cpu") if want == "auto" else want
 
     @property
     def classes(self) -> list[str]:
-        return self.manifest.classes
+        """The label names in class-index order (a batch's label i is classes[i]): known after prepare_data(),
+        so a model can be sized from them before training."""
+        return self._read().classes
+
+    def _read(self) -> Manifest | PackedSet:
+        if self.manifest is None:
+            raise NotPreparedError("the classes are known once the data is read: call dm.prepare_data() first "
+                                   "(trainer.fit calls it too)")
+        return self.manifest
+
+    def fingerprint(self, world_size: int | None = None) -> dict:
+        """What a resumed run must share with the checkpoint's: the data (files, labels, split), the classes,
+        the image size, the batch size, the number of processes and the seed."""
+        if self._digest is None:  # a hash over every sample: once, not at every checkpoint
+            self._digest = self._read().digest()
+        return {"samples": self._digest, "classes": list(self.classes),
+                "image_size": [self.spec.height, self.spec.width], "batch_size": self.data.batch_size,
+                "world_size": world_size or self._rank()[1], "seed": self.data.seed}
 
     def _rank(self) -> tuple[int, int, int, int]:
         """(global rank, world size, local rank, processes on this node)."""
@@ -139,16 +226,22 @@ class DaliDataModule(pl.LightningDataModule):
         return t.global_rank, t.world_size, t.local_rank, max(1, t.world_size // t.num_nodes)
 
     def prepare_data(self) -> None:
-        """Sync, scan and report once (a second call, such as Lightning's after the CLI's, does nothing)."""
+        """Sync s3:// data, scan and write the report, once per node (a second call, such as Lightning's
+        after the CLI's, does nothing). In a process Lightning launched for another local rank, whose node's
+        main process has prepared already, it only reads the manifest."""
         if self._prepared:
             return
-        threads = resources_for_rank(self.pipeline, local_world_size=self._rank()[3]).num_threads
-        self.manifest, self.scan_result = prepare(self.data, self.output, num_threads=threads)
+        start = time.perf_counter()
+        if os.environ.get("LOCAL_RANK", "0") != "0":
+            self._read_manifest()
+        else:
+            threads = resources_for_rank(self.pipeline, local_world_size=self._rank()[3]).num_threads
+            self.manifest, self.scan_result = prepare(self.data, self.output, num_threads=threads,
+                                                      report_empty=self._output is not None)
         self._prepared = True
+        self.spans["prepare_data"] = (start, time.perf_counter())
 
-    def setup_manifest(self, world_size: int | None = None) -> Manifest:
-        """The manifest without the bad files (scan cache hits only, no decoding), checked against
-        the batch size for `world_size` ranks (default: the trainer's)."""
+    def _read_manifest(self) -> None:
         if self.manifest is None:
             manifest = read(self.data)
             if isinstance(manifest, ShardSet):
@@ -156,24 +249,37 @@ class DaliDataModule(pl.LightningDataModule):
             else:
                 result = scan_manifest(manifest, self.data, num_threads=1, progress=False)
                 self.manifest = manifest.without(set(result.bad))
+
+    def setup_manifest(self, world_size: int | None = None) -> Manifest:
+        """The manifest without the bad files (scan cache hits only, no decoding), checked against
+        the batch size for `world_size` ranks (default: the trainer's)."""
+        self._read_manifest()
         check_batch(len(self.manifest.train), self.data.batch_size, world_size or self._rank()[1])
         return self.manifest
 
     def setup(self, stage: str | None = None) -> None:
+        """Build this rank's pipelines (after the distributed environment exists)."""
         if self._train is not None:
             return
+        start = time.perf_counter()
         self.setup_manifest()
+        rank, world = self._rank()[:2]
+        note = drop_note(len(self.manifest.train), self.data.batch_size, world) if self.announce and rank == 0 else None
+        if note:
+            print(note, file=sys.stderr, flush=True)
         self._train = self.loader(self.manifest.train, training=True)
         self._val = self.loader(self.manifest.val, training=False) if self.manifest.val else None
+        self.spans["setup"] = (start, time.perf_counter())
 
     def loader(self, samples: list[Sample], *, training: bool):
         """An epoch-exact DALI loader over `samples` for this rank."""
         from .loader import DaliLoader
 
         rank, world, local_rank, local_world = self._rank()
-        gpu = self.pipeline.device == "gpu"
+        device = self.device
+        gpu = device == "gpu"
         opts = PipelineOptions(
-            batch_size=self.data.batch_size, device=self.pipeline.device,
+            batch_size=self.data.batch_size, device=device,
             resources=resources_for_rank(self.pipeline, local_world_size=local_world, training=training),
             augment=Augment.from_settings(self.pipeline), device_id=local_rank if gpu else None,
             seed=self.data.seed, shard_id=rank, num_shards=world)
@@ -184,7 +290,8 @@ class DaliDataModule(pl.LightningDataModule):
 
     # -- resume: each rank's loader position lives in the Lightning checkpoint -----------------
     def state_dict(self) -> dict:
-        """Every rank's training-loader state (gathered to rank 0, which writes the checkpoint)."""
+        """Every rank's training-loader state (gathered to rank 0, which writes the checkpoint), with the
+        run's fingerprint."""
         if self._train is None:
             return {}
         mine = self._train.state()
@@ -196,10 +303,19 @@ class DaliDataModule(pl.LightningDataModule):
             dist.all_gather_object(states, mine)
         else:
             states = [mine]
-        return {"loaders": states}
+        return {"loaders": states, "fingerprint": self.fingerprint()}
 
     def load_state_dict(self, state: dict) -> None:
-        """Continue this rank's epoch where the checkpoint left it (same permutation, same position)."""
+        """Continue this rank's epoch where the checkpoint left it (same permutation, same position). A
+        checkpoint of another run (other data, classes, image size, batch size, processes or seed) is refused
+        before anything is restored."""
+        saved = state.get("fingerprint")
+        if saved is not None:
+            diff = differences(saved, self.fingerprint())
+            if diff:
+                raise RunMismatchError("the checkpoint to resume belongs to another run:\n  " + "\n  ".join(diff) +
+                                       "\n  Resume it with the settings it was written with, or start this run "
+                                       "without it (another checkpoint directory, or fit without ckpt_path).")
         loaders = state.get("loaders")
         rank, world = self._rank()[:2]
         if not loaders or len(loaders) != world:
@@ -207,9 +323,33 @@ class DaliDataModule(pl.LightningDataModule):
                   "resumed epoch restarts from its beginning", file=sys.stderr)
             return
         self._train.restore(loaders[rank])
+        import warnings
+
+        # Lightning looks for state_dict on the loader itself; ours is restored through this DataModule
+        warnings.filterwarnings("ignore", message=r".*before the epoch ended and your dataloader is not resumable")
 
     def train_dataloader(self):
         return self._train
 
     def val_dataloader(self):
         return self._val if self._val is not None else []
+
+
+FINGERPRINT_NAMES = {"samples": "the data (files, labels or split)", "classes": "the classes",
+                     "image_size": "the image size", "batch_size": "batch_size", "world_size": "the number of "
+                     "processes (the Trainer's devices x num_nodes)", "seed": "seed"}
+
+
+def differences(saved: dict, current: dict) -> list[str]:
+    """What differs between two fingerprints, one line each, in the library's words."""
+    out = []
+    for key, label in FINGERPRINT_NAMES.items():
+        a, b = saved.get(key), current.get(key)
+        if a != b:
+            if key == "classes" and isinstance(a, list) and isinstance(b, list):
+                a, b = (f"{len(v)} classes ({', '.join(map(str, v[:4]))}{', ...' if len(v) > 4 else ''})"
+                        for v in (a, b))
+            else:
+                a, b = repr(a), repr(b)
+            out.append(f"{label}: {a} in the checkpoint, {b} now")
+    return out

@@ -80,3 +80,22 @@ def make_photo_dataset(root: Path | str, *, classes: int = 4, per_class: int = 4
         tmp.write_text(text)
         os.replace(tmp, tsv)
     return root
+
+
+DEMO_CLASSES, DEMO_PER_CLASS = 4, 100
+
+
+def demo_dataset(cache_dir: Path | str, *, seed: int = 0) -> Path:
+    """The demo set (400 photos in 4 classes) under CACHE_DIR/demo-photos, generated once: what --data
+    defaults to, for train.py and for DaliDataModule(data=None). One process generates it at a time."""
+    from .workdir import lock, unlock
+
+    root = Path(cache_dir) / "demo-photos"
+    if not (root / "dataset.tsv").is_file():
+        print(f"demo: generating {DEMO_CLASSES * DEMO_PER_CLASS} photos from scikit-image's photographs in {root} "
+              "(once, a few seconds)", flush=True)
+    lock(root, "demo run generating its photos", "wait a few seconds and rerun")
+    try:
+        return make_photo_dataset(root, classes=DEMO_CLASSES, per_class=DEMO_PER_CLASS, seed=seed)
+    finally:
+        unlock(root)

@@ -11,3 +11,7 @@ from __future__ import annotations
 
 class UserError(Exception):
     """The input or the settings are wrong; the message says which and what to do."""
+
+
+class RunMismatchError(UserError):
+    """A checkpoint to resume belongs to another run (other data, classes, model or batch size)."""

@@ -1,7 +1,14 @@
 """Measure where the time goes: a background sampler (GPU via NVML, CPU and RSS via psutil),
-per-step timings, and a diagnosis in plain words. The same Lightning callback serves `--monitor`
-during training and the benchmark's timed runs (which skip warm-up steps and synchronise the GPU
-at the two ends of the timed window only).
+per-step timings, a time budget, and a diagnosis in plain words. The same Lightning callback
+(`MonitorCallback`, public as `dali_pipe.MonitorCallback`) serves `--monitor` during training, any
+user's Trainer, and the benchmark's timed runs (which skip warm-up steps and synchronise the GPU at
+the two ends of the timed window only).
+
+The time budget splits the wall time of a run into start-up, data wait, model step, checkpoint
+saves, validation and logging and other callbacks (the rest), adding up to 100%. Each is measured
+from host timestamps of the actions Lightning already profiles (`trainer.profiler`, which the
+callback wraps and forwards to), so no step waits for the GPU. Every share of 10% or more gets a
+verdict, its fix and the gain computed from the measured numbers.
 
 Diagnosis rules (also in the README):
 - input-bound: data-wait >= 10% of the time. Says whether the CPU is saturated (>= 80%: decoding
@@ -9,17 +16,18 @@ Diagnosis rules (also in the README):
 - compute-bound: data-wait < 10% and, on a GPU, utilization >= 90% (on the CPU: the step dominates).
 - host-bound: data-wait < 10% but the GPU is under 90% busy (launch overhead, syncs, small batch).
 - swings: GPU utilization p5 < 50% while the mean is >= 70%.
-- stalls: steps over 3x the median; named as checkpoint saves or validation when at least half
-  of them coincide with those events.
+- stalls: steps over 3x the median (checkpoint saves and validation are counted apart, in the budget).
 - busy cores: other processes used the pinned cores (their share is the cores' load minus this
   process tree's CPU time); the figures are then low.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import pytorch_lightning as pl
@@ -151,10 +159,10 @@ class Sampler:
 
 @dataclass
 class StepLog:
-    """Per-step wall time and time blocked waiting for the batch, plus marked events."""
+    """Per training step: its time (fetch, step and the loop's work; saves and validation are counted
+    apart) and the part of it spent waiting for the batch."""
     step_s: list[float] = field(default_factory=list)
     wait_s: list[float] = field(default_factory=list)
-    events: dict[int, str] = field(default_factory=dict)  # step index -> "checkpoint" | "validation"
 
     def summary(self, batch_size: int) -> dict:
         st = np.array(self.step_s) if self.step_s else np.zeros(1)
@@ -174,11 +182,7 @@ class StepLog:
         st = np.array(self.step_s)
         med = float(np.median(st))
         idx = [i for i, s in enumerate(st) if s > STALL_FACTOR * med]
-        kinds = [self.events.get(i) for i in idx]
-        return {"count": len(idx), "median_ms": med * 1e3,
-                "max_ms": float(st.max() * 1e3),
-                "checkpoint": sum(k == "checkpoint" for k in kinds),
-                "validation": sum(k == "validation" for k in kinds)}
+        return {"count": len(idx), "median_ms": med * 1e3, "max_ms": float(st.max() * 1e3)}
 
 
 def diagnose(name: str, m: dict, *, cores: int, model: bool = True) -> list[str]:
@@ -187,8 +191,6 @@ def diagnose(name: str, m: dict, *, cores: int, model: bool = True) -> list[str]
     wait = m.get("data_wait_fraction") or 0.0
     cpu = m.get("cpu_util_mean") or 0.0
     gpu, p5 = m.get("gpu_util_mean"), m.get("gpu_util_p5")
-    if not model and name == "synthetic":
-        return [f"{name}: tensors already on the device, no input work at all; a reference point only."]
     if not model:
         out.append(f"{name}: loader ceiling (no model) is {m.get('images_per_sec', 0):.0f} images/s on {cores} "
                    f"core(s), with the CPU {cpu:.0f}% busy.")
@@ -209,13 +211,9 @@ def diagnose(name: str, m: dict, *, cores: int, model: bool = True) -> list[str]
         out.append(f"{name}: GPU utilization swings: p5 {p5:.0f}% against a mean of {gpu:.0f}%.")
     st = m.get("stalls") or {}
     if st.get("count") and model:
-        cause = ""
-        if st.get("checkpoint", 0) * 2 >= st["count"]:
-            cause = f"; {st['checkpoint']} of them line up with checkpoint saves (save less often or asynchronously)"
-        elif st.get("validation", 0) * 2 >= st["count"]:
-            cause = f"; {st['validation']} of them line up with validation runs"
-        out.append(f"{name}: periodic stalls, {st['count']} step(s) took over {STALL_FACTOR:.0f}x the median "
-                   f"({st['median_ms']:.0f} ms, worst {st['max_ms']:.0f} ms){cause}.")
+        out.append(f"{name}: stalls, {st['count']} step(s) took over {STALL_FACTOR:.0f}x the median "
+                   f"({st['median_ms']:.0f} ms, worst {st['max_ms']:.0f} ms), checkpoint saves and validation "
+                   "not included (the time budget counts those).")
     other = m.get("other_load_cores")
     if other is not None and other >= OTHER_LOAD_WARN:
         out.append(f"{name}: other processes kept {other:.1f} of the {cores} pinned core(s) busy during the "
@@ -223,96 +221,493 @@ def diagnose(name: str, m: dict, *, cores: int, model: bool = True) -> list[str]
     return out
 
 
-class MonitorCallback(pl.Callback):
-    """Lightning callback: step time, data-wait and GPU utilization during training (`--monitor`),
-    or over a benchmark's timed window (`skip_steps` warm-up steps first, `sync_window` on a GPU).
+# -- the time budget ----------------------------------------------------------------------------
+SHARES = ("startup", "data_wait", "model_step", "checkpoint_saves", "validation", "callbacks")
+SHARE_WORDS = {"startup": "start-up", "data_wait": "data wait", "model_step": "model step",
+               "checkpoint_saves": "checkpoint saves", "validation": "validation",
+               "callbacks": "logging and other callbacks"}
+VERDICT_SHARE = 0.10  # a share this large gets a verdict, a fix and its expected gain
+TARGET_SHARE = 0.05  # the share a suggested save or validation setting aims at
 
-    Data-wait is the host time between the end of one training batch and the start of the next
-    (the fetch); nothing here calls `.item()` or synchronises the GPU inside the window. Logs
-    `monitor/*` to the logger each epoch and prints the diagnosis at the end; `self.report` keeps it.
+
+def time_budget(wall: float, *, startup: float, data_wait: float, model_step: float, checkpoint_saves: float = 0.0,
+                validation: float = 0.0, **details) -> dict:
+    """The wall time in six shares that add up to 100%: five measured ones, and the rest of the loop's
+    time (logging, callbacks, Lightning's own work) as "callbacks". `details` go beside (counts, parts)."""
+    parts = {"startup": startup, "data_wait": data_wait, "model_step": model_step,
+             "checkpoint_saves": checkpoint_saves, "validation": validation}
+    parts = {k: max(0.0, float(v)) for k, v in parts.items()}
+    parts["callbacks"] = max(0.0, wall - sum(parts.values()))
+    total = sum(parts.values())
+    return {"wall_s": total, "seconds": {k: parts[k] for k in SHARES},
+            "shares": {k: parts[k] / total if total > 0 else 0.0 for k in SHARES}, **details}
+
+
+def budget_line(b: dict) -> str:
+    """`time: start-up 4%, data wait 2%, ... (of 84.2 s)`: every share, in the fixed order."""
+    return ("time: " + ", ".join(f"{SHARE_WORDS[k]} {b['shares'][k]:.0%}" for k in SHARES) +
+            f" (of {b['wall_s']:.1f} s)")
+
+
+def _without(b: dict, key: str, new_seconds: float) -> float:
+    """The share `key` would have if it took `new_seconds`, everything else as measured."""
+    old = b["seconds"][key]
+    wall = b["wall_s"] - old + new_seconds
+    return new_seconds / wall if wall > 0 else 0.0
+
+
+def budget_verdicts(name: str, b: dict, *, cli: dict | None = None) -> list[str]:
+    """A verdict for every share of at least 10%, with its fix and the gain computed from the measured
+    numbers. `cli` holds the CLI's current --checkpoint-every-steps and --val-fraction (fixes are then
+    flags); without it the fixes are the Trainer's and ModelCheckpoint's arguments."""
+    out = []
+    sh, sec, wall = b["shares"], b["seconds"], b["wall_s"]
+    if sh["startup"] >= VERDICT_SHARE:
+        parts = b.get("startup_parts") or {}
+        words = {"prepare_data": "data preparation (sync, scan)", "setup": "pipeline build"}
+        named = [f"{words[k]} {v:.1f} s" for k, v in parts.items() if k in words and v >= 0.05]
+        rest = max(0.0, sec["startup"] - sum(parts.values()))
+        detail = f": {', '.join(named)}, the rest {rest:.1f} s" if named else ""
+        longer = sec["startup"] / (sec["startup"] + 10 * (wall - sec["startup"])) if wall > sec["startup"] else 1.0
+        out.append(f"{name}: start-up takes {sh['startup']:.0%} of the run ({sec['startup']:.1f} s{detail}); it is "
+                   f"paid once per run: a run 10x as long would spend about {longer:.0%} on it, and a rerun reuses the "
+                   "synced files and the scan's verdicts.")
+    if sh["data_wait"] >= VERDICT_SHARE:
+        out.append(f"{name}: data wait takes {sh['data_wait']:.0%} of the run; a loader that kept up would make it "
+                   f"about {1 / max(1e-9, 1 - sh['data_wait']):.1f}x faster (the input-bound verdict says why).")
+    if sh["model_step"] >= VERDICT_SHARE:
+        rest = 1 - sh["model_step"]
+        out.append(f"{name}: the model step (forward, backward, optimizer) takes {sh['model_step']:.0%} of the run, "
+                   f"the work itself; everything else is {rest:.0%}, so no fix outside the model can make the run more "
+                   f"than {1 / max(1e-9, sh['model_step']):.1f}x faster.")
+    if sh["checkpoint_saves"] >= VERDICT_SHARE:
+        out.append(_saves_verdict(name, b, cli))
+    if sh["validation"] >= VERDICT_SHARE:
+        out.append(_validation_verdict(name, b, cli))
+    if sh["callbacks"] >= VERDICT_SHARE:
+        named = sorted((b.get("callbacks_by_name") or {}).items(), key=lambda kv: -kv[1])
+        top = [(k, v) for k, v in named if v / wall >= 0.02][:2] if wall > 0 else []
+        if top:
+            worst = "; ".join(f"{k} {v:.1f} s ({v / wall:.0%})" for k, v in top)
+            gain = _without(b, "callbacks", sec["callbacks"] - top[0][1])
+            out.append(f"{name}: logging and other callbacks take {sh['callbacks']:.0%} of the run, most in {worst}; "
+                       f"without {top[0][0]} they would take about {gain:.0%}.")
+        else:
+            out.append(f"{name}: logging and other callbacks take {sh['callbacks']:.0%} of the run, spread over "
+                       "Lightning's loop and the loggers; logging less often (Trainer(log_every_n_steps=...)) is the "
+                       "usual fix.")
+    return out
+
+
+def _saves_verdict(name: str, b: dict, cli: dict | None) -> str:
+    s, wall = b["seconds"]["checkpoint_saves"], b["wall_s"]
+    info = b.get("saves_info") or {}
+    n = max(1, info.get("count", 1))
+    mean = s / n
+    head = (f"{name}: checkpoint saves take {b['shares']['checkpoint_saves']:.0%} of the run ({n} save(s), "
+            f"{mean:.2f} s each)")
+    every, periodic = info.get("every_steps"), info.get("periodic", 0)
+    if every and periodic:
+        # the least frequent saving that reaches TARGET_SHARE, but always keeping a periodic save (spot safety)
+        span = periodic * every
+        choices = [every * m for m in (2, 5, 10, 20, 50, 100, 200, 500, 1000) if every * m <= span] or [span]
+        for k in choices:
+            share = _without(b, "checkpoint_saves", s - periodic * mean + (span // k) * mean)
+            if share <= TARGET_SHARE * 1.1:
+                break
+        how = f"--checkpoint-every-steps {k}" if cli is not None else f"ModelCheckpoint(every_n_train_steps={k})"
+        return f"{head}; {how} would cut that to about {share:.0%}."
+    half = _without(b, "checkpoint_saves", s / 2)
+    if cli is not None:
+        return (f"{head}, at the end of training only: a longer run amortises it (twice as many steps would bring "
+                f"it to about {s / (2 * wall - s):.0%}).")
+    return (f"{head}; saving half as often (ModelCheckpoint's every_n_epochs or every_n_train_steps) would cut that "
+            f"to about {half:.0%}.")
+
+
+def _validation_verdict(name: str, b: dict, cli: dict | None) -> str:
+    v, info = b["seconds"]["validation"], b.get("validation_info") or {}
+    runs, images = max(1, info.get("runs", 1)), info.get("images", 0)
+    head = (f"{name}: validation takes {b['shares']['validation']:.0%} of the run ({runs} run(s) of {v / runs:.2f} s"
+            + (f" on {images} image(s)" if images else "") + ")")
+    rest = b["wall_s"] - v
+    ratio = min(1.0, TARGET_SHARE * rest / ((1 - TARGET_SHARE) * v)) if v > 0 else 1.0  # val time that gives 5%
+    fraction = (cli or {}).get("val_fraction")
+    if cli is not None and fraction:
+        new = max(0.01, float(f"{fraction * ratio:.1g}"))
+        share = _without(b, "validation", v * new / fraction)
+        return (f"{head}; --val-fraction {new:g} would cut that to about {share:.0%} (with a split column: fewer val "
+                "rows).")
+    if cli is not None:
+        share = _without(b, "validation", v * ratio)
+        return f"{head}; fewer val rows in the split column ({ratio:.0%} of them) would cut that to about {share:.0%}."
+    if runs >= 4:
+        for k in (2, 3, 5, 10, 20):
+            share = _without(b, "validation", v * -(-runs // k) / runs)
+            if share <= TARGET_SHARE:
+                break
+        return f"{head}; Trainer(check_val_every_n_epoch={k}) would cut that to about {share:.0%}."
+    limit = max(0.01, float(f"{ratio:.1g}"))
+    return (f"{head}; Trainer(limit_val_batches={limit:g}) would cut that to about "
+            f"{_without(b, 'validation', v * limit):.0%}.")
+
+
+# -- measuring the budget inside any Trainer -------------------------------------------------------
+FETCH_ACTION = "[_TrainingEpochLoop].train_dataloader_next"
+STEP_ACTION = "run_training_batch"
+SAVE_ACTION = "save_checkpoint"
+TRANSPARENT = ("run_training_epoch",)  # spans a whole epoch, validation included: its parts are counted
+
+
+class _ProfilerTap:
+    """Stands in for the Trainer's profiler: forwards every call to it, and reports the start and stop of
+    each action Lightning profiles (hooks, the batch fetch, the training batch, checkpoint saves) to a
+    _Clock. Host timestamps only: nothing here waits for the GPU."""
+
+    def __init__(self, inner, clock: "_Clock"):
+        object.__setattr__(self, "_inner", inner)
+        object.__setattr__(self, "_clock", clock)
+
+    def start(self, action_name: str) -> None:
+        self._clock.begin(action_name)
+        self._inner.start(action_name)
+
+    def stop(self, action_name: str) -> None:
+        self._inner.stop(action_name)
+        self._clock.end(action_name)
+
+    @contextlib.contextmanager
+    def profile(self, action_name: str):
+        self.start(action_name)
+        try:
+            yield action_name
+        finally:
+            self.stop(action_name)
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+    def __setattr__(self, name, value):
+        setattr(self._inner, name, value)
+
+
+def _owner(action: str) -> str:
+    """'[Callback]ModelCheckpoint{...}.on_train_batch_end' -> 'ModelCheckpoint'."""
+    body = action.split("]", 1)[-1]
+    return body.split("{", 1)[0].rsplit(".", 1)[0] or body
+
+
+class _Clock:
+    """Adds up host seconds per share from the profiled actions, once `on` (after start-up): the batch
+    fetch (and its move to the device) is data wait, the training batch is the model step, checkpoint
+    saves are saves wherever they happen, and every other top-level action is a callback's or a hook's,
+    by owner. Nested actions count once, in the outermost attributed one."""
+
+    def __init__(self):
+        self.stack: list[list] = []  # [action, start, seconds of counted actions nested in it]
+        self.on = self.in_val = False
+        self.fetch = self.step = 0.0
+        self.hooks: dict[str, float] = {}
+        self.saves: list[list] = []  # merged [start, end, global_step, phase] per save
+        self.saves_total = self.saves_in_val = 0.0
+        self.global_step = lambda: None
+
+    def _kind(self, action: str) -> str:
+        if action == SAVE_ACTION:
+            return "save"
+        if action == FETCH_ACTION or (not self.in_val and action.startswith("[Strategy]")
+                                      and action.endswith(".batch_to_device")):
+            return "fetch"
+        if action == STEP_ACTION:
+            return "step"
+        return "transparent" if action in TRANSPARENT else "hook"
+
+    def begin(self, action: str) -> None:
+        self.stack.append([action, time.perf_counter(), 0.0])
+
+    def end(self, action: str) -> None:
+        t1 = time.perf_counter()
+        for i in range(len(self.stack) - 1, -1, -1):
+            if self.stack[i][0] == action:
+                _, t0, nested = self.stack.pop(i)
+                break
+        else:
+            return
+        if not self.on:
+            return
+        kind = self._kind(action)
+        d = t1 - t0
+        enclosing = [self._kind(f[0]) for f in self.stack]
+        parent = self.stack[-1] if self.stack else None
+        if kind == "save":
+            if "save" in enclosing:
+                return
+            phase = next((f[0].rsplit(".", 1)[-1] for f in reversed(self.stack) if f[0].startswith("[Callback]")), "")
+            added = self.add_save(t0, t1, phase)
+            if parent is not None:
+                parent[2] += added
+            return
+        if kind == "transparent" or {"fetch", "step", "save"} & set(enclosing):
+            return
+        net = max(0.0, d - nested)
+        if kind == "fetch":
+            self.fetch += net
+        elif kind == "step":
+            self.step += net
+        elif not self.in_val:
+            key = _owner(action)
+            self.hooks[key] = self.hooks.get(key, 0.0) + net
+        else:
+            return
+        if parent is not None:
+            parent[2] += d
+
+    def add_save(self, t0: float, t1: float, phase: str = "", step: int | None = None) -> float:
+        """Count a save (merged with those it overlaps); returns the seconds it adds to the total."""
+        step = self.global_step() if step is None else step
+        before = self.saves_total
+        for s in self.saves:
+            if t0 <= s[1] and s[0] <= t1:  # overlaps: one save (the outer one reported by its callback)
+                self.saves_total -= s[1] - s[0]
+                s[0], s[1] = min(s[0], t0), max(s[1], t1)
+                s[3] = s[3] or phase
+                self.saves_total += s[1] - s[0]
+                break
+        else:
+            self.saves.append([t0, t1, step, phase])
+            self.saves_total += t1 - t0
+        added = self.saves_total - before
+        if self.in_val:
+            self.saves_in_val += added
+        return added
+
+    def save_details(self) -> dict:
+        batch = sorted(s[2] for s in self.saves if s[3] == "on_train_batch_end" and s[2])
+        gaps = np.diff([0] + batch)
+        return {"count": len(self.saves), "periodic": len(batch),
+                "every_steps": int(np.median(gaps)) if len(batch) else None,
+                "steps": [s[2] for s in self.saves]}
+
+
+class MonitorCallback(pl.Callback):
+    """Where the time goes, in any Trainer: `Trainer(callbacks=[dali_pipe.MonitorCallback()])`.
+
+    At the end of `fit` it prints (rank 0) the diagnosis as `MONITOR ...` lines, the same as
+    `train.py --monitor`: input-bound (with why), compute-bound, host-bound, GPU swings, stalls, busy
+    cores; then `MONITOR time: ...`, the run's wall time split into start-up (sync, scan, pipeline
+    build, first batch), data wait, model step (forward, backward, optimizer), checkpoint saves,
+    validation and logging and other callbacks, adding up to 100%; and for every share of at least
+    10% a verdict with its fix and the expected gain (e.g. "checkpoint saves take 21% of the run (5
+    saves, 1.40 s each); ModelCheckpoint(every_n_train_steps=25) would cut that to about 4%").
+
+    The logger gets `monitor/*` scalars every epoch and at the end (data wait, step time, CPU and GPU
+    utilization, `monitor/time_<share>`), and the verdicts as text where it takes text (TensorBoard).
+    `output`: a folder that also gets `monitor.json`. `origin`: when the run started (a
+    `time.perf_counter()` value; default: this callback's creation, or the DataModule's
+    `prepare_data` when that came first).
+
+    How it measures: host timestamps of what Lightning profiles (the batch fetch, the training batch,
+    `save_checkpoint`, every hook), read through the Trainer's profiler, which keeps working as
+    before; utilization from a 20 Hz NVML/psutil sampler. Nothing waits for the GPU inside the run;
+    the GPU is synchronised at the ends of the window only (`sync_window`), so on a GPU the host time
+    spent waiting for queued work lands where the host waits. Data-wait per step is the fetch; the
+    benchmark's runs skip `skip_steps` warm-up steps before the timed window.
     """
 
-    def __init__(self, output=None, hz: float = 20.0, *, skip_steps: int = 0, sync_window: bool = False,
-                 name: str = "training", verbose: bool = True):
+    def __init__(self, output=None, hz: float = 20.0, *, skip_steps: int = 0, sync_window: bool = True,
+                 name: str = "training", verbose: bool = True, origin: float | None = None, cli: dict | None = None):
         self.output, self.hz = output, hz
         self.skip_steps, self.sync_window, self.name, self.verbose = skip_steps, sync_window, name, verbose
+        self.origin, self.cli = origin if origin is not None else time.perf_counter(), cli
         self.steps = StepLog()
         self.report: dict | None = None
+        self.timeline = None
         self.t0 = self.t1 = None
-        self._t_end = self._t_start = None
+        self.clock = _Clock()
+        self.sampler = None
+        self._tap = None
         self._seen = 0
+        self._batch = None  # images per batch, from the first batch
+        self._started = None  # perf_counter of the first training batch: the end of start-up
+        self._prev = None  # (time, fetch, saves, validation) at the previous batch end
+        self._val_start = None
+        self._val = {"runs": 0, "images": 0, "seconds": 0.0}
+        self._reported: dict[int, int] = {}  # callbacks that record their own saves: entries already counted
+        self._train_end = self._last_end_hook = None
 
-    def _sync(self, pl_module) -> None:
+    # -- the window ---------------------------------------------------------------------------
+    def _sync(self, pl_module) -> float:
+        """Synchronise the GPU (window ends only); returns the seconds it took."""
+        start = time.perf_counter()
         if self.sync_window and pl_module.device.type == "cuda":
             import torch
 
             torch.cuda.synchronize(pl_module.device)
+        return time.perf_counter() - start
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        if stage != "fit" or self._tap is not None:
+            return
+        self._tap = _ProfilerTap(trainer.profiler, self.clock)
+        trainer.profiler = self._tap
+        self.clock.global_step = lambda: trainer.global_step
+        spans = getattr(trainer.datamodule, "spans", None) or {}
+        if "prepare_data" in spans:
+            self.origin = min(self.origin, spans["prepare_data"][0])
+
+    def teardown(self, trainer, pl_module, stage: str) -> None:
+        if self._tap is not None and trainer.profiler is self._tap:
+            trainer.profiler = self._tap._inner
+        self._tap = None
 
     def on_train_start(self, trainer, pl_module):
         gpu = (pl_module.device.index or 0) if pl_module.device.type == "cuda" else None
         self.sampler = Sampler(self.hz, gpu).start()
-        if not self.skip_steps:
-            self._sync(pl_module)
-            self.t0 = time.perf_counter()
-        self._t_end = None
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        now = time.perf_counter()
-        self._t_start = now
-        self._wait = (now - self._t_end) if self._t_end is not None else 0.0
+        if self._started is None:
+            self._started = time.perf_counter()
+            self.clock.on = True
+            self._prev = (self._started, 0.0, 0.0, 0.0)
+            self._batch = _batch_len(batch)
+            if not self.skip_steps:
+                self.t0 = self._started
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self._count_reported_saves(trainer)
         self._seen += 1
-        if self._seen <= self.skip_steps:
-            if self._seen == self.skip_steps:  # the timed window starts here
-                self._sync(pl_module)
-                self.t0 = self._t_end = time.perf_counter()
-            return
-        self._t_end = time.perf_counter()
-        if self._t_start is not None:
-            self.steps.step_s.append(self._t_end - self._t_start + self._wait)
-            self.steps.wait_s.append(self._wait)
+        if self._seen == self.skip_steps:  # the timed window starts here, with the GPU caught up
+            self.clock.step += self._sync(pl_module)
+        now = time.perf_counter()
+        t, fetch, saves, val = self._prev
+        cycle = now - t - (self.clock.saves_total - saves) - (self._val["seconds"] - val)
+        self._prev = (now, self.clock.fetch, self.clock.saves_total, self._val["seconds"])
+        if self._seen == self.skip_steps:
+            self.t0 = now
+        elif self._seen > self.skip_steps:
+            self.steps.step_s.append(max(0.0, cycle))
+            self.steps.wait_s.append(self.clock.fetch - fetch)
 
-    def on_save_checkpoint(self, trainer, pl_module, checkpoint):
-        in_step = self._t_start is not None and (self._t_end is None or self._t_end < self._t_start)
-        self.steps.events[len(self.steps.step_s) - (0 if in_step else 1)] = "checkpoint"
+    def _count_reported_saves(self, trainer) -> None:
+        """Saves a callback times itself (SpotSafeCheckpoint: the fsync and the rename too) join the profiled ones."""
+        for cb in trainer.callbacks:
+            records = getattr(cb, "saves", None)
+            if not isinstance(records, list):
+                continue
+            done = self._reported.get(id(cb), 0)
+            for step, start, seconds in records[done:]:
+                if self._started is not None and start >= self._started:
+                    added = self.clock.add_save(start, start + seconds, step=step)
+                    key = type(cb).__name__
+                    self.clock.hooks[key] = self.clock.hooks.get(key, 0.0) - added  # it was counted as its hook
+            self._reported[id(cb)] = len(records)
 
     def on_validation_start(self, trainer, pl_module):
-        if not trainer.sanity_checking and self.steps.step_s:
-            self._val_t = time.perf_counter()
+        if self.clock.on and not trainer.sanity_checking:
+            self._val_start = time.perf_counter()
+            self.clock.in_val = True
+
+    def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0):
+        if self._val_start is not None:
+            self._val["images"] += _batch_len(batch)
 
     def on_validation_end(self, trainer, pl_module):
-        if not trainer.sanity_checking and self.steps.step_s and getattr(self, "_val_t", None):
-            self.steps.step_s[-1] += time.perf_counter() - self._val_t
-            self.steps.events.setdefault(len(self.steps.step_s) - 1, "validation")
-            self._val_t = None
-            self._t_end = time.perf_counter()
+        if self._val_start is not None:
+            self._val["seconds"] += time.perf_counter() - self._val_start
+            self._val["runs"] += 1
+            self._val_start = None
+            self.clock.in_val = False
+
+    # -- results ------------------------------------------------------------------------------
+    def budget(self, trainer, end: float | None = None) -> dict:
+        """The time budget from `origin` to `end` (default: now)."""
+        end = time.perf_counter() if end is None else end
+        started = self._started if self._started is not None else end
+        c = self.clock
+        runs = self._val["runs"]
+        spans = getattr(trainer.datamodule, "spans", None) or {}
+        parts = {k: e - s for k, (s, e) in spans.items() if s >= self.origin - 1e-6}
+        return time_budget(
+            end - self.origin, startup=started - self.origin, data_wait=c.fetch, model_step=c.step,
+            checkpoint_saves=c.saves_total, validation=self._val["seconds"] - c.saves_in_val,
+            startup_parts=parts, saves_info=c.save_details(),
+            validation_info={"runs": runs, "images": self._val["images"] // max(1, runs)},
+            callbacks_by_name={k: v for k, v in c.hooks.items() if v > 0},
+            steps=self._seen)
 
     def on_train_epoch_end(self, trainer, pl_module):
-        if self.steps.step_s and trainer.logger is not None and self.t0 is not None:
-            w = self.sampler.window(self.t0, time.perf_counter())
-            s = self.steps.summary(1)
-            metrics = {"monitor/data_wait_fraction": s["data_wait_fraction"], "monitor/step_ms_p50": s["step_ms_p50"],
-                       "monitor/cpu_util_mean": w["cpu_util_mean"]}
-            if w["gpu_util_mean"] is not None:
-                metrics["monitor/gpu_util_mean"] = w["gpu_util_mean"]
-            trainer.logger.log_metrics({k: v for k, v in metrics.items() if v is not None}, step=trainer.global_step)
+        if trainer.logger is None or not self.steps.step_s:
+            return
+        w = self.sampler.window(self.t0 or self._started, time.perf_counter())
+        s = self.steps.summary(1)
+        metrics = {"monitor/data_wait_fraction": s["data_wait_fraction"], "monitor/step_ms_p50": s["step_ms_p50"],
+                   "monitor/cpu_util_mean": w["cpu_util_mean"], "monitor/gpu_util_mean": w["gpu_util_mean"]}
+        metrics.update({f"monitor/time_{k}": v for k, v in self.budget(trainer)["shares"].items()})
+        trainer.logger.log_metrics({k: v for k, v in metrics.items() if v is not None}, step=trainer.global_step)
 
     def on_train_end(self, trainer, pl_module):
-        self._sync(pl_module)
-        self.t1 = time.perf_counter()
-        if self.steps.step_s and self._t_end is not None:
-            self.steps.step_s[-1] += self.t1 - self._t_end  # work still queued on the GPU belongs to the window
+        self._count_reported_saves(trainer)
+        waited = self._sync(pl_module)  # work still queued on the GPU belongs to the window
+        self.clock.step += waited
+        if self.steps.step_s:
+            self.steps.step_s[-1] += waited
+        self._train_end = time.perf_counter()
+
+    def on_fit_end(self, trainer, pl_module):
+        """After every callback's on_train_end (ModelCheckpoint's last save included): the report."""
+        if self._train_end is None:
+            return
+        self._count_reported_saves(trainer)
+        ends = [s[1] for s in self.clock.saves] + [self._train_end]
+        end = max(ends)
+        self.clock.on = False
+        self.t1 = end
         self.sampler.stop()
-        batch = getattr(trainer.train_dataloader, "batch_size", 1) or 1
-        m = {**self.steps.summary(batch), **self.sampler.window(self.t0 or self.t1, self.t1),
+        m = {**self.steps.summary(self._batch or 1), **self.sampler.window(self.t0 or self._started or end, end),
              "stalls": self.steps.stalls()}
         self.timeline = m.pop("gpu_timeline", None)
+        b = self.budget(trainer, end)
+        m["time_budget"] = b
         m["diagnosis"] = diagnose(self.name, m, cores=len(self.sampler.cores))
+        m["time_line"] = budget_line(b)
+        m["budget_verdicts"] = budget_verdicts(self.name, b, cli=self.cli)
         self.report = m
-        if self.verbose and trainer.is_global_zero:
-            for line in m["diagnosis"]:
+        if trainer.is_global_zero:
+            self._publish(trainer, m)
+
+    def on_exception(self, trainer, pl_module, exception):
+        if self.sampler is not None:
+            self.sampler.stop()
+
+    def _publish(self, trainer, m: dict) -> None:
+        lines = m["diagnosis"] + [m["time_line"]] + m["budget_verdicts"]
+        if self.verbose:
+            for line in lines:
                 print(f"MONITOR {line}", flush=True)
+        if trainer.logger is not None:
+            scalars = {f"monitor/time_{k}": v for k, v in m["time_budget"]["shares"].items()}
+            scalars["monitor/images_per_sec"] = m["images_per_sec"]
+            trainer.logger.log_metrics({k: v for k, v in scalars.items() if v is not None}, step=trainer.global_step)
+            experiment = getattr(trainer.logger, "experiment", None)
+            if hasattr(experiment, "add_text"):
+                experiment.add_text("monitor/diagnosis", "\n\n".join(lines), trainer.global_step)
+        if self.output is not None:
+            import json
+
+            out = Path(self.output)
+            out.mkdir(parents=True, exist_ok=True)
+            tmp = out / f".monitor.json.tmp-{os.getpid()}"
+            tmp.write_text(json.dumps({**m, "timeline": self.timeline}, indent=1))
+            os.replace(tmp, out / "monitor.json")
+
+
+def _batch_len(batch) -> int:
+    """Images in a batch: the length of its labels (or of its first element)."""
+    try:
+        part = batch[1] if isinstance(batch, (tuple, list)) and len(batch) > 1 else batch[0]
+        return len(part)
+    except Exception:
+        return 1
 
 
 def gpu_memory_outside_torch(device_index: int) -> float | None:

@@ -29,15 +29,11 @@ from pathlib import Path
 import pytorch_lightning as pl
 from pytorch_lightning.utilities.exceptions import SIGTERMException
 
-from dali_pipe.errors import UserError
+from dali_pipe.errors import RunMismatchError, UserError  # noqa: F401 (RunMismatchError: one class for both sides)
 from dali_pipe.workdir import remove_dead_temps
 
 LAST = "last.ckpt"
 SIDECAR = "last.json"
-
-
-class RunMismatchError(UserError):
-    """The checkpoint in the output belongs to another run."""
 
 
 class CheckpointSaveError(UserError):

@@ -43,6 +43,7 @@ class ImageClassifier(pl.LightningModule):
         self.mixing = MixSettings(settings.mixup_alpha, settings.cutmix_alpha, settings.label_smoothing)
         self.seed = seed
         self.epoch_metrics: list[dict] = []  # one dict per finished epoch, as printed
+        self.metric_lines = True  # print the METRIC line per epoch (the benchmark prints a report instead)
         self._last_val: dict | None = None
 
     # -- model -------------------------------------------------------------------------------
@@ -118,7 +119,7 @@ class ImageClassifier(pl.LightningModule):
         row = {"epoch": self.current_epoch + 1, **m, **(self._last_val or {})}
         self._last_val = None
         self.epoch_metrics.append(row)
-        if self.trainer.is_global_zero:
+        if self.trainer.is_global_zero and self.metric_lines:
             print("METRIC " + " ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}"
                                        for k, v in row.items()), flush=True)
 

@@ -1,5 +1,7 @@
 """The import structure: the library never imports its CLI, the data side never imports the model
-side, and no project module imports itself back through others (all imports count, lazy ones too)."""
+side, the public API (dali_pipe/__init__.py, dali_pipe/api.py) sits above both and nothing below imports
+it, and no project module imports itself back through others (all imports count, lazy ones too, and
+the package's lazily exported names)."""
 from __future__ import annotations
 
 import ast
@@ -36,6 +38,9 @@ def _graph() -> dict[str, set[str]]:
                 continue
             deps |= {t for t in targets if t in mods and t != name}
         graph[name] = deps
+    import dali_pipe  # its public names are imported on first use, by module name: count those too
+
+    graph["dali_pipe"] |= {f"dali_pipe.{m}" for m in dali_pipe._WHERE.values()}
     return graph
 
 
@@ -46,6 +51,9 @@ def _is_cli(mod: str) -> bool:
     return mod.startswith("dali_pipe.cli") or mod == "dali_pipe.__main__"
 
 
+API = ("dali_pipe", "dali_pipe.api")  # the public API layer: above the model side and the data side
+
+
 def test_library_never_imports_the_cli():
     for mod, deps in GRAPH.items():
         if mod.startswith(("dali_pipe", "model")) and not _is_cli(mod):
@@ -54,8 +62,14 @@ def test_library_never_imports_the_cli():
 
 def test_data_side_never_imports_the_model_side():
     for mod, deps in GRAPH.items():
-        if mod.startswith("dali_pipe") and not _is_cli(mod):
+        if mod.startswith("dali_pipe") and not _is_cli(mod) and mod not in API:
             assert not {d for d in deps if d.startswith("model")}, (mod, deps)
+
+
+def test_nothing_below_the_api_imports_it():
+    for mod, deps in GRAPH.items():
+        if not _is_cli(mod) and mod not in API and mod != "train":
+            assert "dali_pipe.api" not in deps, (mod, deps)
 
 
 def test_settings_are_a_leaf():

@@ -47,20 +47,9 @@ def prepared(s: Settings) -> Settings:
     demo = s.data.data is None
     s = resolve(s)
     if demo:
-        from pathlib import Path
+        from ..demo import demo_dataset
 
-        from ..demo import make_photo_dataset
-        from ..workdir import lock, unlock
-
-        root = Path(s.data.cache_dir) / "demo-photos"
-        if not (root / "dataset.tsv").is_file():
-            print(f"demo: generating 400 photos from scikit-image's photographs in {root} (once, a few seconds)",
-                  flush=True)
-        lock(root, "demo run generating its photos", "wait a few seconds and rerun")
-        try:
-            s.data.data = str(make_photo_dataset(root, classes=4, per_class=100, seed=s.data.seed))
-        finally:
-            unlock(root)
+        s.data.data = str(demo_dataset(s.data.cache_dir, seed=s.data.seed))
         print(f"demo: no --data given; training on generated photos in {s.data.data}")
     return s
 

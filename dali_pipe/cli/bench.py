@@ -1,36 +1,24 @@
-"""Benchmark mode: DALI, the classic DataLoader and synthetic data side by side, in one run.
+"""Benchmark mode (`train.py --benchmark`): DALI, the classic DataLoader and synthetic data side by
+side, in one run, for the built-in classifier and the settings of a training run.
 
 Same files (the training split), batch size, model and precision for every loader. With a model,
 each loader feeds the real training step: the LightningModule run by the same Trainer setup as
 training (same AdamW, precision plugin and loss), timed by `MonitorCallback` after `--warmup`
-untimed steps; `--model none` times the loaders alone. `--repeat N` runs N rounds, alternating the
-loaders' order, and reports the median and min-max of each loader and of each ratio (ratios are
-taken within a round). Writes OUT/benchmark.json, OUT/benchmark.png and prints a table.
+untimed steps; `--model none` times the loaders alone (and leaves synthetic out, with a note).
+`--repeat N` runs N rounds, alternating the loaders' order, and reports the median and min-max of
+each loader and of each ratio (ratios are taken within a round). The measuring, reporting and
+plotting live in dali_pipe/benchmark.py, which `dali_pipe.benchmark()` shares.
 """
 from __future__ import annotations
 
 import dataclasses
-import gc
-import json
-import statistics
+import sys
 from pathlib import Path
 
-from ..benchmark import Synthetic, endless, environment, pin_cpus, plot, ratios, spread, table, time_loader
+from ..benchmark import (NO_MODEL_NOTE, Synthetic, environment, finish, measure, pin_cpus, quiet_lightning, ratio_lines,
+                         ratios, run_rounds, summarise)
 from ..config import VIT_B16_RANDOM, Settings, UsageError
-from ..monitor import MonitorCallback, Sampler, diagnose
 from ..pipeline import Shards
-
-
-def _release_gpu_memory(gpu: bool) -> None:
-    """Return the memory of the loader just measured, so the next one starts with the same pool:
-    DALI's memory pool outlives its pipelines, torch's caching allocator its tensors."""
-    gc.collect()
-    if gpu:
-        import torch
-        from nvidia.dali.backend import ReleaseUnusedMemory
-
-        ReleaseUnusedMemory()
-        torch.cuda.empty_cache()
 
 
 class Bench:
@@ -56,6 +44,13 @@ class Bench:
         self.spec = ImageSpec.from_processor(load_processor(self.model or VIT_B16_RANDOM))
         self.pipeline = dataclasses.replace(s.pipeline, num_threads=self.threads)
         self.names = s.bench.loaders.split(",")
+        self.notes = []
+        if self.model is None and "synthetic" in self.names:
+            self.names.remove("synthetic")
+            self.notes.append(NO_MODEL_NOTE)
+            if not self.names:
+                raise UsageError("invalid arguments:\n  --loaders: 'synthetic' alone needs a model (--model NAME); "
+                                 "with --model none there is nothing for it to be the ceiling of")
         self.dm = DaliDataModule(s.data, self.pipeline, self.spec, self.out)
         self.dm.prepare_data()  # sync s3:// data, scan, report
         self.dm.setup_manifest()  # refuses a batch larger than the training split
@@ -83,71 +78,38 @@ class Bench:
                                   seed=self.s.data.seed)
         return Synthetic(self.s.data.batch_size, self.spec, len(self.dm.manifest.classes), self.device)
 
-    def measure(self, name: str) -> dict:
-        """One timed run of one loader: its metrics and timelines."""
-        data = self.loader(name)
-        batch, warmup, steps = self.s.data.batch_size, self.s.bench.warmup, self.s.bench.steps
-        if self.model is None:
-            sampler = Sampler(20.0, 0 if self.gpu else None).start()
-            try:
-                log, t0, t1 = time_loader(endless(data), self.device, warmup=warmup, steps=steps)
-            finally:
-                sampler.stop()
-            m = {**log.summary(batch), **sampler.window(t0, t1), "stalls": log.stalls(), "gpu_note": sampler.gpu_note}
-            timeline, wait = m.pop("gpu_timeline"), log.wait_s
-            m["diagnosis"] = diagnose(name, m, cores=len(self.cores), model=False)
-        else:
-            m, timeline, wait = self._train_steps(name, data)
-        del data
-        _release_gpu_memory(self.gpu)
-        return {"metrics": m, "timeline": {"gpu": timeline, "wait_ms": [w * 1e3 for w in wait]}}
-
-    def _train_steps(self, name: str, data):
-        """The LightningModule's own training step, run by the training Trainer setup, timed."""
-        import pytorch_lightning as pl
-
+    def module(self):
         from model.module import ImageClassifier
+
+        module = ImageClassifier(self.s.model, seed=self.s.data.seed, classes=self.dm.manifest.classes)
+        module.metric_lines = False  # a report, not a training log
+        return module
+
+    def trainer(self, callbacks: list, max_steps: int):
+        """Training's Trainer setup, on one device, without checkpoints, validation or progress bar; its
+        logger takes the step's logging (as in training) and writes nothing."""
+        from pytorch_lightning.loggers.logger import DummyLogger
 
         from .fit import make_trainer
 
+        return make_trainer(self.s, callbacks, logger=DummyLogger(), devices=1, num_nodes=1, strategy="auto",
+                            max_steps=max_steps, max_epochs=-1, limit_val_batches=0, num_sanity_val_steps=0,
+                            enable_progress_bar=False)
+
+    def measure(self, name: str, label: str) -> dict:
+        """One timed run of one loader: its metrics and timelines."""
         s = self.s
-        pl.seed_everything(s.data.seed, verbose=False)
-        timer = MonitorCallback(skip_steps=s.bench.warmup, sync_window=True, name=name, verbose=False)
-        trainer = make_trainer(s, [timer], logger=False, devices=1, num_nodes=1, strategy="auto",
-                               max_steps=s.bench.warmup + s.bench.steps, max_epochs=-1, limit_val_batches=0,
-                               num_sanity_val_steps=0, enable_progress_bar=False)
-        trainer.fit(ImageClassifier(s.model, seed=s.data.seed, classes=self.dm.manifest.classes),
-                    train_dataloaders=data)
-        m = {**timer.report, "gpu_note": timer.sampler.gpu_note}
-        if name == "synthetic" and m["data_wait_fraction"] < 0.10:
-            m["diagnosis"][0] = m["diagnosis"][0].replace(f"{name}: ", f"{name}: the model's own ceiling; ", 1)
-        return m, timer.timeline, timer.steps.wait_s
-
-
-def summarise(rounds: dict[str, list[dict]]) -> tuple[dict, dict, dict]:
-    """(per-loader results from the round nearest each median, their timelines, images/s per round)."""
-    results, timelines, ips = {}, {}, {}
-    for name, runs in rounds.items():
-        ips[name] = [x["metrics"]["images_per_sec"] for x in runs]
-        med = statistics.median(ips[name])
-        typical = min(runs, key=lambda x: abs(x["metrics"]["images_per_sec"] - med))
-        results[name] = {**typical["metrics"], "images_per_sec": med, "images_per_sec_rounds": spread(ips[name])}
-        timelines[name] = typical["timeline"]
-    return results, timelines, ips
+        return measure(name, lambda: self.loader(name), device=self.device, batch_size=s.data.batch_size,
+                       warmup=s.bench.warmup, steps=s.bench.steps, cores=len(self.cores),
+                       classes=self.dm.manifest.classes, make_module=self.module if self.model else None,
+                       make_trainer=self.trainer if self.model else None, label=label)
 
 
 def verdicts(b: Bench, results: dict, ratio: dict) -> list[str]:
     """Each loader's diagnosis, the ratios in words, and the packing prescription when it applies."""
     cores = len(b.cores)
     lines = [line for name in b.names for line in results[name]["diagnosis"]]
-    if "dali_vs_baseline" in ratio:
-        lines.append(f"dali delivers {ratio['dali_vs_baseline']['median']:.2f}x the images/s of the classic "
-                     f"DataLoader on {cores} core(s).")
-    if "dali_vs_synthetic" in ratio and b.model is not None:
-        lines.append(f"dali reaches {ratio['dali_vs_synthetic']['median']:.0%} of the synthetic-data ceiling.")
-    if "packed_vs_dali" in ratio:
-        lines.append(f"the packed loader delivers {ratio['packed_vs_dali']['median']:.2f}x the images/s of the "
-                     f"dali loader ({b.s.bench.packed} against {b.s.data.data}).")
+    lines += ratio_lines(ratio, cores=cores, model=b.model is not None, packed=b.s.bench.packed, data=b.s.data.data)
     bound = any(results[n]["diagnosis"][0].startswith(f"{n}: input-bound") for n in ("dali", "baseline")
                 if n in results)
     if bound and not isinstance(b.train, Shards):
@@ -156,7 +118,7 @@ def verdicts(b: Bench, results: dict, ratio: dict) -> list[str]:
         advice = prescription(b.dm.manifest, b.spec, b.pipeline, batch_size=b.s.data.batch_size, cores=cores)
         if advice:
             lines.append(advice)
-    return lines
+    return lines + b.notes
 
 
 def run(s: Settings) -> dict:
@@ -164,12 +126,11 @@ def run(s: Settings) -> dict:
 
     quiet_known_noise()
     b = Bench(s)
-    rounds: dict[str, list[dict]] = {n: [] for n in b.names}
-    for r in range(s.bench.repeat):
-        for name in b.names if r % 2 == 0 else b.names[::-1]:
-            print(f"benchmark: round {r + 1}/{s.bench.repeat}, {name} ({s.bench.warmup} warm-up + {s.bench.steps} "
-                  f"timed steps, batch {s.data.batch_size}, {len(b.cores)} core(s))", flush=True)
-            rounds[name].append(b.measure(name))
+    print(f"benchmark: {', '.join(b.names)}; {s.bench.warmup} warm-up + {s.bench.steps} timed steps each, batch "
+          f"{s.data.batch_size}, {len(b.cores)} core(s), {s.bench.repeat} round(s)" +
+          "".join(f"\nbenchmark: {n}" for n in b.notes), flush=True)
+    with quiet_lightning():
+        rounds = run_rounds(b.names, b.measure, s.bench.repeat)
     results, timelines, ips = summarise(rounds)
     ratio = ratios(ips)
     report = {
@@ -181,10 +142,8 @@ def run(s: Settings) -> dict:
         "loaders": results,
         "ratios": ratio,
         "diagnosis": verdicts(b, results, ratio),
+        "notes": b.notes,
         "timelines": timelines,
     }
-    (b.out / "benchmark.json").write_text(json.dumps(report, indent=1))
-    plot(report, b.out / "benchmark.png")
-    print(table(report))
-    print(f"benchmark: wrote {b.out / 'benchmark.json'} and {b.out / 'benchmark.png'}")
-    return report
+    sys.stdout.flush()
+    return finish(report, b.out)

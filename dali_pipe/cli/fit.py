@@ -102,6 +102,9 @@ def run(s: Settings) -> dict:
     """Fit the model and write it to OUTPUT in save_pretrained form. Returns the last epoch's metrics."""
     from ..workdir import check_writable, lock, unlock
 
+    import time
+
+    started = time.perf_counter()  # the --monitor time budget's origin (its start-up share begins here)
     quiet_known_noise()
     out, ckpt_dir = Path(s.run.output), Path(s.run.checkpoint_dir)
     main = is_main_process()
@@ -117,7 +120,7 @@ def run(s: Settings) -> dict:
             lock(out, "training run", "wait for it to finish, or pass another --output")
         if main and s.run.report_dir and Path(s.run.report_dir) != out:
             check_writable(s.run.report_dir, "--report-dir")
-        return _fit(s, out, ckpt_dir, main, meeting)
+        return _fit(s, out, ckpt_dir, main, meeting, started)
     except BaseException as e:
         if meeting is not None:
             from .hosts import fail_together
@@ -165,15 +168,14 @@ def preflight(s: Settings, out: Path, ckpt_dir: Path, main: bool) -> Prepared:
     params = parameter_count(s.model.model, manifest.classes)
     if main:
         check_writable(ckpt_dir, "--checkpoint-dir", bytes_needed(params))
-    fingerprint = {"samples": manifest.digest(), "classes": manifest.classes, "model": s.model.model,
-                   "image_size": [spec.height, spec.width], "batch_size": s.data.batch_size,
-                   "world_size": world_size(s), "seed": s.data.seed}
+    fingerprint = {**dm.fingerprint(world_size(s)), "model": s.model.model}
     targets = {"epochs": s.model.epochs, "max_steps": s.model.max_steps}
     plan = plan_resume(s.run.resume, ckpt_dir, fingerprint, targets, may_modify=main)
     return Prepared(processor, spec, dm, manifest, params, fingerprint, targets, plan)
 
 
-def _fit(s: Settings, out: Path, ckpt_dir: Path, main: bool, meeting=None) -> dict:
+def _fit(s: Settings, out: Path, ckpt_dir: Path, main: bool, meeting=None,
+         started: float | None = None) -> dict:
     from pytorch_lightning.callbacks import LearningRateMonitor
     from pytorch_lightning.utilities.exceptions import SIGTERMException
 
@@ -195,14 +197,17 @@ def _fit(s: Settings, out: Path, ckpt_dir: Path, main: bool, meeting=None) -> di
         return {"nothing_to_do": True, "global_step": p.plan.done_step}
     if main:
         print(summary(s, p.manifest, p.dm.scan_result, p.params))
-        if p.plan.note:
-            print(p.plan.note)
+        note = resume_line(s, p) or p.plan.note
+        if note:
+            print(note)
 
     module = ImageClassifier(s.model, seed=s.data.seed)
     ckpt = SpotSafeCheckpoint(ckpt_dir, every_steps=s.run.checkpoint_every_steps, fingerprint=p.fingerprint,
                               targets=p.targets)
     best = BestModel(ckpt_dir)
-    monitor = MonitorCallback(out) if s.run.monitor else None
+    monitor = MonitorCallback(Path(s.run.report_dir or out), origin=started,  # monitor.json beside the reports
+                              cli={"checkpoint_every_steps": s.run.checkpoint_every_steps,
+                                   "val_fraction": s.data.val_fraction}) if s.run.monitor else None
     callbacks = [ckpt, best, LearningRateMonitor(logging_interval="step"), DaliMemoryLog()]
     callbacks += [PlainProgressBar()] if not sys.stderr.isatty() else []  # lines in logs; tqdm on a terminal
     callbacks += [monitor] if monitor else []
@@ -255,6 +260,24 @@ def advise_packing(s: Settings, report: dict, manifest, spec) -> None:
             print(f"MONITOR {advice}", flush=True)
 
 
+def resume_line(s: Settings, p: Prepared) -> str | None:
+    """"resuming epoch 2, step 3 of 5 (global step 8) from PATH": where in the data the run continues
+    (the steps of finished epochs are whole epochs: every epoch has the same steps). None when not resuming
+    a checkpoint that says its step."""
+    from model.checkpoint import read_meta
+
+    if not p.plan.ckpt_path:
+        return None
+    meta = read_meta(Path(p.plan.ckpt_path)) or {}
+    step, per_epoch = meta.get("global_step"), steps_per_epoch(s, p.manifest)
+    if not isinstance(step, int) or per_epoch < 1:
+        return None
+    epoch, within = divmod(step, per_epoch)
+    where = (f"epoch {epoch + 1}, step {within} of {per_epoch}" if within else
+             f"at the start of epoch {epoch + 1} ({per_epoch} steps each)")
+    return f"resuming {where} (global step {step}) from {p.plan.ckpt_path}"
+
+
 def steps_per_epoch(s: Settings, manifest) -> int:
     """Optimizer steps per epoch: each rank's full batches, over the accumulation."""
     return len(manifest.train) // world_size(s) // s.data.batch_size // s.model.grad_accum
@@ -269,13 +292,16 @@ def summary(s: Settings, manifest, scan_result, params: int) -> str:
     scan = (f"scan {s.data.scan}: {len(scan_result.bad)} of {scan_result.total} excluded" if scan_result
             else f"scan {s.data.scan}")
     effective = s.data.batch_size * world * s.model.grad_accum
+    from ..datamodule import drop_note
+
+    drop = drop_note(len(manifest.train), s.data.batch_size, world)
     return "\n".join([
         f"data: {len(manifest.classes)} classes ({names}); {len(manifest.train)} train + {len(manifest.val)} val "
         f"images; {scan}" + (f"; {manifest.note}" if getattr(manifest, "note", "") else ""),
         f"device: {s.pipeline.device}, precision {s.model.precision}, {world} process(es)",
         f"model: {s.model.model}, {params / 1e6:.2f} M parameters",
         f"batch: {s.data.batch_size} per process x {world} process(es) x {s.model.grad_accum} accumulation = "
-        f"{effective} per optimizer step; {steps} steps per epoch, {total} in all"])
+        f"{effective} per optimizer step; {steps} steps per epoch, {total} in all"] + ([drop] if drop else []))
 
 
 def save_model(model, processor, out: Path, metrics: dict) -> None:

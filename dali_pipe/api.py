@@ -1,0 +1,227 @@
+"""The public API behind `from dali_pipe import ...` (listed in dali_pipe/__init__.py).
+
+- `DaliDataModule`: the DataModule from keyword settings. Its keywords are the CLI's flags with
+  underscores, checked by `validate` and filled by `resolve` as the CLI does (the same
+  UsageError text, the same defaults); the model's image processor gives the input size, mean and
+  std. Then it is the very class the CLI builds from its settings objects (dali_pipe/datamodule.py).
+- `SpotSafeCheckpoint`: the CLI's SIGTERM behaviour for any Trainer (model/checkpoint.py's callback,
+  with the periodic and final saves left to Lightning's ModelCheckpoint).
+- `RunFingerprint`: your own keys in the resume check the DataModule already does for the data.
+- `MonitorCallback` (monitor.py) and `benchmark` (benchmark.py) are exported as they are.
+
+This module sits above model/ and the data stages (it may import both); nothing below imports it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import os
+import sys
+from pathlib import Path
+
+import pytorch_lightning as pl
+
+from model.checkpoint import SpotSafeCheckpoint as _SpotSafeCheckpoint
+
+from .config import (DEFAULT_MODEL, FIELDS, DataSettings, PipelineSettings, flag_of, resolve, settings_from_keywords,
+                     validate)
+from .datamodule import DaliDataModule as _SettingsDataModule
+from .errors import RunMismatchError
+from .spec import ImageSpec
+
+_KEYWORDS = [f.name for cls in (DataSettings, PipelineSettings) for f in dataclasses.fields(cls)]
+_SPEC_KEYWORDS = ("model", "image_size", "mean", "std", "interpolation")
+INTERPOLATIONS = ("nearest", "linear", "cubic", "lanczos")
+
+
+def _spec_problems(image_size, mean, std, interpolation) -> list[str]:
+    out = []
+    sizes = image_size if isinstance(image_size, (tuple, list)) else (image_size,)
+    if not (1 <= len(sizes) <= 2 and all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in sizes)):
+        out.append(f"image_size: {image_size!r} is not a size in pixels (an integer, or (height, width))")
+    for key, value, positive in (("mean", mean, False), ("std", std, True)):
+        if value is None:
+            out.append(f"{key}: required with image_size= (per channel, on the [0, 1] scale, as the model was trained "
+                       "with); or pass model= to read it from the model's image processor")
+            continue
+        values = value if isinstance(value, (tuple, list)) else (value,)
+        if not (len(values) in (1, 3) and all(isinstance(v, (int, float)) and (v > 0 or not positive) for v in values)):
+            out.append(f"{key}: {value!r} is not 1 or 3 {'positive ' if positive else ''}numbers")
+    if interpolation not in INTERPOLATIONS:
+        out.append(f"interpolation: {interpolation!r} is not one of {', '.join(INTERPOLATIONS)}")
+    return out
+
+
+def _triple(v) -> tuple[float, float, float]:
+    values = tuple(float(x) for x in (v if isinstance(v, (tuple, list)) else (v,)))
+    return values * 3 if len(values) == 1 else values
+
+
+class DaliDataModule(_SettingsDataModule):
+    def __init__(self, data: str | os.PathLike | None = None, *, model: str | None = None, image_size=None,
+                 mean=None, std=None, interpolation: str = "linear", output: str | os.PathLike | None = None,
+                 **settings):
+        values = {"data": str(data) if isinstance(data, os.PathLike) else data, **settings}
+        s = settings_from_keywords(values, _KEYWORDS)
+        problems = []
+        if image_size is not None:
+            if model is not None:
+                problems.append("model / image_size: pass one of them (image_size= with mean= and std= replaces the "
+                                "model's image processor)")
+            problems += _spec_problems(image_size, mean, std, interpolation)
+        elif mean is not None or std is not None:
+            problems.append("mean / std: they go with image_size=; with model= they come from its image processor")
+        s.model.model = model
+        validate(s, ("data", "pipeline", "--model"), problems)
+        device = s.pipeline.device
+        s = resolve(s)
+        s.pipeline.device = device  # "auto" follows the Trainer's accelerator once one is attached
+        if s.data.data is None:
+            from .demo import demo_dataset
+
+            s.data.data = str(demo_dataset(s.data.cache_dir, seed=s.data.seed))
+        if image_size is not None:
+            sizes = tuple(image_size) if isinstance(image_size, (tuple, list)) else (image_size,)
+            spec = ImageSpec(sizes[0], sizes[-1], _triple(mean), _triple(std), interp=interpolation)
+        else:
+            from model.loading import load_processor
+
+            spec = ImageSpec.from_processor(load_processor(s.model.model))
+        super().__init__(s.data, s.pipeline, spec, None if output is None else Path(output))
+        self.model_name = s.model.model if image_size is None else None
+        self.announce = True
+
+
+def _signature() -> inspect.Signature:
+    P = inspect.Parameter
+    params = [P("self", P.POSITIONAL_OR_KEYWORD), P("data", P.POSITIONAL_OR_KEYWORD, default=None)]
+    params += [P(k, P.KEYWORD_ONLY, default=d) for k, d in (("model", None), ("image_size", None), ("mean", None),
+                                                               ("std", None), ("interpolation", "linear"),
+                                                               ("output", None))]
+    params += [P(k, P.KEYWORD_ONLY, default=FIELDS[k][1].default) for k in _KEYWORDS if k != "data"]
+    return inspect.Signature(params)
+
+
+def _keyword_docs() -> str:
+    lines = []
+    for k in _KEYWORDS:
+        if k == "data":
+            continue
+        f = FIELDS[k][1]
+        lines.append(f"    {k}={f.default!r} ({flag_of(k)}): {f.metadata['help']}")
+    return "\n".join(lines)
+
+
+DaliDataModule.__init__.__signature__ = _signature()
+DaliDataModule.__doc__ = f"""Feed your own LightningModule from dataset.tsv + JPEGs, a pack or S3, through DALI.
+
+    from dali_pipe import DaliDataModule
+    dm = DaliDataModule(data="s3://bucket/prefix", model="google/vit-base-patch16-224", batch_size=64)
+    dm.prepare_data()                 # sync, scan, report (once per node)
+    dm.classes                        # the label names, known before the model is built
+    trainer.fit(my_module, datamodule=dm)
+
+Batches are `(images, labels)`: images (B, 3, H, W) float32, normalised as the model expects, labels
+(B,) int64 class indices into `dm.classes`; on the GPU when DALI decodes there (device "gpu", or
+"auto" with a GPU Trainer), else on the CPU (Lightning then moves them to the module's device).
+
+Every epoch trains each sample at most once and drops each process's last partial batch (a note
+says so when that exceeds 10% of the images); validation sees every sample exactly once. With
+several processes (DDP) each rank reads its own shard, from the Trainer's ranks. The state saved
+in a Lightning checkpoint holds every rank's loader position, so with a
+`ModelCheckpoint(save_last=True, every_n_train_steps=N)` a rerun's `trainer.fit(..., ckpt_path="last")`
+continues mid-epoch at the same sample with the same augmentation; a checkpoint of other data
+(files, labels, split, classes, image size, batch size, processes or seed) is refused
+(RunMismatchError) before anything is restored.
+
+Arguments (the CLI's flags with underscores; defaults and checks are the CLI's, from
+dali_pipe/config.py; a bad value raises UsageError listing every problem):
+
+    data=None (--data): a folder holding dataset.tsv, a pack (python -m dali_pipe pack), or
+        s3://bucket/prefix of either; None: a generated demo set of real photographs
+    model=None (--model): the transformers model whose image processor gives the input size, mean,
+        std and resize rule: a hub id, a save_pretrained folder, or 'tiny' / 'vit-b16-random'
+        (built in); None: as the CLI ({DEFAULT_MODEL}, or tiny for the demo set)
+    image_size=None, mean=None, std=None, interpolation='linear': instead of model=, the input size
+        (an int or (height, width)) and the per-channel mean and std on the [0, 1] scale
+    output=None: where reports go (bad_images.tsv); None: the Trainer's default_root_dir
+{_keyword_docs()}
+"""
+
+
+class SpotSafeCheckpoint(_SpotSafeCheckpoint):
+    """Spot-safe stop on SIGTERM (spot reclaim, `docker stop`) for any Trainer.
+
+        trainer = pl.Trainer(callbacks=[ModelCheckpoint(dirpath=CKPT, save_last=True, every_n_train_steps=500),
+                                        dali_pipe.SpotSafeCheckpoint()])
+        trainer.fit(module, datamodule=dm, ckpt_path="last")
+
+    On SIGTERM the current training step finishes, every rank agrees (a CPU all-reduce after each step,
+    no GPU sync), `last.ckpt` is written under a temporary name and renamed (a kill mid-save leaves
+    the previous one whole), and `fit` ends with SystemExit(0): the script exits 0 and a rerun with
+    `ckpt_path="last"` continues at the next sample. A SIGTERM during validation lets it finish first.
+
+    `dirpath`: where last.ckpt goes; default: the ModelCheckpoint's dirpath (so ckpt_path="last" finds
+    it), else default_root_dir/checkpoints. Periodic and final saves stay the ModelCheckpoint's.
+    """
+
+    def __init__(self, dirpath: str | os.PathLike | None = None):
+        super().__init__(Path(dirpath or "."), every_steps=0)
+        self._dirpath = None if dirpath is None else Path(dirpath)
+
+    def _where(self, trainer) -> Path:
+        if self._dirpath is not None:
+            return self._dirpath
+        cb = trainer.checkpoint_callback
+        if getattr(cb, "dirpath", None):
+            return Path(cb.dirpath)
+        return Path(trainer.default_root_dir) / "checkpoints"
+
+    def save(self, trainer) -> None:
+        self.dir = self._where(trainer)
+        super().save(trainer)
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint: dict) -> None:
+        pass  # the run's fingerprint is the DataModule's state (and RunFingerprint's)
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        pass  # the final save is the ModelCheckpoint's (save_last=True)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        from pytorch_lightning.utilities.exceptions import SIGTERMException
+
+        try:
+            super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        except SIGTERMException:
+            if trainer.is_global_zero:
+                print(f"SIGTERM: checkpoint saved to {self.dir / 'last.ckpt'} at step {trainer.global_step}; run the "
+                      "same script again to resume (trainer.fit(..., ckpt_path=\"last\"))", file=sys.stderr, flush=True)
+            raise
+
+
+class RunFingerprint(pl.Callback):
+    """Refuse to resume a checkpoint written with other values of your own keys.
+
+        trainer = pl.Trainer(callbacks=[..., dali_pipe.RunFingerprint(model=MODEL_NAME, width=512)])
+
+    DaliDataModule already refuses another run's checkpoint for the data (files, labels, split,
+    classes, image size, batch size, processes, seed). This callback adds what only your code knows
+    (the model, its shape, anything a resumed run must share); values must be JSON-like (str, numbers,
+    lists, dicts). Each checkpoint carries them; `fit(..., ckpt_path=...)` with other values stops
+    before training with RunMismatchError naming each difference.
+    """
+
+    def __init__(self, **keys):
+        self.keys = keys
+
+    def state_dict(self) -> dict:
+        return {"keys": self.keys}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        saved = state_dict.get("keys", {})
+        diff = [f"{k}: {saved.get(k)!r} in the checkpoint, {self.keys.get(k)!r} now"
+                for k in sorted(set(saved) | set(self.keys)) if saved.get(k) != self.keys.get(k)]
+        if diff:
+            raise RunMismatchError("the checkpoint to resume belongs to another run:\n  " + "\n  ".join(diff) +
+                                   "\n  Resume it with the values it was written with, or start this run without "
+                                   "it (another checkpoint directory, or fit without ckpt_path).")

@@ -1,0 +1,216 @@
+"""The public API (dali_pipe.__all__), used as a user would: a cheap import, keywords checked as the CLI
+checks its flags, your own LightningModule in a plain Trainer with exact mid-epoch resume through
+Lightning's ModelCheckpoint, the public callbacks, benchmark() and the README's example."""
+from __future__ import annotations
+
+import json
+import os
+import runpy
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import resume_trace as rt
+
+ROOT = Path(__file__).resolve().parents[1]
+BATCH, EPOCHS = 8, 3
+
+
+@pytest.fixture(scope="module")
+def indexed(photo_root, tmp_path_factory):
+    """48 photos, each its own class; 41 train, 7 val (split column): 5 steps of 8 per epoch."""
+    return rt.indexed_dataset(photo_root, tmp_path_factory.mktemp("indexed") / "data")
+
+
+def test_import_is_cheap_and_every_public_name_resolves():
+    """`import dali_pipe` loads no torch, DALI, Lightning or transformers; each name in __all__ then loads."""
+    code = ("import sys, dali_pipe\n"
+            "heavy = [m for m in ('torch', 'nvidia.dali', 'pytorch_lightning', 'transformers', 'boto3', 'pandas') "
+            "if m in sys.modules]\nprint(heavy)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert r.returncode == 0 and r.stdout.strip() == "[]", r.stdout + r.stderr
+    import dali_pipe
+
+    assert sorted(dali_pipe.__all__) == sorted(set(dali_pipe.__all__)) and "DaliDataModule" in dir(dali_pipe)
+    for name in dali_pipe.__all__:
+        assert getattr(dali_pipe, name).__doc__, name
+    with pytest.raises(AttributeError):
+        dali_pipe.NoSuchThing  # noqa: B018
+
+
+def test_help_is_the_reference():
+    """help(dali_pipe.DaliDataModule) shows the keyword signature, the batch contract and every setting with
+    its default, its CLI flag and its one-line doc from config.py."""
+    import pydoc
+
+    import dali_pipe
+    from dali_pipe.config import FIELDS
+
+    text = pydoc.render_doc(dali_pipe.DaliDataModule, renderer=pydoc.plaintext)
+    assert "DaliDataModule(data=None, *, model=None, image_size=None, mean=None, std=None" in text
+    assert "images (B, 3, H, W) float32" in text and 'trainer.fit(..., ckpt_path="last")' in text
+    for name in ("batch_size", "val_fraction", "seed", "device", "num_threads", "auto_augment", "cache_dir"):
+        f = FIELDS[name][1]
+        assert f"{name}={f.default!r} (--{name.replace('_', '-')}): {f.metadata['help'][:40]}" in text, name
+
+
+def test_keywords_are_the_cli_flags_checked_and_resolved_the_same_way(photo_root, tmp_path, cache_dir):
+    """Bad values: one UsageError with the CLI's own lines; an unknown keyword names the closest one; strings
+    read as the CLI reads them; defaults resolve as the CLI's (cache dir, device)."""
+    import dali_pipe
+    from dali_pipe.cli import parse_train
+
+    with pytest.raises(dali_pipe.UsageError) as e:
+        dali_pipe.DaliDataModule(data=tmp_path / "nope", batch_size=0, device="tpu", crop_scale=(0.5, 0.1),
+                                 val_fraction="lots", image_size=64)
+    msg = str(e.value)
+    with pytest.raises(dali_pipe.UsageError) as cli:
+        parse_train(["--batch-size", "0", "--device", "tpu", "--val-fraction", "lots"])
+    for line in ("--batch-size: 0 must be at least 1", "--device: 'tpu' is not one of auto, gpu, cpu",
+                 "--val-fraction: 'lots' is not a number"):
+        assert line in msg and line in str(cli.value), line
+    assert "--crop-scale: (0.5, 0.1) must be 0 < MIN <= MAX <= 1" in msg and "--data: " in msg
+    assert "mean: required with image_size=" in msg and "std: required" in msg
+    with pytest.raises(TypeError, match="'batchsize' \\(did you mean 'batch_size'\\?\\)"):
+        dali_pipe.DaliDataModule(data=photo_root, model="tiny", batchsize=8)
+    dm = dali_pipe.DaliDataModule(data=photo_root, image_size=(32, 48), mean=0.5, std=(0.25, 0.25, 0.25),
+                                  batch_size="8", decoder_device_padding="64MB")
+    assert dm.data.batch_size == 8 and dm.pipeline.decoder_device_padding == 64_000_000
+    assert (dm.spec.height, dm.spec.width, dm.spec.mean) == (32, 48, (0.5, 0.5, 0.5))
+    assert dm.data.cache_dir == str(cache_dir) and dm.pipeline.device == "auto" and dm.device == "cpu"
+    with pytest.raises(dali_pipe.UserError, match="call dm.prepare_data\\(\\) first"):
+        dm.classes  # noqa: B018
+
+
+class _Traced:
+    """A user's own LightningModule, built from dm.classes, that records what each step trained."""
+
+    def __new__(cls, classes, trace: Path, sigterm_at: int | None = None):
+        import pytorch_lightning as pl
+        import torch
+
+        class Module(pl.LightningModule):
+            def __init__(self):
+                super().__init__()
+                self.head = torch.nn.Linear(3, len(classes))
+
+            def training_step(self, batch, batch_idx):
+                images, labels = batch
+                assert images.shape == (BATCH, 3, 64, 64) and images.dtype == torch.float32
+                assert labels.shape == (BATCH,) and labels.dtype == torch.int64
+                with open(trace, "a") as f:
+                    f.write(json.dumps({"kind": "train", "step": self.global_step,
+                                        "labels": [classes[i] for i in labels.tolist()]}) + "\n")
+                return torch.nn.functional.cross_entropy(self.head(images.mean((2, 3))), labels)
+
+            def validation_step(self, batch, batch_idx):
+                self.log("val_loss", torch.nn.functional.cross_entropy(self.head(batch[0].mean((2, 3))), batch[1]))
+
+            def on_train_batch_end(self, outputs, batch, batch_idx):
+                if self.global_step == sigterm_at:
+                    os.kill(os.getpid(), signal.SIGTERM)
+
+            def configure_optimizers(self):
+                return torch.optim.SGD(self.parameters(), lr=0.1)
+
+        return Module()
+
+
+def _fit(data, ckpt: Path, trace: Path, *, max_steps=-1, sigterm_at=None, batch_size=BATCH):
+    """A user's script: public names and their own Trainer only; returns the Trainer and its monitor."""
+    import pytorch_lightning as pl
+    from pytorch_lightning.callbacks import ModelCheckpoint
+
+    import dali_pipe
+
+    dm = dali_pipe.DaliDataModule(data=data, model="tiny", batch_size=batch_size, device="cpu", num_threads=1)
+    dm.prepare_data()
+    monitor = dali_pipe.MonitorCallback(verbose=False)
+    trainer = pl.Trainer(max_epochs=EPOCHS, max_steps=max_steps, default_root_dir=ckpt.parent, logger=False,
+                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                         callbacks=[ModelCheckpoint(dirpath=ckpt, every_n_train_steps=3, save_last=True),
+                                    dali_pipe.SpotSafeCheckpoint(), monitor])
+    trainer.fit(_Traced(dm.classes, trace, sigterm_at), datamodule=dm, ckpt_path="last")
+    return trainer, monitor
+
+
+def test_own_module_in_a_plain_trainer_resumes_mid_epoch_exactly(indexed, tmp_path, cache_dir, capsys):
+    """Stopped by max_steps at step 7 (epoch 2; the last periodic save is step 6), resumed with
+    ckpt_path="last", stopped by SIGTERM in epoch 3 (saved, SystemExit(0)), resumed to the end: every epoch
+    trains each sample once, the replayed step is the very same batch, and a checkpoint of another batch
+    size is refused before anything is restored."""
+    import torch
+
+    import dali_pipe
+
+    ckpt, trace = tmp_path / "ckpt", tmp_path / "trace.jsonl"
+    trainer, monitor = _fit(indexed, ckpt, trace, max_steps=7)
+    assert trainer.global_step == 7
+    assert torch.load(ckpt / "last.ckpt", weights_only=False)["global_step"] == 6
+    assert abs(sum(monitor.report["time_budget"]["shares"].values()) - 1) < 1e-9
+    first = rt.read(trace)
+    with pytest.raises(SystemExit) as stop:
+        _fit(indexed, ckpt, trace, sigterm_at=11)
+    assert stop.value.code in (None, 0)
+    assert "SIGTERM: checkpoint saved to" in capsys.readouterr().err
+    assert torch.load(ckpt / "last.ckpt", weights_only=False)["global_step"] == 12
+    trainer, _ = _fit(indexed, ckpt, trace)
+    assert trainer.global_step == EPOCHS * (41 // BATCH)
+
+    records = rt.read(trace)
+    replayed = [r for r in records[len(first):] if r["step"] == 6][0]
+    assert replayed["labels"] == [r for r in first if r["step"] == 6][0]["labels"]
+    last = {r["step"]: r for r in records}  # a step trained again after a resume replaces the one it undid
+    kept = [{**r, "epoch": r["step"] // (41 // BATCH)} for _, r in sorted(last.items())]
+    train_set = {r.split("\t")[1] for r in (indexed / "dataset.tsv").read_text().splitlines()[1:]
+                 if r.endswith("\ttrain")}
+    rt.assert_each_sample_once_per_epoch(kept, train=train_set, epochs=EPOCHS, batch=BATCH)
+
+    with pytest.raises(dali_pipe.RunMismatchError, match="batch_size: 8 in the checkpoint, 4 now"):
+        _fit(indexed, ckpt, tmp_path / "other.jsonl", batch_size=4)
+    assert not (tmp_path / "other.jsonl").exists()
+
+
+def test_run_fingerprint_adds_your_own_keys():
+    import dali_pipe
+
+    saved = dali_pipe.RunFingerprint(model="vit-b16", width=512).state_dict()
+    dali_pipe.RunFingerprint(model="vit-b16", width=512).load_state_dict(saved)
+    with pytest.raises(dali_pipe.RunMismatchError, match="width: 512 in the checkpoint, 768 now"):
+        dali_pipe.RunFingerprint(model="vit-b16", width=768).load_state_dict(saved)
+
+
+def test_benchmark_your_own_module(photo_root, tmp_path, cache_dir, capsys):
+    """dali_pipe.benchmark(module, dm): the user's training_step fed by each loader, side by side; a report
+    with one progress line per loader, a table per round, no training log."""
+    import dali_pipe
+
+    dm = dali_pipe.DaliDataModule(data=photo_root, model="tiny", batch_size=8, device="cpu", num_threads=1)
+    dm.prepare_data()
+    report = dali_pipe.benchmark(lambda: _Traced(dm.classes, tmp_path / "t.jsonl"), dm, loaders="dali,synthetic",
+                                 steps=3, warmup=1, output=tmp_path / "b")
+    assert set(report["loaders"]) == {"dali", "synthetic"} and "dali_vs_synthetic" in report["ratios"]
+    for m in report["loaders"].values():
+        assert m["images_per_sec"] > 0 and abs(sum(m["time_budget"]["shares"].values()) - 1) < 1e-9
+    assert json.loads((tmp_path / "b" / "benchmark.json").read_text())["config"]["model"] == "<lambda>"
+    out = capsys.readouterr().out
+    assert out.count("round 1/1      dali: ") == 1 and "round 1/1 (then each loader's time budget" in out
+    assert "METRIC" not in out and "GPU available" not in out
+
+
+def test_the_readme_example_runs_as_written(photo_root, tmp_path, cache_dir, monkeypatch, capsys):
+    """examples/own_lightning_module.py DATA OUT 7 stops mid-epoch; run again, it resumes and finishes its 3
+    epochs (15 steps; its ModelCheckpoint saves every 2, so the last save is step 14, in epoch 3)."""
+    import torch
+
+    example = ROOT / "examples" / "own_lightning_module.py"
+    assert len(example.read_text().splitlines()) <= 30
+    out = tmp_path / "out"
+    for extra in (["7"], []):
+        monkeypatch.setattr(sys, "argv", [str(example), str(photo_root), str(out), *extra])
+        runpy.run_path(str(example), run_name="__main__")
+    last = torch.load(out / "checkpoints" / "last.ckpt", weights_only=False)
+    assert (last["global_step"], last["epoch"]) == (EPOCHS * (43 // 8) - 1, EPOCHS - 1)
+    assert capsys.readouterr().out.count("MONITOR time: ") == 2

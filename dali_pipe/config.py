@@ -126,7 +126,7 @@ class DataSettings:
     scan: str = setting("fast", "pre-flight image scan", choices=SCAN_MODES)
     max_pixels: int = setting(89_478_485, "reject images with more pixels (decompression bombs)", check=AT_LEAST_1)
     max_bad_fraction: float = setting(0.05, "abort when a larger share of images is bad", check=UNIT_INTERVAL)
-    skip_missing: bool = setting(False, "train without files listed but missing (reported)")
+    skip_missing: bool = setting(False, "go on without the files dataset.tsv lists but the data lacks (reported)")
     packed_s3: str = setting("auto", "s3:// packed data: sync the shards to the cache dir when they fit on its disk "
                                      "(auto), always (sync), or read them from S3 as needed (stream)",
                              choices=("auto", "sync", "stream"))
@@ -249,7 +249,7 @@ class BenchmarkSettings:
 @dataclass
 class SyncSettings:
     """`python -m dali_pipe sync`."""
-    uri: str = setting(None, "s3://bucket/prefix holding dataset.tsv", positional=True)
+    uri: str = setting(None, "s3://bucket/prefix holding dataset.tsv, or a pack", positional=True)
     local_dir: str = setting(None, "target directory (created if needed)", positional=True)
     workers: int = setting(32, "parallel downloads (threads sharing one connection pool)", check=AT_LEAST_1)
     no_progress: bool = setting(False, "no progress bar; print a summary line instead")

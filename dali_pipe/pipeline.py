@@ -277,17 +277,27 @@ def _auto_augment(images, aug: Augment, shape: tuple[int, int]):
     """The --auto-augment policy on uint8 HWC images (needs the pipeline's conditionals)."""
     if aug.auto_augment == "none":
         return images
+    import re
     import warnings
 
     from nvidia.dali.auto_aug import auto_augment, rand_augment, trivial_augment
 
-    with warnings.catch_warnings():  # auto_aug still calls a few operators by their old experimental names
-        warnings.filterwarnings("ignore", message=".*moved out from the experimental phase.*")
+    # auto_aug still calls a few operators by their old experimental names, and DALI announces each alias with a
+    # DeprecationWarning after resetting the warning filters itself (simplefilter("default") in its own
+    # catch_warnings), so no filter silences it. Here, where they arise: record the warnings, drop those notices
+    # (their message spans two lines, hence re.S), and hand every other warning on as it was.
+    alias = re.compile(r"experimental\..*moved out from the experimental phase", re.S)
+    with warnings.catch_warnings(record=True) as caught:
         if aug.auto_augment == "rand":
-            return rand_augment.rand_augment(images, n=aug.ra_num_ops, m=aug.ra_magnitude, shape=shape)
-        if aug.auto_augment == "trivial":
-            return trivial_augment.trivial_augment_wide(images, shape=shape)
-        return auto_augment.auto_augment(images, policy_name="image_net", shape=shape)
+            images = rand_augment.rand_augment(images, n=aug.ra_num_ops, m=aug.ra_magnitude, shape=shape)
+        elif aug.auto_augment == "trivial":
+            images = trivial_augment.trivial_augment_wide(images, shape=shape)
+        else:
+            images = auto_augment.auto_augment(images, policy_name="image_net", shape=shape)
+    for w in caught:
+        if not (issubclass(w.category, DeprecationWarning) and alias.search(str(w.message))):
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    return images
 
 
 def _random_erase(images, p: float):

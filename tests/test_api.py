@@ -56,9 +56,10 @@ def test_help_is_the_reference():
         assert f"{name}={f.default!r} (--{name.replace('_', '-')}): {f.metadata['help'][:40]}" in text, name
 
 
-def test_keywords_are_the_cli_flags_checked_and_resolved_the_same_way(photo_root, tmp_path, cache_dir):
+def test_keywords_are_the_cli_flags_checked_and_resolved_the_same_way(photo_root, tmp_path, cache_dir, capsys):
     """Bad values: one UsageError with the CLI's own lines; an unknown keyword names the closest one; strings
-    read as the CLI reads them; defaults resolve as the CLI's (cache dir, device)."""
+    read as the CLI reads them; defaults resolve as the CLI's (cache dir, device); what a small set's epochs
+    leave out is said."""
     import dali_pipe
     from dali_pipe.cli import parse_train
 
@@ -82,6 +83,12 @@ def test_keywords_are_the_cli_flags_checked_and_resolved_the_same_way(photo_root
     assert dm.data.cache_dir == str(cache_dir) and dm.pipeline.device == "auto" and dm.device == "cpu"
     with pytest.raises(dali_pipe.UserError, match="call dm.prepare_data\\(\\) first"):
         dm.classes  # noqa: B018
+    dm.prepare_data()
+    assert not (Path.cwd() / "bad_images.tsv").exists()  # no output given, nothing bad: no report file
+    small = dali_pipe.DaliDataModule(data=photo_root, model="tiny", batch_size=32, num_threads=1)
+    small.prepare_data()
+    small.setup("fit")  # the library says what the epochs leave out, as the CLI's summary does
+    assert "note: 11 of the 43 training images (26%) are left out of every epoch" in capsys.readouterr().err
 
 
 class _Traced:

@@ -22,11 +22,25 @@ def _bench(data, out, *extra):
                        "--batch-size", "4", "--steps", "6", "--warmup", "2", *extra])
 
 
-def test_benchmark_writes_complete_json_and_png(photo_root, tmp_path, cache_dir):
-    """Every documented key is present; numbers are finite and positive where they must be."""
+def test_benchmark_writes_complete_json_and_png(photo_root, tmp_path, cache_dir, capsys):
+    """Every documented key is present; numbers are finite and positive where they must be; each loader's
+    time budget adds up to 100%. It prints a report, not a training log: one line per loader, a table per
+    round, the summary; no METRIC line, no Lightning banner or logging warning."""
+    import warnings
+
     out = tmp_path / "b"
-    _bench(photo_root, out, "--model", "tiny", "--cpus", "1")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _bench(photo_root, out, "--model", "tiny", "--cpus", "1")
+    assert not [w for w in caught if "logger" in str(w.message) or "val_dataloader" in str(w.message)], caught
+    printed = capsys.readouterr().out
+    assert "METRIC" not in printed and "GPU available" not in printed
+    assert [ln.split(":")[0] for ln in printed.splitlines() if ln.startswith("round 1/1 ") and "images/s" in ln] == \
+        ["round 1/1      dali", "round 1/1  baseline", "round 1/1 synthetic"]
+    assert printed.count("round 1/1 (then each loader's time budget") == 1 and "summary over 1 round(s):" in printed
     rep = json.loads((out / "benchmark.json").read_text())
+    for m in rep["loaders"].values():
+        assert abs(sum(m["time_budget"]["shares"].values()) - 1) < 1e-9 and m["time_budget"]["wall_s"] > 0
     assert rep["env"]["cpus"] == 1 and rep["env"]["gpu"] is None
     for k in ("torch", "dali", "lightning"):
         assert rep["env"][k]
@@ -63,9 +77,14 @@ def test_planted_input_bound_and_compute_bound(big_root, tmp_path, cache_dir):
 
 
 def test_model_none_times_loaders_only(photo_root, tmp_path, cache_dir):
-    rep = _bench(photo_root, tmp_path / "b", "--model", "none", "--loaders", "dali,baseline")
+    """Without a model, synthetic (which would time nothing) is left out with a note, so neither the ratios nor
+    the plot's scale carry it; alone it is refused."""
+    rep = _bench(photo_root, tmp_path / "b", "--model", "none")
     assert set(rep["loaders"]) == {"dali", "baseline"} and list(rep["ratios"]) == ["dali_vs_baseline"]
     assert "loader ceiling" in rep["loaders"]["dali"]["diagnosis"][0]
+    assert rep["notes"] and rep["notes"][0].startswith("synthetic left out") and rep["notes"][0] in rep["diagnosis"]
+    with pytest.raises(train.UsageError, match="'synthetic' alone needs a model"):
+        _bench(photo_root, tmp_path / "c", "--model", "none", "--loaders", "synthetic")
 
 
 def test_batch_larger_than_the_data_is_refused_not_spun_on(photo_root, tmp_path, cache_dir):

@@ -52,7 +52,7 @@ def test_sigterm_mid_epoch_resumes_each_sample_once(indexed, tmp_path, cache_dir
     train_set, val_set = _sets(indexed)
     rt.assert_each_sample_once_per_epoch(rt.read(trace), train=train_set, epochs=EPOCHS, batch=BATCH, val=val_set)
     text = capsys.readouterr().out
-    assert "resuming from" in text and "(step 8)" in text
+    assert "resuming epoch 2, step 3 of 5 (global step 8) from " in text  # 5 steps of 8 per epoch
     lines = _metric_lines(text)
     assert [ln.split()[1] for ln in lines] == ["epoch=1", "epoch=2", "epoch=3"]
     assert all("train_samples=40" in ln and "val_samples=7" in ln for ln in lines), lines

@@ -32,3 +32,15 @@ def test_batch_larger_than_a_ranks_share_is_refused(photo_root, tmp_path, cache_
     dm.prepare_data()
     with pytest.raises(BatchTooLargeError, match="--batch-size 64 is larger than the 43 training images"):
         dm.setup("fit")
+
+
+def test_drop_note_says_what_each_epoch_leaves_out_and_a_better_batch():
+    """55 images at batch 32 keep one batch and drop 23 (42%) every epoch; 27 drops one. Under 10%: silent."""
+    from dali_pipe.datamodule import drop_note, dropped_per_epoch
+
+    assert dropped_per_epoch(55, 32, 1) == 23 and dropped_per_epoch(55, 8, 2) == 7  # 2 ranks: 27 each, 3 full batches
+    note = drop_note(55, 32, 1)
+    assert note.startswith("note: 23 of the 55 training images (42%) are left out of every epoch: each of the 1 "
+                           "process(es) trains 1 full batch(es) of 32 and drops its partial batch")
+    assert "--batch-size 27 would drop 1." in note and note.endswith("Validation still sees every image.")
+    assert drop_note(55, 5, 1) is None and drop_note(1000, 32, 1) is None  # 0 and 8 dropped

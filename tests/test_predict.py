@@ -6,7 +6,12 @@ import shutil
 from dali_pipe.cli.commands import main
 
 
-def test_predict_a_folder_with_a_bad_file(trained, photo_root, tmp_path, cache_dir):
+def test_predict_a_folder_with_a_bad_file(trained, photo_root, tmp_path, cache_dir, capsys):
+    """Every readable image gets a row, the bad one a line in bad_images.tsv; transformers' "Loading weights"
+    bar is not printed (it is enabled here, as it is in a fresh process)."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.enable_progress_bar()
     folder = tmp_path / "imgs"
     for p in sorted(photo_root.glob("*/*.jpg"))[:9]:
         dest = folder / p.parent.name / p.name
@@ -23,6 +28,7 @@ def test_predict_a_folder_with_a_bad_file(trained, photo_root, tmp_path, cache_d
     classes = {"astronaut", "chelsea", "coffee", "rocket"}
     assert all(r[1] in classes and r[3] in classes and r[1] != r[3] and float(r[2]) >= float(r[4]) for r in rows[1:])
     assert (out / "bad_images.tsv").read_text().splitlines()[1].startswith("broken.jpg\t")
+    assert "Loading weights" not in capsys.readouterr().err
 
 
 def test_predict_a_manifest_without_labels(trained, photo_root, tmp_path, cache_dir):

@@ -172,3 +172,17 @@ def test_select_last_and_no_validation_data(photo_root, tmp_path, cache_dir):
         train.main(["--data", str(photo_root), "--model", "tiny", "--device", "cpu", "--epochs", "1", "--batch-size",
                     "8", "--num-threads", "1", "--output", str(out), *extra])
         assert json.loads((out / "metrics.json").read_text())["selected"] == {"rule": rule}
+
+
+def test_start_up_summary_says_what_small_data_drops(photo_root, cache_dir):
+    """48 training images at batch 32: the summary says 16 are dropped each epoch, and that 24 drops none."""
+    from dali_pipe.cli import fit, parse_train
+    from dali_pipe.config import resolve
+    from dali_pipe.datamodule import read
+
+    s = resolve(parse_train(["--data", str(photo_root), "--model", "tiny", "--batch-size", "32", "--val-fraction", "0"]))
+    text = fit.summary(s, read(s.data), None, 250_000)
+    assert "1 steps per epoch" in text and "note: 16 of the 48 training images (33%) are left out of every epoch" in text
+    assert "--batch-size 24 would drop 0" in text
+    s.data.batch_size = 16
+    assert "note:" not in fit.summary(s, read(s.data), None, 250_000)

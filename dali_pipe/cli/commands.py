@@ -30,9 +30,24 @@ EVALUATE_DOC = ("Evaluate a trained model (the folder train.py wrote) on a label
                 "validation pipeline as training: accuracy, top-5, loss, per-class precision/recall/F1 and the "
                 "confusion matrix in OUTPUT/metrics.json, the matrix drawn in OUTPUT/confusion.png.")
 PREDICT_DOC = ("Label images with a trained model: a folder of images, a dataset folder or .tsv manifest "
-               "(image_path column; labels ignored), or s3://bucket/prefix with a dataset.tsv. Writes "
-               "OUTPUT/predictions.tsv (image_path, label, score and the next --top-k); unreadable images are "
-               "listed in OUTPUT/bad_images.tsv.")
+               "(image_path column; labels ignored), a pack (python -m dali_pipe pack; rows named by their key), or "
+               "s3://bucket/prefix holding a dataset.tsv or a pack. Writes OUTPUT/predictions.tsv (image_path, "
+               "label, score and the next --top-k); unreadable images are listed in OUTPUT/bad_images.tsv.")
+TRAINED = "the trained model: the folder train.py wrote (its --output), or a hub id of an image classifier; required"
+HELPS = {  # where a command reads a setting otherwise than training does, its own help text
+    "evaluate": {"data": "the labelled images: a dataset root holding dataset.tsv, a pack, or s3://bucket/prefix of "
+                         "either; required",
+                 "model": TRAINED,
+                 "val_fraction": "the --val-fraction of training: with no split column it decides which images are "
+                                 "the val split",
+                 "seed": "the --seed of training: with no split column it decides which images are the val split"},
+    "predict": {"data": "what to label: a folder of images, a dataset folder or .tsv manifest, a pack, or "
+                        "s3://bucket/prefix holding a dataset.tsv or a pack; required",
+                "model": TRAINED,
+                "scan": "pre-flight image scan; predict always checks the headers (off reads as fast), and lists "
+                        "unreadable images instead of stopping"},
+    "pack": {"seed": "seed for the train/val split (without a split column) and the pack's sample order"},
+}
 
 
 def parser():
@@ -41,10 +56,11 @@ def parser():
     add_subcommand(sub, "sync", "download dataset.tsv and only the files it lists, in parallel, resumably",
                    SYNC_DOC, COMMANDS["sync"])
     add_subcommand(sub, "pack", "pre-resized WebDataset shards that DALI reads from disk or S3", PACK_DOC,
-                   COMMANDS["pack"])
+                   COMMANDS["pack"], HELPS["pack"])
     add_subcommand(sub, "evaluate", "metrics and a confusion matrix of a trained model on labelled data", EVALUATE_DOC,
-                   COMMANDS["evaluate"])
-    add_subcommand(sub, "predict", "label a folder of images with a trained model", PREDICT_DOC, COMMANDS["predict"])
+                   COMMANDS["evaluate"], HELPS["evaluate"])
+    add_subcommand(sub, "predict", "label images (a folder, a manifest or a pack) with a trained model", PREDICT_DOC,
+                   COMMANDS["predict"], HELPS["predict"])
     return p
 
 
@@ -55,6 +71,9 @@ def main(argv: list[str] | None = None) -> int:
     s = settings_from(ns)
     if command in ("evaluate", "predict") and not s.model.model:
         problems.append("--model: required: the folder a training run wrote (train.py's --output), or a hub id")
+    if command in ("evaluate", "predict") and not s.data.data:
+        problems.append(f"--data: required: {'the labelled images' if command == 'evaluate' else 'what to label'} "
+                        "(see --help)")
     validate(s, COMMANDS[command], problems)
     if command == "sync":
         from ..packed import fetch_to
@@ -73,12 +92,12 @@ def main(argv: list[str] | None = None) -> int:
         from .pack import run
 
         run(s)
-    elif command == "evaluate":
-        from .evaluate import run
+    elif command in ("evaluate", "predict"):
+        from .fit import quiet_known_noise
 
-        run(s)
-    elif command == "predict":
-        from .predict import run
+        quiet_known_noise()  # transformers' "Loading weights" bar, among others
+        from .evaluate import run as evaluate
+        from .predict import run as predict
 
-        run(s)
+        (evaluate if command == "evaluate" else predict)(s)
     return 0

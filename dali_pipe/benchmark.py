@@ -299,13 +299,21 @@ def ratio_lines(ratio: dict, *, cores: int, model: bool, packed: str | None = No
 
 
 def finish(report: dict, out: Path) -> dict:
-    """Write benchmark.json and benchmark.png into `out` and print the summary."""
-    out.mkdir(parents=True, exist_ok=True)
-    tmp = out / f".benchmark.json.tmp-{os.getpid()}"
-    tmp.write_text(json.dumps(report, indent=1))
-    os.replace(tmp, out / "benchmark.json")
-    plot(report, out / "benchmark.png")
+    """Print the summary, then write benchmark.json and benchmark.png into `out` (each whole or not at all)."""
+    from .workdir import OutputError
+
     print(table(report))
+    tmp = out / f".benchmark.json.tmp-{os.getpid()}"
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps(report, indent=1))
+        os.replace(tmp, out / "benchmark.json")
+        plot(report, out / "benchmark.png")
+    except OSError as e:
+        for partial in (tmp, (out / "benchmark.png").with_suffix(".tmp.png")):
+            partial.unlink(missing_ok=True)
+        raise OutputError(f"the benchmark ran, but its results could not be written to {out} ({e.strerror or e}); "
+                          "free space there or pass another --output") from None
     print(f"benchmark: wrote {out / 'benchmark.json'} and {out / 'benchmark.png'}")
     return report
 

@@ -519,13 +519,18 @@ class MonitorCallback(pl.Callback):
         self.output, self.hz = output, hz
         self.skip_steps, self.sync_window, self.name, self.verbose = skip_steps, sync_window, name, verbose
         self.origin, self.cli = origin if origin is not None else time.perf_counter(), cli
-        self.steps = StepLog()
+        self._given_origin = origin is not None
         self.report: dict | None = None
+        self._tap = None
+        self._reset()
+
+    def _reset(self) -> None:
+        """A fresh measurement (each fit with this callback is measured on its own)."""
+        self.steps = StepLog()
         self.timeline = None
         self.t0 = self.t1 = None
         self.clock = _Clock()
         self.sampler = None
-        self._tap = None
         self._seen = 0
         self._batch = None  # images per batch, from the first batch
         self._started = None  # perf_counter of the first training batch: the end of start-up
@@ -533,7 +538,7 @@ class MonitorCallback(pl.Callback):
         self._val_start = None
         self._val = {"runs": 0, "images": 0, "seconds": 0.0}
         self._reported: dict[int, int] = {}  # callbacks that record their own saves: entries already counted
-        self._train_end = self._last_end_hook = None
+        self._train_end = None
 
     # -- the window ---------------------------------------------------------------------------
     def _sync(self, pl_module) -> float:
@@ -546,8 +551,14 @@ class MonitorCallback(pl.Callback):
         return time.perf_counter() - start
 
     def setup(self, trainer, pl_module, stage: str) -> None:
-        if stage != "fit" or self._tap is not None:
+        if stage != "fit":
             return
+        self._untap(trainer)
+        if self.report is not None or self._started is not None:  # a second fit: measure it from its start
+            self._reset()
+            self.report = None
+            if not self._given_origin:
+                self.origin = time.perf_counter()
         self._tap = _ProfilerTap(trainer.profiler, self.clock)
         trainer.profiler = self._tap
         self.clock.global_step = lambda: trainer.global_step
@@ -556,6 +567,10 @@ class MonitorCallback(pl.Callback):
             self.origin = min(self.origin, spans["prepare_data"][0])
 
     def teardown(self, trainer, pl_module, stage: str) -> None:
+        self._untap(trainer)
+
+    def _untap(self, trainer) -> None:
+        """Give the Trainer its own profiler back."""
         if self._tap is not None and trainer.profiler is self._tap:
             trainer.profiler = self._tap._inner
         self._tap = None
@@ -678,6 +693,7 @@ class MonitorCallback(pl.Callback):
     def on_exception(self, trainer, pl_module, exception):
         if self.sampler is not None:
             self.sampler.stop()
+        self._untap(trainer)  # Lightning calls no teardown hook after an exception
 
     def _publish(self, trainer, m: dict) -> None:
         lines = m["diagnosis"] + [m["time_line"]] + m["budget_verdicts"]
@@ -695,10 +711,15 @@ class MonitorCallback(pl.Callback):
             import json
 
             out = Path(self.output)
-            out.mkdir(parents=True, exist_ok=True)
             tmp = out / f".monitor.json.tmp-{os.getpid()}"
-            tmp.write_text(json.dumps({**m, "timeline": self.timeline}, indent=1))
-            os.replace(tmp, out / "monitor.json")
+            try:  # the run's own results come first: a full disk here costs the report, never the run
+                out.mkdir(parents=True, exist_ok=True)
+                tmp.write_text(json.dumps({**m, "timeline": self.timeline}, indent=1))
+                os.replace(tmp, out / "monitor.json")
+            except OSError as e:
+                tmp.unlink(missing_ok=True)
+                print(f"MONITOR could not write {out / 'monitor.json'} ({e.strerror or e}); the lines above are the "
+                      "report", flush=True)
 
 
 def _batch_len(batch) -> int:

@@ -61,6 +61,7 @@ class DaliDataModule(_SettingsDataModule):
     def __init__(self, data: str | os.PathLike | None = None, *, model: str | None = None, image_size=None,
                  mean=None, std=None, interpolation: str = "linear", output: str | os.PathLike | None = None,
                  **settings):
+        """Check and resolve the keywords as the CLI does its flags (see the class documentation)."""
         values = {"data": str(data) if isinstance(data, os.PathLike) else data, **settings}
         s = settings_from_keywords(values, _KEYWORDS)
         problems = []
@@ -102,13 +103,22 @@ def _signature() -> inspect.Signature:
     return inspect.Signature(params)
 
 
+LIBRARY_HELP = {  # where the DataModule reads a setting otherwise than the training command
+    "seed": "seed for the split, the sample order and the augmentation (your model's init is yours)",
+    "device": "where DALI decodes: auto follows the Trainer's accelerator (its GPU, else the CPU); gpu or cpu",
+}
+
+
 def _keyword_docs() -> str:
+    import textwrap
+
     lines = []
     for k in _KEYWORDS:
         if k == "data":
             continue
         f = FIELDS[k][1]
-        lines.append(f"    {k}={f.default!r} ({flag_of(k)}): {f.metadata['help']}")
+        text = f"{k}={f.default!r} ({flag_of(k)}): {LIBRARY_HELP.get(k, f.metadata['help'])}"
+        lines += textwrap.wrap(text, 100, initial_indent="    ", subsequent_indent="        ", break_on_hyphens=False)
     return "\n".join(lines)
 
 
@@ -194,8 +204,11 @@ class SpotSafeCheckpoint(_SpotSafeCheckpoint):
             super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
         except SIGTERMException:
             if trainer.is_global_zero:
-                print(f"SIGTERM: checkpoint saved to {self.dir / 'last.ckpt'} at step {trainer.global_step}; run the "
-                      "same script again to resume (trainer.fit(..., ckpt_path=\"last\"))", file=sys.stderr, flush=True)
+                path = self.dir / "last.ckpt"
+                found = getattr(trainer.checkpoint_callback, "dirpath", None)  # where ckpt_path="last" looks
+                how = '"last"' if found and Path(found) == self.dir else f'"{path}"'
+                print(f"SIGTERM: checkpoint saved to {path} at step {trainer.global_step}; run the same script "
+                      f"again to resume (trainer.fit(..., ckpt_path={how}))", file=sys.stderr, flush=True)
             raise
 
 

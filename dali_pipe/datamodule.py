@@ -227,8 +227,10 @@ class DaliDataModule(pl.LightningDataModule):
 
     def prepare_data(self) -> None:
         """Sync s3:// data, scan and write the report, once per node (a second call, such as Lightning's
-        after the CLI's, does nothing). In a process Lightning launched for another local rank, whose node's
-        main process has prepared already, it only reads the manifest."""
+        after the CLI's, does nothing). In a process Lightning launched for another local rank (it starts
+        them inside `fit`, after the node's main process has prepared) it only reads the manifest; with a
+        launcher that starts every rank at once (torchrun), let `fit` call it for s3:// data, since Lightning
+        then waits for the main process before the others read."""
         if self._prepared:
             return
         start = time.perf_counter()

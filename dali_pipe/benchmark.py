@@ -490,6 +490,7 @@ def plot(report: dict, path: Path) -> None:
     err = [[r["median"] - r["min"] for r in rounds], [r["max"] - r["median"] for r in rounds]]
     colors = [{"dali": "#76b900", "packed": "#3d6b00", "baseline": "#888888"}.get(n, "#4a90d9") for n in names]
     bars = ax2.bar(names, med, yerr=err, capsize=4, color=colors)
+    ax2.set_ylim(0, 1.15 * max(r["max"] for r in rounds))  # room for the labels under the title
     for b, v in zip(bars, med):
         ax2.annotate(f"{v:.0f}", (b.get_x() + b.get_width() / 2, v), ha="center", va="bottom",
                      xytext=(12, 2), textcoords="offset points")

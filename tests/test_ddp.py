@@ -40,7 +40,7 @@ def test_two_ranks_on_packed_data_resume_exactly_after_sigterm(photo_root, tmp_p
     assert "stopped by SIGTERM" in r.stdout
     r = _run(packed, out, trace, "none", cache)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
-    assert "resuming from" in r.stdout and f"TRAINED global_step={EPOCHS * (20 // BATCH)}" in r.stdout
+    assert "resuming epoch 2, step " in r.stdout and f"TRAINED global_step={EPOCHS * (20 // BATCH)}" in r.stdout
 
     records = rt.read(trace)
     rows = [x.split("\t") for x in (data / "dataset.tsv").read_text().splitlines()[1:]]

@@ -305,7 +305,10 @@ def finish(report: dict, out: Path) -> dict:
     print(table(report))
     tmp = out / f".benchmark.json.tmp-{os.getpid()}"
     try:
+        from .workdir import remove_dead_temps
+
         out.mkdir(parents=True, exist_ok=True)
+        remove_dead_temps(out, ".benchmark.json.tmp-*")  # left by a run killed while writing
         tmp.write_text(json.dumps(report, indent=1))
         os.replace(tmp, out / "benchmark.json")
         plot(report, out / "benchmark.png")

@@ -713,7 +713,10 @@ class MonitorCallback(pl.Callback):
             out = Path(self.output)
             tmp = out / f".monitor.json.tmp-{os.getpid()}"
             try:  # the run's own results come first: a full disk here costs the report, never the run
+                from .workdir import remove_dead_temps
+
                 out.mkdir(parents=True, exist_ok=True)
+                remove_dead_temps(out, ".monitor.json.tmp-*")  # left by a run killed while writing
                 tmp.write_text(json.dumps({**m, "timeline": self.timeline}, indent=1))
                 os.replace(tmp, out / "monitor.json")
             except OSError as e:

@@ -27,4 +27,4 @@ dm.prepare_data()  # sync, scan, report; dm.classes is known from here
 trainer = pl.Trainer(max_epochs=3, max_steps=max_steps, default_root_dir=out, log_every_n_steps=5, callbacks=[
     pl.callbacks.ModelCheckpoint(dirpath=f"{out}/checkpoints", save_last=True, every_n_train_steps=2),
     dali_pipe.SpotSafeCheckpoint(), dali_pipe.MonitorCallback()])  # SIGTERM: save, exit 0; where the time goes
-trainer.fit(Classifier(len(dm.classes)), datamodule=dm, ckpt_path="last")  # a rerun continues at the next sample
+trainer.fit(Classifier(len(dm.classes)), datamodule=dm, ckpt_path="last")  # a rerun continues from the last save

@@ -87,7 +87,14 @@ def report(manifest: Manifest, result: ScanResult, data: DataSettings, output: P
     if (data.scan == "off" or not empty and not result.bad) and not manifest.missing:
         return
     missing = missing_reasons(manifest)
-    path = write_report({**result.bad, **missing}, manifest.root.resolve(), output)
+    try:
+        path = write_report({**result.bad, **missing}, manifest.root.resolve(), output)
+    except OSError as e:
+        from .workdir import OutputError
+
+        (Path(output) / "bad_images.tsv.tmp").unlink(missing_ok=True)
+        raise OutputError(f"could not write {Path(output) / 'bad_images.tsv'} ({e.strerror or e}); free space there, "
+                          "or pass another output (--output, or output= to DaliDataModule)") from None
     if result.bad or missing:
         print(f"scan: excluded {len(result.bad) + len(missing)} of {result.total + len(missing)} file(s); "
               f"reasons in {path}", file=sys.stderr)

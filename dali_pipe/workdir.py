@@ -1,5 +1,5 @@
-"""Directories a process works in: an exclusive lock that names its holder, and a check that an
-output directory can take what the run will write.
+"""Directories a process works in: an exclusive lock that names its holder, a check that an
+output directory can take what the run will write, and the clean-up of what dead writers left.
 
 The lock is `flock` on a file that lives OUTSIDE the directory it guards, in the user's lock folder
 (`locks/` under $DALI_PIPE_CACHE or ~/.cache/dali_pipe, whatever --cache-dir a run uses), named by a
@@ -128,8 +128,13 @@ def pid_alive(pid: int) -> bool:
 _PID = re.compile(r"-(\d+)(\.[0-9A-Za-z]+)?$")  # ...-PID, or ...-PID.suffix (s3transfer's own temp name)
 
 
-def remove_dead_temps(directory: Path | str, pattern: str, *, recursive: bool = False) -> list[Path]:
-    """Remove temporary files matching `pattern` whose writer is dead: their names end in -PID."""
+def remove_dead_temps(directory: Path | str, pattern: str, *, recursive: bool = False,
+                      include_own: bool = False) -> list[Path]:
+    """Remove temporary files and folders matching `pattern` whose writer is dead: their names end
+    in -PID. `include_own` also removes those named with this process's PID: at the start of a run
+    (which has written nothing yet) they are another container's, restored with the folder."""
+    import shutil
+
     removed = []
     directory = Path(directory)
     for tmp in (directory.rglob(pattern) if recursive else directory.glob(pattern)):
@@ -137,8 +142,11 @@ def remove_dead_temps(directory: Path | str, pattern: str, *, recursive: bool = 
         if not m:
             continue
         pid = int(m.group(1))
-        if pid != os.getpid() and not pid_alive(pid):
-            tmp.unlink(missing_ok=True)
+        if (include_own and pid == os.getpid()) or (pid != os.getpid() and not pid_alive(pid)):
+            if tmp.is_dir() and not tmp.is_symlink():
+                shutil.rmtree(tmp, ignore_errors=True)
+            else:
+                tmp.unlink(missing_ok=True)
             removed.append(tmp)
     return removed
 
@@ -161,16 +169,62 @@ def check_writable(directory: Path | str, flag: str, needed_bytes: int = 0) -> N
     if directory.exists() and not directory.is_dir():
         raise OutputError(f"{flag} {directory} is a file, not a directory; pass a directory (it is created if "
                           "needed).")
+    probe = directory / f".write-test-{os.getpid()}"
     try:
         directory.mkdir(parents=True, exist_ok=True)
-        probe = directory / f".write-test-{os.getpid()}"
         probe.write_bytes(b"x")
-        probe.unlink()
     except OSError as e:
+        if is_disk_full(e):
+            raise OutputError(f"{flag} {directory} is full ({e.strerror}); free space there or pass another "
+                              "directory.") from None
         raise OutputError(f"{flag} {directory} is not writable ({e.strerror or e}); pass a directory this user "
                           "can write to.") from None
+    finally:
+        try:
+            probe.unlink(missing_ok=True)
+        except OSError:
+            pass
     free = shutil.disk_usage(directory).free
     if needed_bytes and free < needed_bytes:
-        raise OutputError(f"{flag} {directory} has {free / 2**30:.1f} GiB free but the run writes about "
-                          f"{needed_bytes / 2**30:.1f} GiB there (two checkpoints and the model); free space or "
+        raise OutputError(f"{flag} {directory} has {human_bytes(free)} free but the run writes about "
+                          f"{human_bytes(needed_bytes)} there (two checkpoints and the model); free space or "
                           "pass another directory.")
+
+
+def human_bytes(n: float) -> str:
+    """A size in the unit that keeps it readable: '812 bytes', '3.4 MiB', '1.2 GiB' (never '0.0 GiB')."""
+    if n < 1024:
+        return f"{int(n)} bytes"
+    for unit in ("KiB", "MiB", "GiB"):
+        n /= 1024
+        if n < 1024:
+            return f"{n:.1f} {unit}"
+    return f"{n / 1024:.1f} TiB"
+
+
+def is_disk_full(err: BaseException) -> bool:
+    """A write failed for want of space (ENOSPC, or a quota), whichever library raised it."""
+    import errno
+
+    if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    text = str(err)
+    return "No space left on device" in text or "Disk quota exceeded" in text or "StorageFull" in text
+
+
+def write_failure(err: BaseException, directory: Path | str | None = None) -> str:
+    """Why a write into `directory` failed, in a few words ('No space left on device'), from an
+    OSError, safetensors' SafetensorError or torch's RuntimeError alike (torch.save names no cause
+    for a full disk: "unexpected pos 576 vs 534"; a directory with under 1 MiB free explains it)."""
+    if isinstance(err, OSError) and err.strerror:
+        return err.strerror
+    if is_disk_full(err):
+        return "No space left on device"
+    if directory is not None:
+        try:
+            if shutil.disk_usage(directory).free < (1 << 20):
+                return "No space left on device"
+        except OSError:
+            pass
+    text = str(err).strip().splitlines()
+    return text[0][:200] if text else type(err).__name__

@@ -1,6 +1,7 @@
 """Small builders the tests share: CPU pipeline options, a DataModule and model settings."""
 from __future__ import annotations
 
+from contextlib import contextmanager
 from pathlib import Path
 
 from dali_pipe.config import DataSettings, ModelSettings, PipelineSettings
@@ -53,3 +54,40 @@ def hold_lock(directory, what: str):
                               stdout=subprocess.PIPE, text=True)
     assert holder.stdout.readline().strip() == "held"
     return holder
+
+
+@contextmanager
+def small_disk(path: Path, size: str):
+    """A tmpfs of `size` ("2m") mounted at `path` for the block (a full disk for real); the test is
+    skipped, saying why, where this process may not mount one."""
+    import subprocess
+
+    import pytest
+
+    path.mkdir(parents=True, exist_ok=True)
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True,
+                       text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here to fill a disk ({(r.stderr or r.stdout).strip()[:120]})")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], capture_output=True)
+
+
+def fill(directory: Path, leave: int = 0) -> Path:
+    """Fill the file system of `directory` up to `leave` bytes free; returns the filler file."""
+    import shutil
+
+    filler = directory / "filler"
+    with open(filler, "ab") as f:
+        while True:
+            room = shutil.disk_usage(directory).free - leave
+            if room <= 0:
+                break
+            try:
+                f.write(b"\0" * min(room, 1 << 20))
+                f.flush()
+            except OSError:
+                break
+    return filler

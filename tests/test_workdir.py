@@ -1,14 +1,18 @@
 """Directory locks (dali_pipe/workdir.py): outside the directory they guard, a second holder refused naming
-the first's PID, nothing stale after kill -9, nothing left after unlock."""
+the first's PID, nothing stale after kill -9, nothing left after unlock. Output directories: sizes in
+readable units, a full disk named as such, dead writers' leftovers removed."""
 from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 
 import pytest
 from helpers import hold_lock
 
-from dali_pipe.workdir import LEGACY_LOCK_NAME, BusyError, lock, lock_path, unlock
+from dali_pipe.workdir import (LEGACY_LOCK_NAME, BusyError, OutputError, check_writable, human_bytes, lock, lock_path,
+                               remove_dead_temps, unlock)
 
 
 def test_lock_puts_nothing_in_the_directory_and_a_second_holder_is_refused(tmp_path, cache_dir):
@@ -63,3 +67,40 @@ def test_an_older_versions_lock_file_in_the_directory_is_removed(tmp_path, cache
     lock(out, "training run", "wait")
     unlock(out)
     assert list(out.iterdir()) == []
+
+
+def test_sizes_are_given_in_a_unit_that_keeps_them_readable():
+    assert [human_bytes(n) for n in (0, 812, 5 << 10, 1536 << 10, 3 << 30, 5 << 40)] == \
+        ["0 bytes", "812 bytes", "5.0 KiB", "1.5 MiB", "3.0 GiB", "5.0 TiB"]
+
+
+def test_the_room_check_on_a_small_disk_never_says_0_0_gib(tmp_path):
+    """A 1 MiB disk (tmpfs) for a run that writes 5 MiB; then the same disk full: each one clear line."""
+    from helpers import fill, small_disk
+
+    with small_disk(tmp_path / "disk", "1m") as disk:
+        with pytest.raises(OutputError, match=r"--output .* has 1\.0 MiB free but the run writes about "
+                                              r"5\.0 MiB there"):
+            check_writable(disk / "out", "--output", 5 << 20)
+        fill(disk)
+        with pytest.raises(OutputError, match=r"--output .*out is full \(No space left on device\); free space"):
+            check_writable(disk / "out", "--output")
+        assert not list((disk / "out").glob(".write-test-*"))
+
+
+def test_temporary_folders_of_dead_writers_go_and_those_of_live_ones_stay(tmp_path):
+    """Files and folders named ...-PID: removed when PID is dead (or is ours, at the start of a run:
+    another container's, restored with the folder); kept while their writer lives."""
+    dead = int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                              text=True).stdout)
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        for pid in (dead, live.pid, os.getpid()):
+            (tmp_path / f".model-tmp-{pid}").mkdir()
+            (tmp_path / f".model-tmp-{pid}" / "model.safetensors").write_bytes(b"partial")
+        remove_dead_temps(tmp_path, ".model-tmp-*")
+        assert sorted(p.name for p in tmp_path.iterdir()) == sorted(f".model-tmp-{p}" for p in (live.pid, os.getpid()))
+        remove_dead_temps(tmp_path, ".model-tmp-*", include_own=True)
+        assert [p.name for p in tmp_path.iterdir()] == [f".model-tmp-{live.pid}"]
+    finally:
+        live.kill()

@@ -8,9 +8,13 @@
   it; a later sync removes temporary files whose writer is dead. The manifest lands last. A row
   or key that would land outside the target is refused before any download starts. One sync at a
   time per target (a second stops at once, naming the PID that holds it).
-- Bounded: connect and read timeouts and a small retry budget, so an endpoint that accepts
-  connections but never answers fails in about a minute with a message naming it. SIGTERM (or
+- Bounded: connect and read timeouts and a small retry budget per request, and one shared
+  deadline for the whole sync: when no byte has arrived from any request for STALL_SECONDS, the
+  sync stops (no request is retried after that), so an endpoint that accepts connections but never
+  answers fails in about a minute whatever the file count, with a message naming it. SIGTERM (or
   Ctrl-C) cancels the downloads, removes their temporary files and re-raises.
+- Room: the files to fetch must fit in the target's free space before the first GET; a disk that
+  fills anyway (another writer) stops the sync with one message, keeping the completed files.
 - boto3 reads the standard AWS environment (credentials, region, AWS_ENDPOINT_URL), so
   S3-compatible stores and the tests' local moto server work unchanged.
 
@@ -33,10 +37,12 @@ from pathlib import Path
 from .errors import UserError
 from .manifest import MANIFEST_NAME, ManifestError, read_table, safe_relpath
 from .redact import redact
+from .workdir import human_bytes, is_disk_full
 
 STATE_NAME = ".sync-state.json"
-CHUNK = 1 << 20
-CONNECT_TIMEOUT, READ_TIMEOUT, MAX_ATTEMPTS = 5.0, 20.0, 3  # a silent endpoint fails in ~3 x 20 s
+CHUNK = 1 << 16  # small enough that a slow but live endpoint shows progress well within STALL_SECONDS
+CONNECT_TIMEOUT, READ_TIMEOUT, MAX_ATTEMPTS = 5.0, 20.0, 3  # one request: at most ~5 + 3 x 20 s
+STALL_SECONDS = 40.0  # the whole sync stops after this long without a byte; in-flight reads end within READ_TIMEOUT
 
 
 class SyncError(UserError):
@@ -104,6 +110,8 @@ def explain(err: Exception, bucket: str, key: str) -> str:
     if isinstance(err, (NoCredentialsError, PartialCredentialsError)):
         return ("no usable AWS credentials: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE, "
                 "or run with an instance/SageMaker role that can read the bucket")
+    if isinstance(err, OSError) and is_disk_full(err):
+        return f"no space left on the local disk for s3://{bucket}/{key}"
     if isinstance(err, (ReadTimeoutError, ConnectTimeoutError)):
         return (f"{endpoint()} did not answer for s3://{bucket}/{key} (timed out after {MAX_ATTEMPTS} tries); "
                 "check AWS_ENDPOINT_URL, the region and the network")
@@ -138,12 +146,42 @@ def atomic_write(path: Path, data: bytes) -> None:
 
 
 class Cancelled(Exception):
-    """The sync is being stopped (SIGTERM, Ctrl-C, or another download failed hard)."""
+    """The sync is being stopped (SIGTERM, Ctrl-C, a silent endpoint, a full disk)."""
 
 
-def download(client, bucket: str, key: str, dest: Path, size: int, stop: threading.Event | None = None) -> int:
+class Watch:
+    """When a byte last arrived, from any request of the sync: the one deadline they share."""
+
+    def __init__(self):
+        self.last = time.monotonic()
+
+    def tick(self) -> None:
+        self.last = time.monotonic()
+
+    def silent_for(self) -> float:
+        return time.monotonic() - self.last
+
+
+@contextmanager
+def no_retry_after(client, stop: threading.Event):
+    """While held, a request (or a retry of one) that would start after `stop` is set raises
+    Cancelled instead: a stopped sync waits for no new timeout."""
+    def refuse(**kwargs):
+        if stop.is_set():
+            raise Cancelled()
+
+    uid = f"dali-pipe-stop-{id(stop)}"
+    client.meta.events.register("before-send.s3", refuse, unique_id=uid)
+    try:
+        yield
+    finally:
+        client.meta.events.unregister("before-send.s3", unique_id=uid)
+
+
+def download(client, bucket: str, key: str, dest: Path, size: int, stop: threading.Event | None = None,
+             watch: Watch | None = None) -> int:
     """GET one object into dest via a temporary name; return bytes written. Checks `stop` between
-    chunks, so a cancelled sync ends within one chunk."""
+    chunks, so a cancelled sync ends within one chunk; ticks `watch` on every chunk."""
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = temp_name(dest)
     try:
@@ -153,6 +191,8 @@ def download(client, bucket: str, key: str, dest: Path, size: int, stop: threadi
             for chunk in body.iter_chunks(CHUNK):
                 if stop is not None and stop.is_set():
                     raise Cancelled()
+                if watch is not None:
+                    watch.tick()
                 f.write(chunk)
                 n += len(chunk)
         if n != size:
@@ -252,6 +292,7 @@ class _State:
         except (OSError, ValueError):
             self.data = {}
         self._lock, self._saved = threading.Lock(), time.monotonic()
+        self.error: OSError | None = None  # the last save failed (the previous state file is kept)
 
     def unchanged(self, rel: str, size: int, etag: str, local: Path) -> bool:
         return self.data.get(rel) == [size, etag] and local.is_file() and local.stat().st_size == size
@@ -263,45 +304,101 @@ class _State:
                 self.save()
 
     def save(self) -> None:
-        atomic_write(self.path, json.dumps(self.data).encode())
+        """Write the state (atomically: a failed save, a full disk, keeps the previous file)."""
+        try:
+            atomic_write(self.path, json.dumps(self.data).encode())
+            self.error = None
+        except OSError as e:
+            self.error = e
         self._saved = time.monotonic()
 
 
 def fetch_files(client, bucket: str, base: str, dest: Path, todo: list[tuple[str, int, str]], state: _State,
                 stats: SyncStats, *, workers: int, progress: bool) -> list[str]:
     """Download `todo` in parallel; returns the failures. A BaseException in this thread (SIGTERM,
-    Ctrl-C) cancels the rest: pending downloads never start, running ones stop within a chunk."""
-    from botocore.exceptions import BotoCoreError, ClientError
+    Ctrl-C) cancels the rest: pending downloads never start, running ones stop within a chunk. A
+    silent endpoint (no byte for STALL_SECONDS from any request) and a full disk stop the sync with
+    one SyncError."""
     from tqdm import tqdm
 
     failures: list[str] = []
-    stop = threading.Event()
+    stop, watch = threading.Event(), Watch()
     bar = tqdm(total=sum(s for _, s, _ in todo), unit="B", unit_scale=True, unit_divisor=1024, desc="sync",
                disable=not progress or not todo, file=sys.stderr, mininterval=0.5)
     pool = ThreadPoolExecutor(max_workers=workers)
     try:
-        futs = {pool.submit(download, client, bucket, base + rel, dest / rel, size, stop): (rel, size, etag)
-                for rel, size, etag in todo}
-        for fut in as_completed(futs):
+        with no_retry_after(client, stop):  # held until the pool is down: no retry starts after a stop
+            try:
+                futs = {pool.submit(download, client, bucket, base + rel, dest / rel, size, stop, watch):
+                        (rel, size, etag) for rel, size, etag in todo}
+                _collect(futs, watch, state, stats, bar, failures, dest, todo, bucket, base)
+            except BaseException:
+                stop.set()
+                raise
+            finally:
+                pool.shutdown(wait=True, cancel_futures=True)  # in-flight reads end within READ_TIMEOUT
+    finally:
+        bar.close()
+        state.save()
+        if state.error is not None:
+            print(f"sync: could not save {state.path} ({state.error.strerror}); the next sync fetches the files "
+                  "again that it does not record", file=sys.stderr)
+    return failures
+
+
+def _collect(futs, watch: Watch, state: _State, stats: SyncStats, bar, failures: list[str], dest: Path, todo: list,
+             bucket: str, base: str) -> None:
+    """Take the downloads as they finish; raise SyncError for a silent endpoint or a full disk."""
+    from concurrent.futures import FIRST_COMPLETED, wait
+
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    pending = set(futs)
+    while pending:
+        done, pending = wait(pending, timeout=min(1.0, STALL_SECONDS / 4), return_when=FIRST_COMPLETED)
+        for fut in done:
             rel, size, etag = futs[fut]
             try:
                 n = fut.result()
             except (BotoCoreError, ClientError, OSError) as e:
+                if isinstance(e, OSError) and is_disk_full(e):
+                    raise disk_full(dest, stats, todo) from None
                 failures.append(f"{rel}: {explain(e, bucket, base + rel)}")
                 continue
+            watch.tick()
             state.record(rel, size, etag)
             stats.downloaded += 1
             stats.bytes += n
             bar.update(n)
             bar.set_postfix_str(f"{stats.downloaded + stats.skipped}/{stats.listed} files", refresh=False)
-    except BaseException:
-        stop.set()
-        raise
-    finally:
-        pool.shutdown(wait=True, cancel_futures=True)
-        bar.close()
-        state.save()
-    return failures
+        if state.error is not None and is_disk_full(state.error):
+            raise disk_full(dest, stats, todo)
+        if pending and watch.silent_for() > STALL_SECONDS:
+            raise SyncError(
+                f"{endpoint()} sent no data for {STALL_SECONDS:.0f} s, so the sync stops: {stats.downloaded} of "
+                f"{len(todo)} file(s) fetched (completed files are kept; rerun the sync to finish). Check "
+                "AWS_ENDPOINT_URL, the region and the network.")
+
+
+def disk_full(dest: Path, stats: SyncStats, todo: list) -> SyncError:
+    import shutil
+
+    rest = sum(size for _, size, _ in todo) - stats.bytes
+    return SyncError(f"the disk under {dest} is full (No space left on device) after {stats.downloaded} of {len(todo)} "
+                     f"file(s); the completed files are kept. Free about {human_bytes(rest)} there "
+                     f"({human_bytes(shutil.disk_usage(dest).free)} is free now), or sync to another disk "
+                     "(--cache-dir), then rerun.")
+
+
+def check_room(dest: Path, todo: list[tuple[str, int, str]]) -> None:
+    """The files to fetch fit in the free space under `dest`, before the first GET."""
+    import shutil
+
+    need, free = sum(size for _, size, _ in todo), shutil.disk_usage(dest).free
+    if need > free:
+        raise SyncError(f"the {len(todo)} file(s) to download need {human_bytes(need)}, but {dest} has "
+                        f"{human_bytes(free)} free; free space there, or sync to another disk (--cache-dir). "
+                        "Nothing was downloaded.")
 
 
 def sync(uri: str, dest: Path | str, *, workers: int, skip_missing: bool = False, progress: bool = True,
@@ -318,7 +415,12 @@ def sync(uri: str, dest: Path | str, *, workers: int, skip_missing: bool = False
         base = f"{prefix}/" if prefix else ""
         if progress:
             print(f"sync: reading s3://{bucket}/{base}{MANIFEST_NAME} from {endpoint()}", file=sys.stderr, flush=True)
-        staged, wanted = fetch_manifest(client, bucket, base, dest)
+        try:
+            staged, wanted = fetch_manifest(client, bucket, base, dest)
+        except OSError as e:
+            if is_disk_full(e):
+                raise disk_full(dest, SyncStats(), []) from None
+            raise
         try:
             remote = list_objects(client, bucket, base)
             state = _State(dest)
@@ -339,6 +441,7 @@ def sync(uri: str, dest: Path | str, *, workers: int, skip_missing: bool = False
             if missing:
                 print(f"sync: {len(missing)} file(s) listed in {MANIFEST_NAME} are not in s3://{bucket}/{base} "
                       f"(--skip-missing), e.g. {missing[:3]}", file=sys.stderr)
+            check_room(dest, todo)
             failures = fetch_files(client, bucket, base, dest, todo, state, stats, workers=workers, progress=progress)
             stats.seconds = time.perf_counter() - start
             if failures:

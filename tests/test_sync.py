@@ -65,12 +65,12 @@ def test_interrupted_sync_leaves_no_partial_file_and_rerun_completes(s3, photo_r
     count = {"n": 0}
     lock = threading.Lock()
 
-    def flaky(client, bucket, key, path, size, stop=None):
+    def flaky(client, bucket, key, path, size, stop=None, watch=None):
         with lock:
             count["n"] += 1
             if count["n"] == 20:
                 server.stop()
-        return real(client, bucket, key, path, size, stop)
+        return real(client, bucket, key, path, size, stop, watch)
 
     monkeypatch.setattr(mod, "download", flaky)
     with pytest.raises(SyncError, match="rerun"):
@@ -264,6 +264,72 @@ def test_an_endpoint_that_never_answers_fails_fast_and_names_it(tmp_path, monkey
 
 
 def test_the_default_timeouts_bound_a_silent_endpoint_to_about_a_minute():
+    """One request (the manifest, the LIST) and the whole download phase each end within about a minute."""
     import dali_pipe.sync as mod
 
     assert mod.CONNECT_TIMEOUT + mod.MAX_ATTEMPTS * mod.READ_TIMEOUT <= 65
+    assert mod.STALL_SECONDS + mod.READ_TIMEOUT <= 65
+
+
+def test_an_endpoint_silent_for_every_get_stops_the_whole_sync_at_one_deadline(s3, tmp_path, monkeypatch):
+    """LIST and the manifest answer, then every GET of a file hangs (a proxy in front of moto): the sync
+    stops after one shared deadline (STALL_SECONDS, set small here), not one per file, without
+    retrying, and says so naming the endpoint; nothing partial is left."""
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    import dali_pipe.sync as mod
+    from s3faults import HangingProxy
+
+    server, url = s3
+    client = make_client(16)
+    client.create_bucket(Bucket="data")
+    rows = [f"c{i % 2}/f{i:03d}.jpg" for i in range(300)]
+    client.put_object(Bucket="data", Key="ds/dataset.tsv", Body=("image_path\n" + "\n".join(rows) + "\n").encode())
+    with ThreadPoolExecutor(16) as pool:
+        list(pool.map(lambda r: client.put_object(Bucket="data", Key=f"ds/{r}", Body=b"x" * 100), rows))
+    proxy = HangingProxy(server.get_host_and_port(), lambda line: line.startswith("GET ") and ".jpg" in line)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+    monkeypatch.setattr(mod, "READ_TIMEOUT", 0.5)
+    monkeypatch.setattr(mod, "STALL_SECONDS", 1.0)
+    dest = tmp_path / "L"
+    t = time.perf_counter()
+    try:
+        with pytest.raises(SyncError) as e:
+            sync("s3://data/ds", dest, workers=32, progress=False)
+    finally:
+        proxy.close()
+    took = time.perf_counter() - t
+    msg = str(e.value)
+    assert f"{proxy.url} sent no data for 1 s, so the sync stops: 0 of 300 file(s) fetched" in msg, msg
+    assert proxy.hung < 300, "the deadline stops the sync before every file has had its GET"
+    assert took < 60, took  # loose: per file (300 x 3 tries x 0.5 s / 32 workers) it would be ~15 s or more
+    assert not [p for p in dest.rglob("*") if ".part-" in p.name] and not (dest / "dataset.tsv").exists()
+
+
+def test_a_full_disk_gives_one_clear_error_and_keeps_what_was_fetched(s3, photo_root, tmp_path, monkeypatch):
+    """A 128 KiB disk (tmpfs) for 270 KB of photos: refused before the first GET, in readable units;
+    when the disk fills during the downloads anyway (the room check skipped, as when another writer
+    fills it), one SyncError says so, the fetched files are whole, no partial file or manifest."""
+    import json
+
+    import dali_pipe.sync as mod
+    from helpers import small_disk
+
+    _upload(photo_root)
+    with small_disk(tmp_path / "disk", "128k") as disk:
+        dest = disk / "L"
+        with pytest.raises(SyncError, match=r"the 48 file\(s\) to download need \d+\.\d KiB, but .* has \d+\.\d KiB "
+                                            r"free; free space there.*Nothing was downloaded"):
+            sync("s3://data/ds", dest, workers=4, progress=False)
+        monkeypatch.setattr(mod, "check_room", lambda dest, todo: None)
+        with pytest.raises(SyncError, match=r"the disk under .* is full \(No space left on device\) after \d+ of 48 "
+                                            r"file\(s\); the completed files are kept. Free about") as e:
+            sync("s3://data/ds", dest, workers=4, progress=False)
+        assert "Traceback" not in str(e.value)
+        got = [p for p in dest.rglob("*.jpg")]
+        assert got and all(p.read_bytes() == (photo_root / p.relative_to(dest)).read_bytes() for p in got)
+        assert not [p for p in dest.rglob("*") if ".part-" in p.name or ".incoming-" in p.name]
+        assert not (dest / "dataset.tsv").exists()
+        state = dest / ".sync-state.json"
+        assert not state.exists() or isinstance(json.loads(state.read_text()), dict)

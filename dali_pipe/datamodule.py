@@ -84,7 +84,7 @@ def report(manifest: Manifest, result: ScanResult, data: DataSettings, output: P
     if data.skip_missing and manifest.missing:
         print(f"--skip-missing: training without {len(manifest.missing)} listed file(s) that are missing, "
               f"e.g. {manifest.missing[0]!r}", file=sys.stderr)
-    if (data.scan == "off" or not empty and not result.bad) and not manifest.missing:
+    if not result.bad and not manifest.missing and (data.scan == "off" or not empty):
         return
     missing = missing_reasons(manifest)
     try:

@@ -211,7 +211,8 @@ def read_manifest(root: Path | str, *, val_fraction: float, seed: int, skip_miss
     if duplicates:
         warnings.warn(f"{tsv}: dropped {duplicates} duplicate row(s) (same image_path, label and split).")
 
-    missing = [rel for rel in rows if not os.path.isfile(root / rel)]
+    # a broken symbolic link is not missing: the scan lists it as a bad image ("dangling symbolic link")
+    missing = [rel for rel in rows if not os.path.isfile(root / rel) and not os.path.islink(root / rel)]
     if missing and not skip_missing:
         raise ManifestError(f"{tsv}: {len(missing)} listed file(s) missing under {root}: "
                             f"{_preview(missing)}. Sync the data again, fix the paths, or pass "
@@ -224,8 +225,7 @@ def read_manifest(root: Path | str, *, val_fraction: float, seed: int, skip_miss
         raise ManifestError(f"{tsv}: found {len(classes)} class(es) {classes}; a classifier needs "
                             "at least two. Check the 'label' column or the class folders.")
     index = {c: i for i, c in enumerate(classes)}
-    samples = {rel: Sample(str((root / rel).resolve()), index[label], line)
-               for rel, (line, label, _) in rows.items()}
+    samples = {rel: Sample(absolute_path(root, rel), index[label], line) for rel, (line, label, _) in rows.items()}
 
     if "split" in df.columns and any(split for _, _, split in rows.values()):
         unsplit = [rel for rel, (_, _, s) in rows.items() if s is None]
@@ -240,6 +240,16 @@ def read_manifest(root: Path | str, *, val_fraction: float, seed: int, skip_miss
         raise ManifestError(f"{tsv}: no training rows after the split; lower --val-fraction "
                             "or mark some rows split=train.")
     return Manifest(root, classes, train, val, missing, duplicates)
+
+
+def absolute_path(root: Path, rel: str) -> str:
+    """The file's absolute path, through its symbolic links; a broken link (dangling, or a loop)
+    stays the link itself, for the scan to name."""
+    path = root / rel
+    try:
+        return str(path.resolve(strict=True))
+    except (OSError, RuntimeError):
+        return str(root.resolve() / rel)
 
 
 def _unit_hash(rel: str, seed: int) -> float:

@@ -7,11 +7,16 @@ not name the file. The scan runs before any pipeline is built:
   `--max-pixels` (decompression bombs), and an end marker for JPEG/PNG (truncation).
 - `full`: the fast checks, then a decode of every file with DALI's own CPU decoder (the family
   the pipeline uses), in parallel on DALI's threads, so what passes the scan passes the pipeline.
+- `off`: only a stat of each file, so that a dangling symbolic link, a link loop or a file that
+  vanished is listed rather than stopping the pipeline.
 
-Verdicts are cached by path, size and mtime; a rerun re-checks only what changed.
+Verdicts are cached by path (a digest of it: the cache holds no path, so no secret one carries),
+size and mtime; a rerun re-checks only what changed.
 """
 from __future__ import annotations
 
+import errno
+import hashlib
 import json
 import os
 import string
@@ -59,6 +64,19 @@ def sniff(head: bytes) -> str | None:
 _TEXT = set(string.printable.encode())
 
 
+def unreadable(path: str, err: OSError) -> str:
+    """Why a file cannot be opened, naming a dangling symbolic link or a link loop as such."""
+    if os.path.islink(path):
+        try:
+            target = os.readlink(path)
+        except OSError:
+            target = "?"
+        if err.errno == errno.ELOOP:
+            return f"symbolic link loop (-> {target})"
+        return f"dangling symbolic link (-> {target})"
+    return f"unreadable ({err.strerror})"
+
+
 def check_header(path: str, max_pixels: int) -> str | None:
     """The fast checks. Returns the reason the file is bad, or None."""
     from PIL import Image
@@ -72,7 +90,7 @@ def check_header(path: str, max_pixels: int) -> str | None:
             f.seek(max(0, size - 64))
             tail = f.read()
     except OSError as e:
-        return f"unreadable ({e.strerror})"
+        return unreadable(path, e)
     return _check(head, tail, lambda: Image.open(path), max_pixels)
 
 
@@ -191,22 +209,34 @@ class _DaliDecoder:
         return bad
 
 
+def _entry(path: str) -> str:
+    """The cache's key for a file: a digest of its absolute path."""
+    return hashlib.blake2b(path.encode("utf-8", "surrogateescape"), digest_size=16).hexdigest()
+
+
 def _load_cache(path: Path | None) -> dict:
     if path is None or not path.exists():
         return {}
     try:
-        return json.loads(path.read_text())
+        data = json.loads(path.read_text())
     except (OSError, ValueError):
         return {}  # a damaged cache is only a slower scan
+    # entries keyed by a path (older versions) are dropped: they are re-checked once, then keyed by digest
+    return {k: v for k, v in data.items() if len(k) == 32 and not k.strip("0123456789abcdef")}
 
 
 def _save_cache(path: Path | None, cache: dict) -> None:
     if path is None:
         return
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(cache))
-    os.replace(tmp, path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps(cache))
+        os.replace(tmp, path)
+    except OSError as e:  # only the next scan is slower: say so, and go on
+        tmp.unlink(missing_ok=True)
+        print(f"scan: could not save the scan cache {path} ({e.strerror}); the next run checks every file again",
+              file=sys.stderr)
 
 
 def scan(paths: list[str], mode: str, *, max_pixels: int, num_threads: int = 1,
@@ -215,21 +245,23 @@ def scan(paths: list[str], mode: str, *, max_pixels: int, num_threads: int = 1,
     if mode not in SCAN_MODES:
         raise ValueError(f"--scan must be one of {SCAN_MODES}, got {mode!r}")
     result = ScanResult(total=len(paths))
-    if mode == "off" or not paths:
+    if not paths:
         return result
     from tqdm import tqdm
 
-    level = _LEVEL[mode]
-    cache = _load_cache(cache_path)
+    level = _LEVEL.get(mode, 0)
+    cache = _load_cache(cache_path) if level else {}
     todo = []
     for p in paths:
         try:
             st = os.stat(p)
         except OSError as e:
-            result.bad[p] = f"unreadable ({e.strerror})"
+            result.bad[p] = unreadable(p, e)
+            continue
+        if not level:
             continue
         key = [st.st_size, st.st_mtime_ns, max_pixels]
-        hit = cache.get(p)
+        hit = cache.get(_entry(p))
         if hit and hit["key"] == key and (hit["level"] >= level or hit["reason"]):
             if hit["reason"]:
                 result.bad[p] = hit["reason"]
@@ -246,7 +278,7 @@ def scan(paths: list[str], mode: str, *, max_pixels: int, num_threads: int = 1,
             return
         bad = decoder([p for p, _ in batch])
         for p, key in batch:
-            cache[p] = {"key": key, "level": 2, "reason": bad.get(p)}
+            cache[_entry(p)] = {"key": key, "level": 2, "reason": bad.get(p)}
             if p in bad:
                 result.bad[p] = bad[p]
         result.decoded += len(batch)
@@ -257,7 +289,7 @@ def scan(paths: list[str], mode: str, *, max_pixels: int, num_threads: int = 1,
         reason = check_header(p, max_pixels)
         result.checked += 1
         if reason or decoder is None:
-            cache[p] = {"key": key, "level": 1, "reason": reason}
+            cache[_entry(p)] = {"key": key, "level": 1, "reason": reason}
             if reason:
                 result.bad[p] = reason
             bar.update(1)

@@ -18,6 +18,8 @@ def test_predict_a_folder_with_a_bad_file(trained, photo_root, tmp_path, cache_d
         dest.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(p, dest)
     (folder / "broken.jpg").write_bytes(b"\xff\xd8\xff not really")
+    (folder / "dangling.jpg").symlink_to("nowhere.jpg")
+    (folder / "loop.jpg").symlink_to("loop.jpg")
     out = tmp_path / "pred"
     main(["predict", "--model", str(trained), "--data", str(folder), "--device", "cpu", "--top-k", "2",
           "--output", str(out), "--batch-size", "4"])
@@ -27,7 +29,10 @@ def test_predict_a_folder_with_a_bad_file(trained, photo_root, tmp_path, cache_d
         str(p.relative_to(folder)) for p in folder.glob("*/*.jpg"))
     classes = {"astronaut", "chelsea", "coffee", "rocket"}
     assert all(r[1] in classes and r[3] in classes and r[1] != r[3] and float(r[2]) >= float(r[4]) for r in rows[1:])
-    assert (out / "bad_images.tsv").read_text().splitlines()[1].startswith("broken.jpg\t")
+    bad = dict(r.split("\t") for r in (out / "bad_images.tsv").read_text().splitlines()[1:])
+    assert bad.keys() == {"broken.jpg", "dangling.jpg", "loop.jpg"}
+    assert bad["dangling.jpg"] == "dangling symbolic link (-> nowhere.jpg)"
+    assert bad["loop.jpg"] == "symbolic link loop (-> loop.jpg)"
     assert "Loading weights" not in capsys.readouterr().err
 
 

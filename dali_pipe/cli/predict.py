@@ -35,8 +35,9 @@ def list_images(data: str, cache_dir: str) -> tuple[Path, list[str]]:
         elif (p / MANIFEST_NAME).is_file():
             root, tsv = p, p / MANIFEST_NAME
         elif p.is_dir():
-            rels = sorted(str(f.relative_to(p)) for f in p.rglob("*")
-                          if f.suffix.lower() in IMAGE_EXTENSIONS and f.is_file() and not f.name.startswith("."))
+            rels = sorted(str(f.relative_to(p)) for f in p.rglob("*")  # broken links too: the scan lists them
+                          if f.suffix.lower() in IMAGE_EXTENSIONS and (f.is_file() or f.is_symlink())
+                          and not f.name.startswith("."))
             if not rels:
                 raise InputError(f"--data {data!r} holds no image files ({', '.join(sorted(IMAGE_EXTENSIONS))})")
             return p, rels
@@ -58,7 +59,7 @@ def run(s: Settings) -> dict:
     from model.loading import load_processor, load_trained
 
     from ..datamodule import DaliDataModule
-    from ..manifest import Sample
+    from ..manifest import Sample, absolute_path
     from ..scan import scan, write_report
     from ..spec import ImageSpec
     from .infer import prepared, run_model
@@ -72,10 +73,10 @@ def run(s: Settings) -> dict:
     if source_kind(s.data.data, s.data.cache_dir) != "files":
         return _predict_shards(s, dm, model, out)
     root, rels = list_images(s.data.data, s.data.cache_dir)
-    paths = [str((root / r).resolve()) for r in rels]
+    paths = [absolute_path(root, r) for r in rels]
     result = scan(paths, s.data.scan if s.data.scan != "off" else "fast", max_pixels=s.data.max_pixels,
                   cache_path=Path(s.data.cache_dir) / "scan-cache.json")
-    bad = {p: ("missing" if not os.path.exists(p) else reason) for p, reason in result.bad.items()}
+    bad = {p: ("missing" if not os.path.lexists(p) else reason) for p, reason in result.bad.items()}
     write_report(bad, root.resolve(), out)
     good = [(r, p) for r, p in zip(rels, paths) if p not in bad]
     if not good:

@@ -14,7 +14,16 @@ every epoch's validation runs whole; the save follows the next training step.
 
 Resuming (`--resume auto|never|PATH`): `plan_resume` compares the fingerprint of this run (data,
 classes, model, image size, batch size, world size, seed) with the checkpoint's, and either
-resumes, starts fresh, says there is nothing to do, or stops with what differs.
+resumes, starts fresh, finds the run finished (the command then checks the model in OUT), or stops
+with what differs. A checkpoint is checked whole before it is used (every member's CRC: a
+truncated or altered file is named, with the ways out, never a traceback). Each run has an id,
+kept across its resumes, that its checkpoints and its export carry: an OUT written by another run
+is never taken for this run's model.
+
+The checkpoint file is written by `DirectCheckpointIO`: straight into the temporary name beside
+`last.ckpt`. Lightning's own writer builds the whole checkpoint in memory, writes it to the
+system's temporary folder and moves it over: a kill there leaves a checkpoint-sized file in /tmp,
+and a full /tmp fails saves although the checkpoint dir has room.
 """
 from __future__ import annotations
 
@@ -23,14 +32,16 @@ import os
 import signal
 import sys
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytorch_lightning as pl
+from lightning_fabric.plugins.io.torch_io import TorchCheckpointIO
 from pytorch_lightning.utilities.exceptions import SIGTERMException
 
 from dali_pipe.errors import RunMismatchError, UserError  # noqa: F401 (RunMismatchError: one class for both sides)
-from dali_pipe.workdir import remove_dead_temps
+from dali_pipe.workdir import remove_dead_temps, write_failure
 
 LAST = "last.ckpt"
 SIDECAR = "last.json"
@@ -40,12 +51,79 @@ class CheckpointSaveError(UserError):
     """A checkpoint could not be written; the previous one is kept."""
 
 
+class CheckpointDamagedError(UserError):
+    """A checkpoint is truncated or altered; the message names it and the ways out."""
+
+
+def damaged(path: Path, why: str) -> CheckpointDamagedError:
+    return CheckpointDamagedError(
+        f"{path} is damaged ({why}); it cannot be resumed or exported from. Pass --resume never to start over "
+        f"(the damaged file is moved aside, not deleted), or --resume PATH with an older checkpoint "
+        f"({path.with_name('last-*.ckpt')}).")
+
+
+def verify(path: Path) -> None:
+    """The checkpoint is a whole zip archive (torch's format) whose every member matches its CRC."""
+    import zipfile
+
+    path = Path(path)
+    try:
+        with zipfile.ZipFile(path) as z:
+            bad = z.testzip()
+    except (zipfile.BadZipFile, OSError, EOFError, ValueError) as e:
+        raise damaged(path, f"not a whole checkpoint archive: {e}") from None
+    if bad is not None:
+        raise damaged(path, f"its member {bad} does not match its checksum")
+
+
+def load(path: Path) -> dict:
+    """The checkpoint's contents (on the CPU), checked whole first."""
+    import torch
+
+    verify(path)
+    try:
+        return torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as e:  # an archive with the right CRCs that torch still cannot read
+        raise damaged(Path(path), f"{type(e).__name__}: {str(e)[:160]}") from None
+
+
+def model_from(state: dict, name: str, classes: list[str]):
+    """The classifier whose weights a loaded checkpoint holds (its `model.` entries), built from
+    --model's config with the head sized to `classes`."""
+    from transformers import AutoModelForImageClassification
+
+    from .loading import load_config
+
+    model = AutoModelForImageClassification.from_config(load_config(name, classes))
+    weights = {k[len("model."):]: v for k, v in state.get("state_dict", {}).items() if k.startswith("model.")}
+    try:
+        model.load_state_dict(weights, strict=True)
+    except RuntimeError as e:
+        raise CheckpointDamagedError(f"the checkpoint does not hold the weights of --model {name} "
+                                     f"({str(e).splitlines()[0][:200]}); pass --resume never to train again") from None
+    return model
+
+
+class DirectCheckpointIO(TorchCheckpointIO):
+    """torch.save straight to the given path (SpotSafeCheckpoint's temporary name, renamed when whole)."""
+
+    def save_checkpoint(self, checkpoint, path, storage_options=None) -> None:
+        import torch
+
+        with open(path, "wb") as f:
+            torch.save(checkpoint, f)
+            f.flush()
+            os.fsync(f.fileno())
+
+
 # -- the resume decision --------------------------------------------------------------------------
 @dataclass
 class ResumePlan:
     ckpt_path: str | None  # what Trainer.fit resumes from
-    done_step: int | None = None  # set when the run already finished with these settings: nothing to do
+    done_step: int | None = None  # set when the run already finished with these settings
     note: str | None = None  # one line for the user
+    run_id: str | None = None  # the id of the run being resumed (None: a new run, or an older checkpoint)
+    checkpoint: Path | None = None  # the finished run's checkpoint (done_step set): what to export from
 
 
 def read_meta(checkpoint: Path) -> dict | None:
@@ -59,9 +137,7 @@ def read_meta(checkpoint: Path) -> dict | None:
                 return meta
         except (OSError, ValueError):
             pass
-    import torch
-
-    return torch.load(checkpoint, map_location="cpu", weights_only=False).get("dali_pipe")
+    return load(checkpoint).get("dali_pipe")
 
 
 def differences(saved: dict, current: dict) -> list[str]:
@@ -89,7 +165,8 @@ def plan_resume(resume: str, checkpoint_dir: Path, fingerprint: dict, targets: d
     checkpoint_dir = Path(checkpoint_dir)
     last = checkpoint_dir / LAST
     if may_modify:
-        remove_dead_temps(checkpoint_dir, f".{LAST}.tmp-*")
+        for pattern in (f".{LAST}.tmp-*", f".{SIDECAR}.tmp-*"):
+            remove_dead_temps(checkpoint_dir, pattern, include_own=True)
     if resume == "never":
         if last.is_file() and may_modify:
             aside = checkpoint_dir / f"last-{time.strftime('%Y%m%d-%H%M%S')}.ckpt"
@@ -109,16 +186,20 @@ def plan_resume(resume: str, checkpoint_dir: Path, fingerprint: dict, targets: d
         raise RunMismatchError(
             f"{path} belongs to another run:\n  " + "\n  ".join(diff) + "\n  Use a new --output for this run, or "
             "--resume never to start over here (the old checkpoint is moved aside, not deleted).")
+    run = meta.get("run")
     if meta.get("finished") and meta.get("targets") == targets:
-        return ResumePlan(None, done_step=meta.get("global_step"))
-    return ResumePlan(str(path), note=f"resuming from {path} (step {meta.get('global_step')})")
+        return ResumePlan(None, done_step=meta.get("global_step"), run_id=run, checkpoint=path)
+    if may_modify:
+        verify(path)  # a damaged checkpoint is named here, not by a traceback from inside Lightning
+    return ResumePlan(str(path), note=f"resuming from {path} (step {meta.get('global_step')})", run_id=run)
 
 
 # -- the callback -------------------------------------------------------------------------------
 class SpotSafeCheckpoint(pl.Callback):
     def __init__(self, checkpoint_dir: Path, every_steps: int = 0, *, fingerprint: dict | None = None,
-                 targets: dict | None = None):
+                 targets: dict | None = None, run_id: str | None = None):
         self.dir = Path(checkpoint_dir)
+        self.run_id = run_id or uuid.uuid4().hex[:16]  # kept across resumes; the export records it
         self.every_steps = every_steps
         self.fingerprint, self.targets = fingerprint or {}, targets or {}
         self.interrupted = False
@@ -133,7 +214,7 @@ class SpotSafeCheckpoint(pl.Callback):
 
     def _meta(self, trainer) -> dict:
         return {"fingerprint": self.fingerprint, "targets": self.targets, "finished": self._finishing,
-                "global_step": trainer.global_step, "epoch": trainer.current_epoch}
+                "global_step": trainer.global_step, "epoch": trainer.current_epoch, "run": self.run_id}
 
     def save(self, trainer: pl.Trainer) -> None:
         start = time.perf_counter()
@@ -149,12 +230,13 @@ class SpotSafeCheckpoint(pl.Callback):
                 side = self.dir / f".{SIDECAR}.tmp-{os.getpid()}"
                 side.write_text(json.dumps(meta))
                 os.replace(side, self.dir / SIDECAR)
-        except OSError as e:
+        except (OSError, RuntimeError) as e:  # torch.save reports a full disk as a RuntimeError
+            reason = write_failure(e, self.dir)
             tmp.unlink(missing_ok=True)
             (self.dir / f".{SIDECAR}.tmp-{os.getpid()}").unlink(missing_ok=True)
-            raise CheckpointSaveError(f"could not write a checkpoint to {self.dir} ({e.strerror or e}); the "
-                                      "previous checkpoint is kept. Free space there or pass another "
-                                      "--checkpoint-dir.") from None
+            kept = "the previous checkpoint is kept" if (self.dir / LAST).is_file() else "no earlier checkpoint exists"
+            raise CheckpointSaveError(f"could not write a checkpoint to {self.dir} ({reason}); {kept}. Free space "
+                                      "there or pass another --checkpoint-dir.") from None
         self.saves.append((trainer.global_step, start, time.perf_counter() - start))
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
@@ -185,6 +267,8 @@ class SpotSafeCheckpoint(pl.Callback):
     # so the GPU is not synchronised), save together and stop. A SIGTERM during validation lets it
     # finish, and the save follows the next training step.
     def setup(self, trainer, pl_module, stage: str) -> None:
+        if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:  # Lightning's default; a user's own is kept
+            trainer.strategy.checkpoint_io = DirectCheckpointIO()
         self._group = None
         if trainer.world_size > 1:
             import torch.distributed as dist

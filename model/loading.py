@@ -21,7 +21,16 @@ from dali_pipe.errors import UserError
 
 
 class ModelLoadError(UserError):
-    """The --model could not be loaded; the message says what to pass instead."""
+    """The --model could not be loaded; the message says what to pass instead (`reason`: what is
+    wrong, in a few words, without the advice)."""
+
+    def __init__(self, message: str, reason: str | None = None):
+        super().__init__(message)
+        self.reason = reason or message
+
+
+REEXPORT = ("rerun the training command that wrote it (it exports the model again from its checkpoint), or "
+            "train again")  # the way out for a damaged model folder
 
 
 def _builtin_config(name: str):
@@ -87,15 +96,28 @@ def load_model(name: str, classes: list[str]):
     if name in BUILTIN_MODELS:
         return AutoModelForImageClassification.from_config(load_config(name, classes))
     saved = load_config(name)
+    from pathlib import Path
+
+    from .files import damaged_files
+
+    damaged = damaged_files(Path(name)) if Path(name).is_dir() else []
+    if damaged:
+        raise ModelLoadError(f"--model {name}: {'; '.join(damaged)}. The folder cannot be used as it is: {REEXPORT}.")
     if saved.num_labels != len(classes) or [saved.id2label.get(i) for i in range(saved.num_labels)] != classes:
         print(f"--model {name}: its head predicts {saved.num_labels} classes; a new head for your {len(classes)} "
               "classes is trained from scratch (the rest of the weights are kept)", file=sys.stderr)
     try:
-        return AutoModelForImageClassification.from_pretrained(
+        model = AutoModelForImageClassification.from_pretrained(
             name, num_labels=len(classes), id2label=dict(enumerate(classes)),
             label2id={c: i for i, c in enumerate(classes)}, ignore_mismatched_sizes=True)
     except (OSError, ValueError) as e:
         raise ModelLoadError(_fetch_hint(name, e)) from None
+    except Exception as e:  # safetensors' SafetensorError: a truncated weights file
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+        raise ModelLoadError(f"--model {name}: its weights cannot be loaded ({first}); {REEXPORT}.") from None
+    # from_pretrained returns eval mode, and Lightning keeps a module's mode: dropout and batch-norm
+    # statistics would be frozen for the whole fine-tune
+    return model.train()
 
 
 def parameter_count(name: str, classes: list[str]) -> int:
@@ -117,14 +139,63 @@ def _fetch_hint(name: str, err: Exception) -> str:
 
 
 def load_trained(name: str):
-    """A trained classifier as saved (its own head and label map), for evaluate and predict."""
+    """A trained classifier as saved (its own head and label map), for evaluate and predict. Its
+    files must be whole (and match the checksums its export recorded) and its weights must match
+    its config.json key for key: transformers only warns about missing weights and fills them in at
+    random, which would evaluate and predict with a random model."""
     if name in BUILTIN_MODELS:
         raise ModelLoadError(f"--model {name!r} is a random-init built-in with no classes of its own; pass the folder "
                              "a training run wrote (train.py's --output) or a hub id.")
+    load_config(name)
+    return load_checked(name, f"--model {name}")
+
+
+def load_checked(name: str, what: str, *, verify_files: bool = True):
+    """`name` (a save_pretrained folder or a hub id) loaded with transformers, refused with a
+    ModelLoadError naming the file or the keys when it is damaged (`verify_files`: against the
+    checksums its export recorded) or its weights do not fit its config."""
+    from pathlib import Path
+
     from transformers import AutoModelForImageClassification
 
-    load_config(name)
+    from .files import damaged_files
+
+    folder = Path(name)
+    if verify_files and folder.is_dir():
+        damaged = damaged_files(folder)
+        if damaged:
+            raise ModelLoadError(f"{what}: {'; '.join(damaged)}. The folder cannot be used as it is: {REEXPORT}.")
     try:
-        return AutoModelForImageClassification.from_pretrained(name)
+        with _quiet_transformers():
+            model, info = AutoModelForImageClassification.from_pretrained(name, output_loading_info=True)
     except (OSError, ValueError) as e:
         raise ModelLoadError(_fetch_hint(name, e)) from None
+    except Exception as e:  # safetensors' SafetensorError, torch's size mismatches: the files do not fit
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+        reason = f"its weights cannot be loaded ({first})"
+        raise ModelLoadError(f"{what}: {reason}; {REEXPORT}.", reason) from None
+    missing, unexpected = list(info.get("missing_keys", [])), list(info.get("unexpected_keys", []))
+    mismatched = [k[0] if isinstance(k, tuple) else k for k in info.get("mismatched_keys", [])]
+    if missing or unexpected or mismatched:
+        parts = [f"{len(v)} {label} key(s) ({', '.join(sorted(v)[:4])}{', ...' if len(v) > 4 else ''})"
+                 for label, v in (("missing", missing), ("unexpected", unexpected), ("mismatched", mismatched)) if v]
+        reason = (f"its weights do not match its config.json (a {model.config.model_type!r} model): "
+                  + "; ".join(parts))
+        raise ModelLoadError(f"{what}: {reason}. The folder mixes files of different models; pass the folder one "
+                             f"training run wrote, or {REEXPORT}.", reason)
+    return model
+
+
+class _quiet_transformers:
+    """transformers prints a table of every missing and unexpected key; we raise one error instead."""
+
+    def __enter__(self):
+        from transformers.utils import logging as hf_logging
+
+        self._level = hf_logging.get_verbosity()
+        hf_logging.set_verbosity_error()
+
+    def __exit__(self, *exc):
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity(self._level)

@@ -173,19 +173,29 @@ def test_failed_save_keeps_the_previous_checkpoint_and_no_temp_file(photo_root, 
 
 
 def test_final_checkpoint_failure_still_exports_the_model_and_fails(photo_root, tmp_path, cache_dir, monkeypatch):
-    from model.checkpoint import CheckpointSaveError, SpotSafeCheckpoint
+    """A real full disk (tmpfs) with room for the model but not for the final checkpoint: torch.save fails
+    without naming the cause, the error says the disk is full; the model is still exported, whole."""
+    from helpers import fill, small_disk
 
-    def broken(self, trainer):
-        raise CheckpointSaveError("could not write a checkpoint to X (No space left on device)")
-
-    monkeypatch.setattr(SpotSafeCheckpoint, "save", broken)
-    out = tmp_path / "o"
+    from model.checkpoint import SpotSafeCheckpoint
+    from model.loading import load_trained
     from dali_pipe.workdir import OutputError
 
-    with pytest.raises(OutputError, match="training finished, but could not write a checkpoint"):
-        train.main(["--data", str(photo_root), "--model", "tiny", "--device", "cpu", "--epochs", "1",
-                    "--batch-size", "8", "--num-threads", "1", "--output", str(out)])
-    assert (out / "config.json").is_file() and (out / "model.safetensors").is_file()
+    real = SpotSafeCheckpoint.on_train_end
+
+    def full_at_the_end(self, trainer, pl_module):
+        fill(disk, leave=2 << 20)  # the exported model (1 MB) fits, the checkpoint (3 MB) does not
+        return real(self, trainer, pl_module)
+
+    monkeypatch.setattr(SpotSafeCheckpoint, "on_train_end", full_at_the_end)
+    with small_disk(tmp_path / "disk", "16m") as disk:
+        out = disk / "o"
+        with pytest.raises(OutputError, match=r"training finished, but could not write a checkpoint to .* \(No space "
+                                              r"left on device\); no earlier checkpoint exists"):
+            train.main(["--data", str(photo_root), "--model", "tiny", "--device", "cpu", "--epochs", "1",
+                        "--batch-size", "8", "--num-threads", "1", "--output", str(out)])
+        assert load_trained(str(out)).config.num_labels == 4
+        assert not list((out / "checkpoints").glob(".*tmp-*")) and not (out / "checkpoints" / "last.ckpt").exists()
 
 
 def test_reused_output_never_returns_a_model_of_other_data(photo_root, indexed, tmp_path, cache_dir, capsys):
@@ -261,3 +271,32 @@ def test_unusable_outputs_get_one_clear_error(photo_root, tmp_path, monkeypatch)
     with pytest.raises(OutputError, match=re.escape("GiB free but the run writes about")):
         train.main(args + ["--output", str(tmp_path / "o2")])
     assert not list((tmp_path / "o2").glob("*.safetensors"))
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip"])
+def test_a_damaged_checkpoint_is_named_with_the_ways_out(trained, photo_root, tmp_path, cache_dir, damage):
+    """last.ckpt truncated (the sidecar no longer describes it) or one byte flipped (it still does):
+    resuming or exporting from it stops before Lightning with one error naming the file and
+    --resume never, never a traceback; --resume never moves the damaged file aside."""
+    import shutil
+
+    from model.checkpoint import CheckpointDamagedError, plan_resume
+
+    out = tmp_path / "out"
+    shutil.copytree(trained, out, ignore=shutil.ignore_patterns(".dali_pipe.lock"))
+    ck = out / "checkpoints" / "last.ckpt"
+    data = bytearray(ck.read_bytes())
+    if damage == "truncate":
+        ck.write_bytes(data[: len(data) * 2 // 3])
+    else:
+        data[len(data) // 2] ^= 0xFF
+        ck.write_bytes(data)
+    (out / "metrics.json").unlink()  # the run is finished but OUT is not: the model must come from last.ckpt
+    argv = ["--data", str(photo_root), "--model", "tiny", "--device", "cpu", "--epochs", "4", "--batch-size", "8",
+            "--num-threads", "1", "--val-fraction", "0.25", "--lr", "2e-3", "--output", str(out)]
+    for extra in ([], ["--epochs", "5"]):  # export from it, or resume it
+        with pytest.raises(CheckpointDamagedError, match=rf"{ck} is damaged \(.*\); it cannot be resumed or exported "
+                                                         r"from. Pass --resume never to start over"):
+            train.main(argv + extra)
+    plan = plan_resume("never", out / "checkpoints", {}, {})
+    assert "the previous checkpoint is kept as" in plan.note and not ck.exists()

@@ -50,3 +50,32 @@ def test_a_checkpoint_that_is_no_image_classifier_is_refused(tmp_path):
         load_processor(str(tmp_path / "bert"))
     with pytest.raises(ModelLoadError, match="local directory"):
         load_model(str(tmp_path / "missing"), ["a", "b"])
+
+
+def test_evaluate_and_predict_refuse_weights_that_do_not_match_the_config(trained, photo_root, tmp_path, cache_dir):
+    """A ResNet config.json beside a ViT's weights: transformers would only warn and evaluate with random
+    weights; evaluate and predict refuse, naming missing and unexpected keys."""
+    import shutil
+
+    from transformers import ResNetConfig
+
+    from dali_pipe.cli.commands import main
+
+    mixed = tmp_path / "mixed"
+    shutil.copytree(trained, mixed, ignore=shutil.ignore_patterns("checkpoints", "tensorboard", "metrics.json"))
+    vit = json.loads((mixed / "config.json").read_text())
+    ResNetConfig(num_labels=4, id2label=vit["id2label"], label2id=vit["label2id"], embedding_size=8,
+                 hidden_sizes=[8, 8, 8, 8], depths=[1, 1, 1, 1]).save_pretrained(mixed)
+    for command in ("evaluate", "predict"):
+        with pytest.raises(ModelLoadError, match=r"its weights do not match its config.json \(a 'resnet' model\): "
+                                                 r"\d+ missing key\(s\) \(classifier.*\d+ unexpected key\(s\) "
+                                                 r"\(classifier.*vit\.embeddings"):
+            main([command, "--model", str(mixed), "--data", str(photo_root), "--device", "cpu", "--output",
+                  str(tmp_path / command)])
+
+
+def test_a_local_model_fine_tunes_in_training_mode(trained):
+    """from_pretrained returns a model in eval mode, which Lightning keeps: dropout and batch-norm
+    statistics would stay frozen for the whole fine-tune."""
+    model = load_model(str(trained), ["a", "b"])
+    assert all(m.training for m in model.modules())

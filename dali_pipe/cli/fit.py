@@ -10,6 +10,10 @@ the other local ranks, which skip what only one process may do):
   and the model;
 - sync s3:// data, scan, write the report (once; Lightning's own `prepare_data` is then a no-op);
 - fingerprint the run and decide what to resume (`--resume`), before any training.
+
+Finished means exported: a rerun of a finished run says "nothing to do" only after checking that
+OUT holds this run's complete model (model/export.py); otherwise it exports it again from the
+final checkpoint (or the best model with --select best) and says so.
 """
 from __future__ import annotations
 
@@ -22,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..config import Settings
+from ..errors import UserError
 from ..workdir import OutputError
 
 
@@ -94,8 +99,9 @@ LOG_EVERY = 50  # optimizer steps between loss points in TensorBoard (each one r
 
 
 def bytes_needed(params: int) -> int:
-    """Two checkpoints (fp32 weights + AdamW's two moments) plus the exported fp32 model, plus 10%."""
-    return int((2 * 12 + 4) * params * 1.1)
+    """Two checkpoints (fp32 weights + AdamW's two moments: the last one and the one being written), the
+    best model and the exported one, each beside its temporary copy while it is written (fp32), plus 10%."""
+    return int((2 * 12 + 4 * 4) * params * 1.1)
 
 
 def run(s: Settings) -> dict:
@@ -150,12 +156,18 @@ def preflight(s: Settings, out: Path, ckpt_dir: Path, main: bool) -> Prepared:
     import pytorch_lightning as pl
 
     from model.checkpoint import plan_resume
+    from model.export import remove_dead
     from model.loading import load_processor, parameter_count
+    from model.selection import recover
 
     from ..datamodule import DaliDataModule
+    from ..redact import redact
     from ..spec import ImageSpec
     from ..workdir import check_writable
 
+    if main and is_first_node():  # the node that writes OUT and the checkpoints (folders other nodes may share)
+        remove_dead(out)  # what a killed export left
+        recover(ckpt_dir)  # a best model a kill left between two renames
     if main:
         check_writable(ckpt_dir, "--checkpoint-dir")
     pl.seed_everything(s.data.seed, workers=True, verbose=False)
@@ -168,7 +180,7 @@ def preflight(s: Settings, out: Path, ckpt_dir: Path, main: bool) -> Prepared:
     params = parameter_count(s.model.model, manifest.classes)
     if main:
         check_writable(ckpt_dir, "--checkpoint-dir", bytes_needed(params))
-    fingerprint = {**dm.fingerprint(world_size(s)), "model": s.model.model}
+    fingerprint = {**dm.fingerprint(world_size(s)), "model": redact(s.model.model)}
     targets = {"epochs": s.model.epochs, "max_steps": s.model.max_steps}
     plan = plan_resume(s.run.resume, ckpt_dir, fingerprint, targets, may_modify=main)
     return Prepared(processor, spec, dm, manifest, params, fingerprint, targets, plan)
@@ -192,9 +204,7 @@ def _fit(s: Settings, out: Path, ckpt_dir: Path, main: bool, meeting=None,
 
         meeting.arrive(plan_text(p.plan))
     if p.plan.done_step is not None:
-        print(f"nothing to do: already trained to {p.plan.done_step} steps with these settings "
-              f"(model in {out}); pass --resume never to train again from scratch")
-        return {"nothing_to_do": True, "global_step": p.plan.done_step}
+        return finished(s, p, out, ckpt_dir)
     if main:
         print(summary(s, p.manifest, p.dm.scan_result, p.params))
         note = resume_line(s, p) or p.plan.note
@@ -203,8 +213,8 @@ def _fit(s: Settings, out: Path, ckpt_dir: Path, main: bool, meeting=None,
 
     module = ImageClassifier(s.model, seed=s.data.seed)
     ckpt = SpotSafeCheckpoint(ckpt_dir, every_steps=s.run.checkpoint_every_steps, fingerprint=p.fingerprint,
-                              targets=p.targets)
-    best = BestModel(ckpt_dir)
+                              targets=p.targets, run_id=p.plan.run_id)
+    best = BestModel(ckpt_dir, run_id=ckpt.run_id)
     monitor = MonitorCallback(Path(s.run.report_dir or out), origin=started,  # monitor.json beside the reports
                               cli={"checkpoint_every_steps": s.run.checkpoint_every_steps,
                                    "val_fraction": s.data.val_fraction}) if s.run.monitor else None
@@ -231,21 +241,50 @@ def _fit(s: Settings, out: Path, ckpt_dir: Path, main: bool, meeting=None,
 
 def export(s: Settings, module, p: Prepared, best, ckpt, global_step: int, out: Path) -> None:
     """The selected model into OUT, even when the final checkpoint failed; then fail with what went wrong."""
+    from model import export as exporter
+
     problems = [str(ckpt.final_error)] if ckpt.final_error else []
-    folder, selected = best.choice(s.run.select if p.manifest.val else "none")
     try:
-        model = type(module.model).from_pretrained(folder) if folder else module.model
-        save_model(model, p.processor, out, {"selected": selected, "epochs": module.epoch_metrics,
-                                             "global_step": global_step})
-        which = f"epoch {selected['epoch']}, {selected['rule']}" if "epoch" in selected else selected["rule"]
-        print(f"model ({which}), image processor, label map and metrics.json written to {out}")
-    except OSError as e:
-        problems.append(f"the model could not be written to {out} ({e.strerror or e}); the checkpoint in "
-                        f"{ckpt.dir} holds the trained weights")
+        model, selected = exporter.selected_model(best, selection(s, p.manifest), module.model)
+        exporter.write(model, p.processor, out, {"selected": selected, "epochs": module.epoch_metrics,
+                                                 "global_step": global_step},
+                       run=ckpt.run_id, select=selection(s, p.manifest))
+        print(f"model ({exporter.describe(selected)}), image processor, label map and metrics.json written to {out}")
+    except exporter.ExportError as e:
+        problems.append(f"{e}; the checkpoint in {ckpt.dir} holds the trained weights: {exporter.RERUN}")
+    except UserError as e:  # the best model is missing or damaged: the message says which and the ways out
+        problems.append(str(e))
     print(f"TensorBoard logs in {s.run.log_dir}")
     print(f"TRAINED global_step={global_step}")
     if problems:
         raise OutputError("training finished, but " + "; and ".join(problems))
+
+
+def selection(s: Settings, manifest) -> str:
+    """What --select means for this data: best, last, or none (no validation data)."""
+    return s.run.select if manifest.val else "none"
+
+
+def finished(s: Settings, p: Prepared, out: Path, ckpt_dir: Path) -> dict:
+    """The run already trained to its end: "nothing to do" once OUT is checked to hold its model;
+    else the model exported again from the final checkpoint (or the best one, --select best)."""
+    from model import export as exporter
+
+    step = p.plan.done_step
+    if not (is_main_process() and is_first_node()):  # the export is global rank 0's
+        return {"nothing_to_do": True, "global_step": step}
+    select = selection(s, p.manifest)
+    problem = exporter.problem(out, run=p.plan.run_id, global_step=step, select=select)
+    if problem is None:
+        print(f"nothing to do: already trained to {step} steps with these settings, and {out} holds the model "
+              "(checked); pass --resume never to train again from scratch")
+        return {"nothing_to_do": True, "global_step": step}
+    print(f"already trained to {step} steps, but {out} {problem}: exporting the model again from "
+          f"{p.plan.checkpoint}")
+    selected = exporter.from_checkpoint(p.plan.checkpoint, ckpt_dir, s.model.model, p.manifest.classes, p.processor,
+                                        out, run=p.plan.run_id, global_step=step, select=select)
+    print(f"model ({exporter.describe(selected)}), image processor, label map and metrics.json written to {out}")
+    return {"exported_again": True, "global_step": step}
 
 
 def advise_packing(s: Settings, report: dict, manifest, spec) -> None:
@@ -302,23 +341,3 @@ def summary(s: Settings, manifest, scan_result, params: int) -> str:
         f"model: {s.model.model}, {params / 1e6:.2f} M parameters",
         f"batch: {s.data.batch_size} per process x {world} process(es) x {s.model.grad_accum} accumulation = "
         f"{effective} per optimizer step; {steps} steps per epoch, {total} in all"] + ([drop] if drop else []))
-
-
-def save_model(model, processor, out: Path, metrics: dict) -> None:
-    """save_pretrained form (config.json with id2label, weights, preprocessor_config.json),
-    label_map.json and metrics.json (every epoch's metrics and which one the model is), written into
-    a temporary folder first, then moved into OUT file by file: a failure leaves no partial file in
-    OUT (the temporary folder is removed)."""
-    import shutil
-
-    tmp = out / f".model-tmp-{os.getpid()}"
-    try:
-        tmp.mkdir(parents=True, exist_ok=True)
-        model.save_pretrained(tmp)
-        processor.save_pretrained(tmp)
-        (tmp / "label_map.json").write_text(json.dumps(model.config.id2label, indent=1, sort_keys=True))
-        (tmp / "metrics.json").write_text(json.dumps(metrics, indent=1))
-        for f in sorted(tmp.iterdir()):
-            os.replace(f, out / f.name)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)

@@ -1,0 +1,132 @@
+"""The trained model in OUT, written so that a kill at any moment never leaves a model that looks
+finished but is not, and the check that OUT holds the model of this run.
+
+OUT gets the model in save_pretrained form (config.json with id2label, the weights,
+preprocessor_config.json), label_map.json and metrics.json. Everything is written into
+OUT/.model-tmp-PID first; then the old metrics.json is removed, the other files are moved into OUT
+one by one, and the new metrics.json lands last. metrics.json is the commit record: besides every
+epoch's metrics and which epoch the model is, its `export` entry names the run (the id its
+checkpoints carry), the step, the selection (--select) and the size and sha256 of every other file.
+
+So after a kill (SIGTERM, kill -9, a full disk) between two moves, over an older OUT or not, OUT has
+either no metrics.json or one that names another run, step or selection, or files that do not match
+it: `problem()` says which, and the training command exports again from the checkpoint instead of
+saying "nothing to do". A temporary folder left by a killed writer is removed on the next run.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+from dali_pipe.errors import UserError
+
+from .files import RECORD, damaged_files, file_record, read_record
+
+TEMP = ".model-tmp-"
+RERUN = "fix that (free space there, or make it writable) and rerun the same command: it exports the model from there"
+
+
+class ExportError(UserError):
+    """The model could not be written to OUT; what was there before is kept or named."""
+
+
+def write(model, processor, out: Path, metrics: dict, *, run: str | None, select: str) -> None:
+    """The model, its processor, label_map.json and metrics.json (with the export record) into OUT,
+    atomically as the module docstring says. Raises ExportError (the temporary folder removed)."""
+    from dali_pipe.workdir import write_failure
+
+    out = Path(out)
+    tmp = out / f"{TEMP}{os.getpid()}"
+    try:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        model.save_pretrained(tmp)
+        processor.save_pretrained(tmp)
+        (tmp / "label_map.json").write_text(json.dumps(model.config.id2label, indent=1, sort_keys=True))
+        files = file_record(tmp)
+        record = {"run": run, "global_step": metrics.get("global_step"), "select": select, "files": files}
+        (tmp / RECORD).write_text(json.dumps({**metrics, "export": record}, indent=1))
+        previous = read_record(out)
+        (out / RECORD).unlink(missing_ok=True)  # from here until the last move, OUT reads as unfinished
+        for name in files:
+            os.replace(tmp / name, out / name)
+        os.replace(tmp / RECORD, out / RECORD)
+        for name in (previous or {}).get("files", {}):  # what the previous export wrote and this one did not
+            if name not in files and name != RECORD:
+                (out / name).unlink(missing_ok=True)
+    except Exception as e:  # OSError, safetensors' SafetensorError: a full disk, a read-only OUT
+        raise ExportError(f"the model could not be written to {out} ({write_failure(e, out)})") from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def problem(out: Path, *, run: str | None, global_step: int, select: str) -> str | None:
+    """Why OUT does not hold the model that run `run` exports at `global_step` with `select`, or None
+    when it does: the record matches, every file matches the record, and the weights load against
+    the config key for key."""
+    out = Path(out)
+    if not (out / RECORD).is_file():
+        return f"has no {RECORD} (an export was interrupted, or none was written)"
+    record = read_record(out)
+    if record is None:
+        return f"has a {RECORD} without an export record (written by an older version, or damaged)"
+    if record.get("run") != run or record.get("global_step") != global_step:
+        return f"holds the model of another run or step (step {record.get('global_step')}; this run: {global_step})"
+    if record.get("select") != select:
+        return f"holds the model selected by --select {record.get('select')}, not {select}"
+    damaged = damaged_files(out)
+    if damaged:
+        return "; ".join(damaged)
+    from .loading import ModelLoadError, load_checked
+
+    try:
+        load_checked(str(out), "its model", verify_files=False)
+    except ModelLoadError as e:
+        return e.reason
+    return None
+
+
+def describe(selected: dict) -> str:
+    """Which model metrics.json says it is, in words: 'epoch 3, the best validation accuracy ...'."""
+    return f"epoch {selected['epoch']}, {selected['rule']}" if "epoch" in selected else selected["rule"]
+
+
+def selected_model(best, select: str, last):
+    """(the weights --select chooses: the best model's folder, checked whole, or `last`; the record for
+    metrics.json). Raises BestModelError when the best model is missing or damaged."""
+    from .loading import load_checked
+
+    folder, selected = best.choice(select)
+    return (load_checked(str(folder), f"the best model in {folder}") if folder else last), selected
+
+
+def from_checkpoint(path: Path, checkpoint_dir: Path, name: str, classes: list[str], processor, out: Path, *,
+                    run: str | None, global_step: int, select: str) -> dict:
+    """Export a finished run again from its final checkpoint (the last weights, its epochs' metrics, its
+    best record) or its best model; returns the record of what was selected."""
+    from . import checkpoint
+    from .selection import BestModel
+
+    state = checkpoint.load(path)
+    best = BestModel(checkpoint_dir, run_id=run)
+    best.load_state_dict(state.get("callbacks", {}).get(best.state_key, {}))
+    model, selected = selected_model(best, select, None)
+    if model is None:
+        model = checkpoint.model_from(state, name, classes)
+    rows = state.get("epoch_metrics_so_far", {}).get("rows", [])
+    try:
+        write(model, processor, out, {"selected": selected, "epochs": rows, "global_step": global_step}, run=run,
+              select=select)
+    except ExportError as e:
+        raise ExportError(f"{e}; {path} holds the trained weights: {RERUN}") from None
+    return selected
+
+
+def remove_dead(out: Path) -> None:
+    """The temporary folders of writers that died (kill -9) or of another container (the same PID)."""
+    from dali_pipe.workdir import remove_dead_temps
+
+    remove_dead_temps(out, f"{TEMP}*", include_own=True)
+    remove_dead_temps(out, ".write-test-*", include_own=True)

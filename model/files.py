@@ -1,0 +1,56 @@
+"""The size and sha256 of every file a model folder holds: recorded when the folder is written (the
+export's metrics.json, the best model's best.json), checked before the folder is read, so a
+truncated or altered file is named instead of loaded."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+RECORD = "metrics.json"  # the export's commit record (its `export` entry); see model/export.py
+
+
+def sha256(path: Path) -> str:
+    """The file's sha256, read in 1 MiB blocks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def read_record(out: Path) -> dict | None:
+    """The export record in OUT's metrics.json, or None (none, unreadable, or an older version's)."""
+    try:
+        return json.loads((out / RECORD).read_text()).get("export")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def file_record(folder: Path) -> dict:
+    """{name: {"size", "sha256"}} of every file in `folder`, each flushed to disk first."""
+    files = {}
+    for f in sorted(Path(folder).iterdir()):
+        with open(f, "rb") as fh:
+            os.fsync(fh.fileno())  # the bytes are on disk before any name points at them
+        files[f.name] = {"size": f.stat().st_size, "sha256": sha256(f)}
+    return files
+
+
+def damaged_files(folder: Path, record: dict | None = None) -> list[str]:
+    """The files of an export that differ from its record (missing, another size, another sha256);
+    empty when the folder has no record (written by another tool or an older version). `record`
+    defaults to the export record in the folder's metrics.json."""
+    record = read_record(Path(folder)) if record is None else record
+    problems = []
+    for name, want in (record or {}).get("files", {}).items():
+        path = Path(folder) / name
+        if not path.is_file():
+            problems.append(f"{path} is missing")
+        elif path.stat().st_size != want["size"]:
+            problems.append(f"{path} is damaged (truncated or overwritten: {path.stat().st_size} bytes, "
+                            f"{want['size']} when it was written)")
+        elif sha256(path) != want["sha256"]:
+            problems.append(f"{path} is damaged (its bytes differ from the sha256 recorded when it was written)")
+    return problems

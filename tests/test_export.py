@@ -1,0 +1,204 @@
+"""Finished means exported: kills and full disks at the export, over an older OUT, damaged files in OUT;
+a rerun exits 0 only with this run's complete model in OUT, exporting it again from the checkpoint."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import pytorch_lightning  # noqa: F401  (imported here, its log handler holds pytest's stderr, not one test's)
+
+import train
+from dali_pipe.cli import cli
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory) -> Path:
+    """2 classes x 6 real photos: 10 train, 2 val; a one-epoch run is 2 steps of 4."""
+    from dali_pipe.demo import make_photo_dataset
+
+    return make_photo_dataset(tmp_path_factory.mktemp("small"), classes=2, per_class=6)
+
+
+def _argv(data, out, *extra):
+    return ["--data", str(data), "--model", "tiny", "--device", "cpu", "--batch-size", "4", "--num-threads", "1",
+            "--output", str(out), *extra]
+
+
+def _run(argv) -> int:
+    """train.py's entry in this process: its SIGTERM handler, its one-line errors and exit status (the
+    handler and the redacting streams it installs are put back afterwards)."""
+    import sys
+
+    old, streams = signal.getsignal(signal.SIGTERM), (sys.stdout, sys.stderr)
+    try:
+        return cli(lambda: train.main(argv))
+    finally:
+        signal.signal(signal.SIGTERM, old)
+        sys.stdout, sys.stderr = streams
+
+
+def _signal_after_move(monkeypatch, out: Path, name: str, action):
+    """Call `action` right after `name` is moved into OUT by the export: a deterministic point between
+    two moves, with the older files still beside it."""
+    real = os.replace
+
+    def replace(src, dst, *a, **k):
+        real(src, dst, *a, **k)
+        if Path(dst) == out / name:
+            action()
+
+    monkeypatch.setattr(os, "replace", replace)
+
+
+def _weights(folder: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(folder / "model.safetensors")
+
+
+def _assert_holds_checkpoint_model(out: Path, steps: int):
+    """OUT holds the model a finished run selects: the best folder's weights, metrics.json of its steps."""
+    import torch
+
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["global_step"] == steps and metrics["export"]["global_step"] == steps
+    got, want = _weights(out), _weights(out / "checkpoints" / "best")
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in got)
+    from model.loading import load_trained
+
+    model = load_trained(str(out))
+    assert {str(k): v for k, v in model.config.id2label.items()} == json.loads((out / "label_map.json").read_text())
+
+
+def test_sigterm_and_kill_9_during_the_export_over_an_older_out(small, tmp_path, cache_dir, monkeypatch, capsys):
+    """OUT holds an older run's model (epochs 1); the same OUT trained on to epochs 2 gets SIGTERM between
+    two moves of its export (exit 143), then its rerun is killed -9 at the same point (a forked process):
+    each rerun exports again and the last one says "nothing to do" only once OUT holds this model."""
+    out = tmp_path / "out"
+    assert _run(_argv(small, out, "--epochs", "1")) == 0
+    older = _weights(out)
+    _signal_after_move(monkeypatch, out, "config.json", lambda: os.kill(os.getpid(), signal.SIGTERM))
+    assert _run(_argv(small, out, "--epochs", "2")) == 143
+    assert not (out / "metrics.json").exists() and not list(out.glob(".model-tmp-*"))
+    assert _weights(out).keys() == older.keys()  # the older weights still beside the new config.json
+    monkeypatch.undo()
+
+    pid = os.fork()  # kill -9 at a known point of the re-export, in a child that needs no imports
+    if pid == 0:
+        try:
+            import torch
+
+            torch.set_num_threads(1)  # as DataLoader workers do: no OpenMP pool in a forked child
+            _signal_after_move(monkeypatch, out, "config.json", lambda: os.kill(os.getpid(), signal.SIGKILL))
+            train.main(_argv(small, out, "--epochs", "2"))
+        finally:
+            os._exit(3)  # not killed: the test fails below
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        time.sleep(0.05)
+    else:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        pytest.fail("the forked rerun neither finished nor was killed")
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, status
+    assert (out / f".model-tmp-{pid}").is_dir() and not (out / "metrics.json").exists()
+
+    capsys.readouterr()
+    assert _run(_argv(small, out, "--epochs", "2")) == 0
+    text = capsys.readouterr().out
+    assert "already trained to 4 steps, but" in text and "has no metrics.json" in text
+    assert "exporting the model again from" in text and not list(out.glob(".model-tmp-*"))
+    _assert_holds_checkpoint_model(out, 4)
+    assert _run(_argv(small, out, "--epochs", "2")) == 0
+    assert "nothing to do: already trained to 4 steps" in capsys.readouterr().out
+
+
+def test_a_full_disk_at_the_best_model_and_at_the_export(small, tmp_path, cache_dir, monkeypatch, capsys):
+    """A real full disk (tmpfs): before the best-model save, one clear error and no temporary folder;
+    after freeing space the rerun trains, and with the disk full before the export it fails naming OUT
+    and keeps the checkpoint; after freeing space again the rerun exports from the checkpoint."""
+    from helpers import fill, small_disk
+
+    from model import export, selection
+
+    with small_disk(tmp_path / "disk", "16m") as disk:
+        out = disk / "out"
+        argv = _argv(small, out, "--epochs", "1")
+        real_save = selection.BestModel._save
+
+        def full_then_save(self, *a, **k):
+            fill(disk)
+            return real_save(self, *a, **k)
+
+        monkeypatch.setattr(selection.BestModel, "_save", full_then_save)
+        assert _run(argv) == 2
+        err = capsys.readouterr().err
+        assert "error: could not save the best model (epoch 1, val_acc" in err and "No space left on device" in err
+        assert "Traceback" not in err and not list((out / "checkpoints").glob(".best.*"))
+        (disk / "filler").unlink()
+        monkeypatch.undo()
+
+        real_write = export.write
+
+        def full_then_write(*a, **k):
+            fill(disk)
+            return real_write(*a, **k)
+
+        monkeypatch.setattr(export, "write", full_then_write)
+        assert _run(argv) == 2
+        err = capsys.readouterr().err
+        assert f"error: training finished, but the model could not be written to {out} (No space left on device)" \
+               in err and "holds the trained weights: fix that (free space there" in err, err
+        assert not list(out.glob(".model-tmp-*")) and not (out / "config.json").exists()
+        (disk / "filler").unlink()
+        monkeypatch.undo()
+
+        capsys.readouterr()
+        assert _run(argv) == 0
+        assert "exporting the model again from" in capsys.readouterr().out
+        _assert_holds_checkpoint_model(out, 2)
+
+
+def _finished_copy(trained: Path, dest: Path) -> Path:
+    """A copy of the session's trained OUT (model and checkpoints)."""
+    shutil.copytree(trained, dest, ignore=shutil.ignore_patterns(".dali_pipe.lock"))
+    return dest
+
+
+def _trained_argv(photo_root, out):
+    return ["--data", str(photo_root), "--model", "tiny", "--device", "cpu", "--epochs", "4", "--batch-size", "8",
+            "--num-threads", "1", "--val-fraction", "0.25", "--lr", "2e-3", "--output", str(out)]
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip"])
+def test_a_damaged_model_in_out_is_exported_again_and_refused_by_evaluate(trained, photo_root, tmp_path, cache_dir,
+                                                                          capsys, damage):
+    """model.safetensors truncated, or one byte flipped: evaluate refuses it naming the file and the way
+    out (never a traceback), and the rerun of the training command exports it again."""
+    from dali_pipe.cli.commands import main
+    from model.loading import ModelLoadError
+
+    out = _finished_copy(trained, tmp_path / "out")
+    weights = out / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    if damage == "truncate":
+        weights.write_bytes(data[: len(data) // 2])
+    else:
+        data[len(data) // 2] ^= 0xFF
+        weights.write_bytes(data)
+    with pytest.raises(ModelLoadError, match=rf"{weights} is damaged.*rerun the training command that wrote it"):
+        main(["evaluate", "--model", str(out), "--data", str(photo_root), "--device", "cpu", "--output",
+              str(tmp_path / "eval")])
+    capsys.readouterr()
+    assert train.main(_trained_argv(photo_root, out)) == {"exported_again": True, "global_step": 16}
+    text = capsys.readouterr().out
+    assert f"{weights} is damaged" in text and "exporting the model again" in text
+    _assert_holds_checkpoint_model(out, 16)

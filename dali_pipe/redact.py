@@ -1,12 +1,15 @@
-"""The one place that makes text safe to print: every printed argv, error, log line and
-SageMaker's output/failure goes through `redact()`.
+"""The one place that makes text safe to print or write: every printed argv, error, log line and
+SageMaker's output/failure goes through `redact()`, and every value we write into a file that may
+carry a user's path or URI (hyperparameters, checkpoint metadata, metrics) through `redact_tree()`.
 
 Redacted:
 - the value after a flag or key whose name looks secret (secret, token, password, passwd, key,
-  credential, auth, session): `--hf-token X`, `aws_secret_access_key=X`, `"token": "X"`;
+  credential, auth, session, signature): `--hf-token X`, `aws_secret_access_key=X`, `"token": "X"`,
+  and a presigned URL's parameters (`X-Amz-Signature`, `X-Amz-Credential`, `X-Amz-Security-Token`,
+  `Signature`);
 - `user:pass@` in any URI;
 - AWS access key ids (AKIA..., ASIA...) and 40-character secret-key-like strings;
-- Hugging Face tokens (`hf_...`).
+- Hugging Face tokens (`hf_...`), also inside a path or a name (`/models/my_hf_...`).
 
 `RedactingStream` wraps stdout/stderr in the CLI so that nothing printed, by us or by a library,
 carries one of these.
@@ -17,7 +20,7 @@ import io
 import re
 
 MASK = "[redacted]"
-_NAME = r"[A-Za-z0-9_.-]*(?:secret|token|passw(?:or)?d|key|credential|auth|session)[A-Za-z0-9_.-]*"
+_NAME = r"[A-Za-z0-9_.-]*(?:secret|token|passw(?:or)?d|key|credential|auth|session|signature)[A-Za-z0-9_.-]*"
 _PATTERNS = [
     # --flag value / --flag=value with a secret-looking flag name
     (re.compile(rf"(--{_NAME})(=|\s+)(?!--)(\S+)", re.I), lambda m: f"{m.group(1)}{m.group(2)}{MASK}"),
@@ -26,7 +29,7 @@ _PATTERNS = [
      lambda m: f"{m.group(1)}{MASK}"),
     (re.compile(r"([a-z][a-z0-9+.-]*://)[^/\s:@]+:[^/\s@]+@", re.I), lambda m: f"{m.group(1)}{MASK}@"),
     (re.compile(r"\b(?:AKIA|ASIA|AIDA|AROA)[A-Z0-9]{16}\b"), lambda m: MASK),
-    (re.compile(r"\bhf_[A-Za-z0-9]{20,}\b"), lambda m: MASK),
+    (re.compile(r"(?<![A-Za-z0-9])hf_[A-Za-z0-9]{20,}"), lambda m: MASK),
     # a 40-character AWS secret key: base64 alphabet with both cases (not a hex digest)
     (re.compile(r"(?<![A-Za-z0-9/+=])(?=[A-Za-z0-9/+=]*[a-z])(?=[A-Za-z0-9/+=]*[A-Z])[A-Za-z0-9/+=]{40}"
                 r"(?![A-Za-z0-9/+=])"), lambda m: MASK),
@@ -39,6 +42,17 @@ def redact(text: str) -> str:
     for pattern, repl in _PATTERNS:
         text = pattern.sub(repl, text)
     return text
+
+
+def redact_tree(value):
+    """`value` (nested dicts, lists, tuples, dataclasses as dicts) with every string redacted."""
+    if isinstance(value, str):
+        return redact(value)
+    if isinstance(value, dict):
+        return {k: redact_tree(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(redact_tree(v) for v in value)
+    return value
 
 
 def redact_argv(argv: list[str]) -> list[str]:

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from dali_pipe.config import ModelSettings
+from dali_pipe.redact import redact_tree
 
 from .loading import load_model
 from .mixing import MixSettings, mix
@@ -36,7 +37,8 @@ class ImageClassifier(pl.LightningModule):
         """`seed` keys the mixup/cutmix draws (--seed); `classes` default to the DataModule's."""
         super().__init__()
         self.settings = settings
-        self.save_hyperparameters({"model": dataclasses.asdict(settings), "classes": classes})
+        # hparams.yaml, the TensorBoard events and the checkpoint carry these: no secret in a --model path
+        self.save_hyperparameters(redact_tree({"model": dataclasses.asdict(settings), "classes": classes}))
         self.classes = classes
         self.model = None
         object.__setattr__(self, "_forward", None)  # model or its torch.compile wrapper; not a second submodule

@@ -20,6 +20,9 @@ SECRETS = ["hunter2", "AKIAABCDEFGHIJKLMNOP", "wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXA
     "key id AKIAABCDEFGHIJKLMNOP in use",
     "token: hf_abcdefghijklmnopqrstuvwxyz123",
     "api_key=hunter2&x=1",
+    "s3://b/k?X-Amz-Algorithm=AWS4-HMAC-SHA256&X-Amz-Credential=hunter2%2F20240101%2Fus-east-1&X-Amz-Signature=s3cr3tpass",
+    "https://b.s3.amazonaws.com/k?AWSAccessKeyId=x&Expires=1&Signature=hunter2&X-Amz-Security-Token=s3cr3tpass",
+    "/models/my_hf_abcdefghijklmnopqrstuvwxyz123/config.json",
 ])
 def test_secrets_are_masked(text):
     out = redact(text)
@@ -46,3 +49,52 @@ def test_stream_sees_a_secret_split_across_writes():
     s.write("3tpass@host\nnext line\n")
     s.flush()
     assert "s3cr3tpass" not in sink.getvalue() and "next line" in sink.getvalue()
+
+
+TOKEN = "hf_" + "AbCdEfGhIjKlMnOpQrStUvWx12"
+SIGNATURE = "0123456789abcdef" * 4
+
+
+def test_no_file_a_run_writes_carries_a_secret_of_its_paths(trained, tmp_path, monkeypatch, capsys):
+    """An hf_ token inside the --model and --data paths: absent from every file training and evaluate write
+    (hparams.yaml, the TensorBoard event files, last.json, last.ckpt and its members, metrics.json, the
+    caches) and from everything printed; a presigned URL's signature in --data is never printed."""
+    import shutil
+    import signal
+    import sys
+    import zipfile
+
+    import train
+    from dali_pipe.cli import cli
+    from dali_pipe.cli.commands import main as commands
+    from dali_pipe.demo import make_photo_dataset
+
+    model = tmp_path / TOKEN / "model"
+    shutil.copytree(trained, model, ignore=shutil.ignore_patterns("checkpoints", "tensorboard", ".dali_pipe.lock"))
+    data = make_photo_dataset(tmp_path / f"data-{TOKEN}", classes=2, per_class=6)
+    monkeypatch.setenv("DALI_PIPE_CACHE", str(tmp_path / "cache"))
+    out, ev = tmp_path / "out", tmp_path / "eval"
+    handler, streams = signal.getsignal(signal.SIGTERM), (sys.stdout, sys.stderr)
+    try:
+        assert cli(lambda: train.main(["--data", str(data), "--model", str(model), "--device", "cpu", "--epochs", "1",
+                                       "--batch-size", "4", "--num-threads", "1", "--output", str(out)])) == 0
+        assert cli(lambda: commands(["evaluate", "--model", str(model), "--data", str(data), "--device", "cpu",
+                                     "--output", str(ev)])) == 0
+        assert cli(lambda: train.main(["--data", f"/no/such?X-Amz-Credential=x&X-Amz-Signature={SIGNATURE}",
+                                       "--output", str(tmp_path / "o2")])) == 2
+    finally:
+        signal.signal(signal.SIGTERM, handler)
+        sys.stdout, sys.stderr = streams
+    printed = capsys.readouterr()
+    assert "X-Amz-Signature=[redacted]" in printed.err
+    for text in printed:
+        assert TOKEN not in text and SIGNATURE not in text
+    written = [f for root in (out, ev, tmp_path / "cache") for f in root.rglob("*") if f.is_file()]
+    kinds = {f.name.split(".")[0] for f in written}
+    assert {"hparams", "events", "last", "metrics"} <= kinds, kinds
+    assert "[redacted]" in (out / "tensorboard" / "hparams.yaml").read_text()
+    for f in written:
+        assert TOKEN.encode() not in f.read_bytes(), f
+        if zipfile.is_zipfile(f):
+            with zipfile.ZipFile(f) as z:
+                assert not [m for m in z.namelist() if TOKEN.encode() in z.read(m)], f

@@ -20,6 +20,7 @@ def run(s: Settings) -> dict:
     from ..datamodule import DaliDataModule
     from ..manifest import Sample
     from ..pipeline import Shards
+    from ..redact import redact
     from ..spec import ImageSpec
     from .infer import prepared, run_model
 
@@ -46,7 +47,7 @@ def run(s: Settings) -> dict:
         samples = [Sample(x.path, remap[x.label], x.line) for x in samples]
     logits, labels = run_model(model, dm.loader(samples, training=False), s.pipeline.device, s.model.precision)
     metrics = evaluation.compute(logits, labels, {int(k): v for k, v in model.config.id2label.items()})
-    metrics.update(model=s.model.model, data=str(s.data.data), split=s.eval.split)
+    metrics.update(model=redact(s.model.model), data=redact(str(s.data.data)), split=s.eval.split)
     evaluation.write(metrics, out)
     print(evaluation.summary(metrics))
     print(f"evaluate: wrote {out / 'metrics.json'} and {out / 'confusion.png'}")

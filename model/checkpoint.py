@@ -10,7 +10,9 @@ repeats the fingerprint and progress so a rerun can decide without loading the w
 SIGTERM (spot reclaim, `docker stop`): the current training step finishes, every rank saves the
 same step, and the command exits 0 so the job can be rerun. A SIGTERM during validation lets the
 validation finish (Lightning would stop mid-validation and, on resume, skip the rest of it), so
-every epoch's validation runs whole; the save follows the next training step.
+every epoch's validation runs whole; the save follows the next training step. No checkpoint is taken
+at an epoch's last batch (periodic or for a SIGTERM): Lightning would resume it as a finished epoch,
+skipping its validation; the save follows the next training step instead.
 
 Resuming (`--resume auto|never|PATH`): `plan_resume` compares the fingerprint of this run (data,
 classes, model, image size, batch size, world size, seed) with the checkpoint's, and either
@@ -207,6 +209,8 @@ class SpotSafeCheckpoint(pl.Callback):
         self._finishing = False
         self.final_error: CheckpointSaveError | None = None  # the end-of-training save failed (reported after export)
         self._stop_requested = self._installed = False
+        self._due = False  # a periodic save is due (deferred from an epoch's last batch)
+        self._seen_step = 0  # the global step at the last batch end seen
         self._group = None
 
     def on_save_checkpoint(self, trainer, pl_module, checkpoint: dict) -> None:
@@ -241,8 +245,19 @@ class SpotSafeCheckpoint(pl.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         step = trainer.global_step
-        if self.every_steps and step and step % self.every_steps == 0 and not self._stop_requested:
+        if step == self._seen_step:  # inside a gradient accumulation: no optimizer step ended here
+            return
+        self._seen_step = step
+        if self.every_steps and step % self.every_steps == 0:
+            self._due = True
+        if batch_idx + 1 >= trainer.num_training_batches:
+            # the epoch's last batch: its validation and end-of-epoch hooks are still to come, and Lightning
+            # resumes a checkpoint taken here as a finished epoch (no validation, no METRIC row, its sums
+            # carried into the next epoch). The save (periodic, or for a SIGTERM) follows the next step.
+            return
+        if self._due and not self._stop_requested:
             self.save(trainer)
+            self._due = False
         if self._agree_to_stop(trainer):
             self.save(trainer)
             self.interrupted = True
@@ -286,6 +301,7 @@ class SpotSafeCheckpoint(pl.Callback):
         self._install()
 
     def on_train_start(self, trainer, pl_module) -> None:
+        self._seen_step = trainer.global_step  # a resumed run starts at its checkpoint's step
         self._install()
 
     def _on_sigterm(self, signum, frame) -> None:

@@ -39,20 +39,20 @@ def _metric_lines(text: str) -> list[str]:
 
 
 def test_sigterm_mid_epoch_resumes_each_sample_once(indexed, tmp_path, cache_dir, monkeypatch, capsys):
-    """SIGTERM after step 7 (epoch 2, batch 2): the rerun continues the same permutation at the same
-    place; across both runs every epoch trains each sample once and validates each once; the
-    resumed epoch's METRIC line covers the whole epoch."""
+    """SIGTERM during step 5, epoch 1's last: its validation runs, then step 6 (epoch 2, batch 1), then the
+    save; the rerun continues the same permutation at the same place; across both runs every epoch
+    trains each sample once and validates each once; each epoch's METRIC line covers the whole epoch."""
     trace, out = tmp_path / "trace.jsonl", tmp_path / "out"
-    rt.install(trace, sigterm_at_step=7, patch=monkeypatch.setattr)
+    rt.install(trace, sigterm_at_step=4, patch=monkeypatch.setattr)
     first = train.main(_argv(indexed, out))
-    assert first == {"interrupted": True, "global_step": 8}  # signalled after step 7: step 8 finishes, then the save
+    assert first == {"interrupted": True, "global_step": 6}  # signalled after step 4: not saved at 5, the last
     rt.install(trace, patch=monkeypatch.setattr)
     second = train.main(_argv(indexed, out))
     assert second["global_step"] == EPOCHS * (41 // BATCH)
     train_set, val_set = _sets(indexed)
     rt.assert_each_sample_once_per_epoch(rt.read(trace), train=train_set, epochs=EPOCHS, batch=BATCH, val=val_set)
     text = capsys.readouterr().out
-    assert "resuming epoch 2, step 3 of 5 (global step 8) from " in text  # 5 steps of 8 per epoch
+    assert "resuming epoch 2, step 1 of 5 (global step 6) from " in text  # 5 steps of 8 per epoch
     lines = _metric_lines(text)
     assert [ln.split()[1] for ln in lines] == ["epoch=1", "epoch=2", "epoch=3"]
     assert all("train_samples=40" in ln and "val_samples=7" in ln for ln in lines), lines

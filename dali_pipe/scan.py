@@ -307,10 +307,12 @@ def scan(paths: list[str], mode: str, *, max_pixels: int, num_threads: int = 1,
 
 def write_report(bad: dict[str, str], root: Path, out: Path) -> Path:
     """Write OUT/bad_images.tsv: one row per excluded file, its path and the reason."""
+    from .workdir import writing
+
     out.mkdir(parents=True, exist_ok=True)
     report = out / "bad_images.tsv"
-    tmp = report.with_suffix(".tsv.tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
+    tmp = report.with_name(f".bad_images.tsv.tmp-{os.getpid()}")
+    with writing(report, tmp), open(tmp, "w", encoding="utf-8") as f:
         f.write("image_path\treason\n")
         for p in sorted(bad):
             rel = os.path.relpath(p, root) if p.startswith(str(root)) else p

@@ -19,6 +19,7 @@ import hashlib
 import os
 import re
 import shutil
+from contextlib import contextmanager
 from pathlib import Path
 
 from .errors import UserError
@@ -228,3 +229,17 @@ def write_failure(err: BaseException, directory: Path | str | None = None) -> st
             pass
     text = str(err).strip().splitlines()
     return text[0][:200] if text else type(err).__name__
+
+
+@contextmanager
+def writing(path: Path | str, tmp: Path | str | None = None):
+    """Around the write of `path` (through `tmp`): a failure removes `tmp`, and a full disk's OSError,
+    which names no file when a write() fails, names `path` (the CLI prints it in one line)."""
+    try:
+        yield
+    except BaseException as e:
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
+        if isinstance(e, OSError) and is_disk_full(e) and not e.filename:
+            e.filename = str(path)
+        raise

@@ -70,9 +70,12 @@ def write(metrics: dict, out: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from dali_pipe.workdir import writing
+
     out.mkdir(parents=True, exist_ok=True)
     tmp = out / f".metrics.json.tmp-{os.getpid()}"
-    tmp.write_text(json.dumps(metrics, indent=1))
+    with writing(out / "metrics.json", tmp):
+        tmp.write_text(json.dumps(metrics, indent=1))
     os.replace(tmp, out / "metrics.json")
     names, m = metrics["confusion"]["classes"], metrics["confusion"]["matrix"]
     if len(names) <= READABLE:
@@ -104,6 +107,9 @@ def write(metrics: dict, out: Path) -> None:
                  + ("" if len(names) <= READABLE else f"; top confusions of {len(names)} classes"))
     fig.tight_layout()
     tmp = out / f".confusion.png.tmp-{os.getpid()}"
-    fig.savefig(tmp, dpi=110, format="png")
-    plt.close(fig)
+    try:
+        with writing(out / "confusion.png", tmp):
+            fig.savefig(tmp, dpi=110, format="png")
+    finally:
+        plt.close(fig)
     os.replace(tmp, out / "confusion.png")

@@ -72,3 +72,26 @@ def test_cli_errors_are_one_line(tmp_path):
     r = subprocess.run([sys.executable, "-m", "dali_pipe", "evaluate", "--data", str(tmp_path)], capture_output=True,
                        text=True, cwd=ROOT, timeout=60)
     assert r.returncode == 2 and "--model: required" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_a_full_disk_under_the_output_is_one_clear_line(trained, photo_root, tmp_path, cache_dir, capsys):
+    """evaluate writing to a full disk (tmpfs): exit status 2 and one line naming the file, no traceback."""
+    import signal
+    import sys
+
+    from helpers import fill, small_disk
+
+    from dali_pipe.cli import cli
+
+    with small_disk(tmp_path / "disk", "1m") as disk:
+        fill(disk)
+        handler, streams = signal.getsignal(signal.SIGTERM), (sys.stdout, sys.stderr)
+        try:
+            rc = cli(lambda: main(["evaluate", "--model", str(trained), "--data", str(photo_root), "--device", "cpu",
+                                   "--output", str(disk / "eval")]))
+        finally:
+            signal.signal(signal.SIGTERM, handler)
+            sys.stdout, sys.stderr = streams
+    err = capsys.readouterr().err
+    assert rc == 2 and "Traceback" not in err
+    assert f"error: no space left on device writing {disk / 'eval'}" in err, err

@@ -88,8 +88,8 @@ def _terminate(signum, frame):
 
 
 def cli(entry=main) -> int:
-    """Entry point: secrets never printed, SIGTERM handled from the first line, and user errors as
-    one clear message with exit status 2 instead of a traceback."""
+    """Entry point: secrets never printed, SIGTERM handled from the first line, and user errors (and a
+    full disk) as one clear message with exit status 2 instead of a traceback."""
     import signal
 
     from ..redact import RedactingStream, redact
@@ -105,6 +105,14 @@ def cli(entry=main) -> int:
     except Terminated:
         print("stopped by SIGTERM", file=sys.stderr)
         return 143
+    except OSError as e:  # a full disk wherever it strikes (an output file, a log): one line, not a traceback
+        from ..workdir import is_disk_full
+
+        if not is_disk_full(e):
+            raise
+        print(f"error: no space left on device writing {redact(e.filename or 'a file')}; free space there (or "
+              "write elsewhere) and rerun", file=sys.stderr)
+        return 2
     finally:
         sys.stdout.flush()
         sys.stderr.flush()

@@ -126,5 +126,8 @@ def write_predictions(out: Path, names: list[str], logits, model, top_k: int) ->
         rows.append("\t".join(cells))
     out.mkdir(parents=True, exist_ok=True)
     tmp = out / f".predictions.tsv.tmp-{os.getpid()}"
-    tmp.write_text("\n".join(rows) + "\n")
+    from ..workdir import writing
+
+    with writing(out / "predictions.tsv", tmp):
+        tmp.write_text("\n".join(rows) + "\n")
     os.replace(tmp, out / "predictions.tsv")

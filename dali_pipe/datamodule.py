@@ -92,7 +92,6 @@ def report(manifest: Manifest, result: ScanResult, data: DataSettings, output: P
     except OSError as e:
         from .workdir import OutputError
 
-        (Path(output) / "bad_images.tsv.tmp").unlink(missing_ok=True)
         raise OutputError(f"could not write {Path(output) / 'bad_images.tsv'} ({e.strerror or e}); free space there, "
                           "or pass another output (--output, or output= to DaliDataModule)") from None
     if result.bad or missing:

@@ -107,15 +107,26 @@ def model_from(state: dict, name: str, classes: list[str]):
 
 
 class DirectCheckpointIO(TorchCheckpointIO):
-    """torch.save straight to the given path (SpotSafeCheckpoint's temporary name, renamed when whole)."""
+    """torch.save beside the target: a hidden name (SpotSafeCheckpoint's temporary name) is written as
+    it is; any other (a ModelCheckpoint's) through `.NAME.tmp-PID` in the same folder, renamed when whole."""
 
     def save_checkpoint(self, checkpoint, path, storage_options=None) -> None:
         import torch
 
-        with open(path, "wb") as f:
-            torch.save(checkpoint, f)
-            f.flush()
-            os.fsync(f.fileno())
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path if path.name.startswith(".") else path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        try:
+            with open(tmp, "wb") as f:
+                torch.save(checkpoint, f)
+                f.flush()
+                os.fsync(f.fileno())
+            if tmp != path:
+                os.replace(tmp, path)
+        except BaseException:
+            if tmp != path:
+                tmp.unlink(missing_ok=True)
+            raise
 
 
 # -- the resume decision --------------------------------------------------------------------------

@@ -176,9 +176,12 @@ def load_checked(name: str, what: str, *, verify_files: bool = True):
         raise ModelLoadError(f"{what}: {reason}; {REEXPORT}.", reason) from None
     missing, unexpected = list(info.get("missing_keys", [])), list(info.get("unexpected_keys", []))
     mismatched = [k[0] if isinstance(k, tuple) else k for k in info.get("mismatched_keys", [])]
-    if missing or unexpected or mismatched:
-        parts = [f"{len(v)} {label} key(s) ({', '.join(sorted(v)[:4])}{', ...' if len(v) > 4 else ''})"
-                 for label, v in (("missing", missing), ("unexpected", unexpected), ("mismatched", mismatched)) if v]
+    parts = [f"{len(v)} {label} key(s) ({', '.join(sorted(v)[:4])}{', ...' if len(v) > 4 else ''})"
+             for label, v in (("missing", missing), ("unexpected", unexpected), ("mismatched", mismatched)) if v]
+    if unexpected and not (missing or mismatched) and not folder.is_dir():
+        # a hub checkpoint with extra weights (every weight of the model was loaded): said, not refused
+        print(f"note: {what}: {parts[0]} in its weights are not used by its config's model", file=sys.stderr)
+    elif parts:
         reason = (f"its weights do not match its config.json (a {model.config.model_type!r} model): "
                   + "; ".join(parts))
         raise ModelLoadError(f"{what}: {reason}. The folder mixes files of different models; pass the folder one "

@@ -128,8 +128,12 @@ class DataSettings:
     max_bad_fraction: float = setting(0.05, "abort when a larger share of images is bad", check=UNIT_INTERVAL)
     skip_missing: bool = setting(False, "go on without the files dataset.tsv lists but the data lacks (reported)")
     packed_s3: str = setting("auto", "s3:// packed data: sync the shards to the cache dir when they fit on its disk "
-                                     "(auto), always (sync), or read them from S3 as needed (stream)",
+                                     "(auto), always (sync), or stream them ahead of the reader through a bounded "
+                                     "cache (stream; auto when they do not fit)",
                              choices=("auto", "sync", "stream"))
+    stream_cache: int | None = setting(None, "streamed packs: disk the shard cache may use per node (e.g. 20GB); "
+                                             "default: half the cache dir's free space",
+                                       parse=lambda v: parse_size(v), expected="a size such as 20GB", check=AT_LEAST_1)
 
 
 @dataclass

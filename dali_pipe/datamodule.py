@@ -119,6 +119,9 @@ def prepare(data: DataSettings, output: Path, *, num_threads: int,
         from .shards import source
 
         shards = source.prepare_shards(data, num_threads=num_threads, workers=SyncSettings.workers)
+        from .shards.cache import verify_local
+
+        verify_local(shards.everything, data.cache_dir)  # size and sha256 of every local shard, once
         source.report(shards, data.scan, output)
         result = shards.scan_result()
         check_bad_fraction(result, data, output)
@@ -279,9 +282,10 @@ class DaliDataModule(pl.LightningDataModule):
         self._val = self.loader(self.manifest.val, training=False) if self.manifest.val else None
         self.spans["setup"] = (start, time.perf_counter())
 
-    def loader(self, samples: list[Sample], *, training: bool):
-        """An epoch-exact DALI loader over `samples` for this rank."""
+    def loader(self, samples: list[Sample] | Shards, *, training: bool):
+        """An epoch-exact DALI loader over `samples` (files, or shards through their epoch plan) for this rank."""
         from .loader import DaliLoader
+        from .pipeline import shard_reader
 
         rank, world, local_rank, local_world = self._rank()
         device = self.device
@@ -291,10 +295,40 @@ class DaliDataModule(pl.LightningDataModule):
             resources=resources_for_rank(self.pipeline, local_world_size=local_world, training=training),
             augment=Augment.from_settings(self.pipeline), device_id=local_rank if gpu else None,
             seed=self.data.seed, shard_id=rank, num_shards=world)
-        source = (samples if isinstance(samples, Shards)
-                  else Files([s.path for s in samples], [s.label for s in samples]))
+        if isinstance(samples, Shards):
+            store = self._stream_view(samples)
+            source = shard_reader(samples, opts, training=training, store=store)
+            if store is not None:
+                store.register(source)  # refuses a --stream-cache too small for the plan
+        else:
+            source = Files([s.path for s in samples], [s.label for s in samples])
         return DaliLoader(lambda checkpoint: build_pipeline(source, self.spec, opts, training=training,
                                                             checkpoint=checkpoint), training=training)
+
+    def _stream_view(self, shards: Shards):
+        """The streaming cache's view for shards read from S3 (None when all are local). One cache per
+        rank, in CACHE_DIR/stream/BUCKET/PREFIX/rank-N, shared by its loaders."""
+        if not any(p.startswith("s3://") for p in shards.paths):
+            return None
+        if getattr(self, "_stream", None) is None:
+            from .shards.cache import Remote, StreamCache, stream_bound
+            from .sync import local_target
+
+            rank, _, _, local_world = self._rank()
+            folder = local_target(self.data.data, Path(self.data.cache_dir) / "stream") / f"rank-{rank}"
+            remotes = [Remote(p, z, h) for split in (self.manifest.train, self.manifest.val, shards)
+                       for p, z, h in zip(split.paths, split.sizes or (None,) * len(split.paths),
+                                          split.sha256 or (None,) * len(split.paths)) if p.startswith("s3://")]
+            remotes = list({r.url: r for r in remotes}.values())
+            self._stream = StreamCache(folder, remotes, stream_bound(self.data.stream_cache, folder, local_world),
+                                       local_ranks=local_world)
+        return self._stream.view(shards)
+
+    def teardown(self, stage: str | None = None) -> None:
+        """Stop the streaming cache's fetches (its landed shards stay for a rerun)."""
+        if getattr(self, "_stream", None) is not None:
+            self._stream.close()
+            self._stream = None
 
     # -- resume: each rank's loader position lives in the Lightning checkpoint -----------------
     def state_dict(self) -> dict:
@@ -330,7 +364,12 @@ class DaliDataModule(pl.LightningDataModule):
             print("resume: the checkpoint has no loader position for this world size; the data order of the "
                   "resumed epoch restarts from its beginning", file=sys.stderr)
             return
-        self._train.restore(loaders[rank])
+        from .loader import ReaderChanged
+
+        try:
+            self._train.restore(loaders[rank])
+        except ReaderChanged as e:
+            print(f"resume: {e}; the data order of the resumed epoch restarts from its beginning", file=sys.stderr)
         import warnings
 
         # Lightning looks for state_dict on the loader itself; ours is restored through this DataModule

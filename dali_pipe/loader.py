@@ -1,10 +1,12 @@
 """A thin, epoch-exact, resumable wrapper over DALIGenericIterator that yields `(images, labels)`.
 
-Epoch-exact. The reader pads every shard to the same multiple of the batch size. DALI's DROP
-policy does not consume that padded batch at the epoch end (the next epoch then starts with it),
-so both modes use PARTIAL, which trims the padding exactly, and training keeps only the first
+Epoch-exact. Files: the reader pads every shard to the same multiple of the batch size. DALI's
+DROP policy does not consume that padded batch at the epoch end (the next epoch then starts with
+it), so both modes use PARTIAL, which trims the padding exactly, and training keeps only the first
 `(epoch_size // num_shards) // batch_size` full batches: the same count on every rank, each rank
-dropping at most its one partial batch.
+dropping at most its one partial batch. Shards: the epoch plan (dali_pipe/shards/plan.py) yields
+those same counts itself, and marks the padding of a rank whose evaluation share is one short,
+which this wrapper drops (`reader.valid`).
 
 Lightning may stop iterating before an epoch ends (sanity-check validation, `max_steps`,
 `limit_*_batches`). A DALI iterator abandoned mid-epoch would hand the rest of that epoch to the
@@ -30,6 +32,14 @@ class PipelineDecodeError(UserError):
     """DALI failed on a file mid-epoch; the message names it when DALI does, and how to avoid it."""
 
 
+class ReaderChanged(Exception):
+    """A saved loader position belongs to another reader than this version's (so the order restarts)."""
+
+
+FILE_READER = "dali-file-reader/1"  # DALI's readers.file (also what states without a "reader" hold)
+SHARD_READER = "shard-plan/1"  # dali_pipe/shards: the epoch plan through external_source
+
+
 class DaliLoader:
     def __init__(self, build, *, training: bool):
         """`build(checkpoint)` returns a new (unbuilt) pipeline, restored from `checkpoint` when given."""
@@ -43,24 +53,36 @@ class DaliLoader:
         from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
 
         pipe = self._build(checkpoint)
+        self.batch_size = pipe.max_batch_size
+        reader = getattr(pipe, "shard_reader", None)
+        self._reader = FILE_READER if reader is None else SHARD_READER
+        if reader is not None:  # shards: the epoch plan yields exactly the batches kept, padding marked
+            self._it = DALIGenericIterator([pipe], ["images", "labels"], auto_reset=True, prepare_first_batch=False)
+            self._len, self._valid = reader.batches, reader.valid
+            return
         self._it = DALIGenericIterator(
             [pipe], ["images", "labels"], reader_name=READER_NAME, auto_reset=True, prepare_first_batch=False,
             last_batch_policy=LastBatchPolicy.PARTIAL)
-        self.batch_size = pipe.max_batch_size
         meta = pipe.reader_meta(READER_NAME)
         self._len = ((meta["epoch_size"] // meta["number_of_shards"]) // self.batch_size if self.training
                      else len(self._it))
+        self._valid = None
 
     def __len__(self) -> int:
         return self._len
 
     # -- resume --------------------------------------------------------------------------------
     def state(self) -> dict:
-        """Where this rank's loader stands: DALI's checkpoint plus the position in the epoch."""
-        return {"dali": self._it.checkpoints()[0], "pos": self._pos, "open": self._open}
+        """Where this rank's loader stands: DALI's checkpoint plus the position in the epoch, and
+        which reader took it (a checkpoint of another reader's graph cannot be restored)."""
+        return {"dali": self._it.checkpoints()[0], "pos": self._pos, "open": self._open, "reader": self._reader}
 
     def restore(self, state: dict) -> None:
-        """Rebuild the pipeline from `state`; the next iter() continues where `state` was taken."""
+        """Rebuild the pipeline from `state`; the next iter() continues where `state` was taken.
+        Raises ReaderChanged for a state of another reader (an older version's shard reader)."""
+        if state.get("reader", FILE_READER) != self._reader:
+            raise ReaderChanged(f"the checkpoint's loader position was taken by {state.get('reader', FILE_READER)!r}, "
+                                f"this version reads with {self._reader!r}")
         self._make(state["dali"])
         self._pos, self._open, self._resume = state["pos"], state["open"], True
 
@@ -85,10 +107,14 @@ class DaliLoader:
         try:
             for batch in self._epoch():
                 if self._pos < self._len:
-                    self._pos += 1
                     out = batch[0]
+                    images, labels = out["images"], out["labels"].view(-1).long()
+                    if self._valid is not None and self._valid(self._pos) < len(labels):  # drop the padding
+                        n = self._valid(self._pos)
+                        images, labels = images[:n], labels[:n]
+                    self._pos += 1
                     # images (B,3,H,W) float on cuda:local_rank ("gpu") or CPU; labels (B,) int64, same device
-                    yield out["images"], out["labels"].view(-1).long()
+                    yield images, labels
         except RuntimeError as e:
             if "Critical error in pipeline" not in str(e):
                 raise

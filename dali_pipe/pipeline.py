@@ -15,7 +15,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 
 from .config import PipelineSettings, cores
 from .spec import ImageSpec
@@ -94,7 +93,6 @@ class Shards:
                       excluded=self.excluded | frozenset((i + n, e) for i, e in other.excluded))
 
 
-SHUFFLE_BUFFER = 1024  # shards: DALI's random_shuffle window (its webdataset reader ignores shuffle_after_epoch)
 
 
 @dataclass(frozen=True)
@@ -138,32 +136,41 @@ def seeded_order(n: int, seed: int) -> list[int]:
     return order
 
 
-def build_pipeline(source: Files | Shards, spec: ImageSpec, opts: PipelineOptions, *, training: bool,
+def shard_reader(source: Shards, opts: PipelineOptions, *, training: bool, store=None):
+    """The external_source callable over `source` for this rank (dali_pipe/shards/reader.py)."""
+    from .shards.reader import ShardReader
+
+    return ShardReader(source, batch=opts.batch_size, seed=opts.seed, rank=opts.shard_id, world=opts.num_shards,
+                       training=training, store=store)
+
+
+def build_pipeline(source, spec: ImageSpec, opts: PipelineOptions, *, training: bool,
                    checkpoint: str | None = None):
-    """Build (not yet run) a DALI pipeline over `source`, restored from a DALI `checkpoint` when
-    given (checkpointing is always on; DALI documents no cost for it).
+    """Build (not yet run) a DALI pipeline over `source` (Files, Shards, or a ShardReader over
+    Shards), restored from a DALI `checkpoint` when given (checkpointing is always on; DALI
+    documents no cost for it).
 
     Files, training: `shuffle_after_epoch`, so DALI permutes the whole list before every epoch,
     the same way on every rank, and each rank reads its slice: the ranks' shards are disjoint and
-    cover the data. Shards (packed tars), training: DALI's webdataset reader has no
-    `shuffle_after_epoch` (2.4 accepts and ignores it), so the samples, already in a seeded random
-    order from packing, pass a `random_shuffle` buffer of SHUFFLE_BUFFER, and the tar order is
-    permuted by --seed. Either way DALI pads each rank's share (`pad_last_batch`) so epochs have
-    clean boundaries; the loader trims the padding and, for training, the partial batch (loader.py).
-    Both keep each sample once per epoch (tests/test_loader.py).
+    cover the data. DALI pads each rank's share (`pad_last_batch`) so epochs have clean
+    boundaries; the loader trims the padding and, for training, the partial batch (loader.py).
+
+    Shards: the encoded bytes and labels come from a ShardReader through `fn.external_source`
+    (batch mode, with DALI's BatchInfo): the rank's epoch plan (dali_pipe/shards/plan.py) draws a
+    new shard and sample order from (--seed, epoch) every epoch, skips `Shards.excluded`, and
+    yields exactly the batches the loader keeps. The pipeline carries the reader as
+    `pipe.shard_reader` (the loader's length). Both keep each sample once per epoch
+    (tests/test_loader.py, tests/test_packed.py).
     """
     if opts.device not in ("gpu", "cpu"):
         raise ValueError(f"device must be 'gpu' or 'cpu', got {opts.device!r}")
     from nvidia.dali import fn, pipeline_def, types
 
+    if isinstance(source, Shards):
+        source = shard_reader(source, opts, training=training)
     if training and isinstance(source, Files):
         order = seeded_order(len(source.files), opts.seed)
         source = Files([source.files[i] for i in order], [int(source.labels[i]) for i in order])
-    elif training:
-        source = _readable(source)
-        order = seeded_order(len(source.paths), opts.seed)
-        source = Shards(tuple(source.paths[i] for i in order), tuple(source.index_paths[i] for i in order),
-                        source.samples, source.remap)
     res = opts.resources
     aug = opts.augment
 
@@ -204,14 +211,17 @@ def build_pipeline(source: Files | Shards, spec: ImageSpec, opts: PipelineOption
             lab = lab.gpu()
         return images, lab
 
-    return image_pipeline(
+    pipe = image_pipeline(
         batch_size=opts.batch_size, num_threads=res.num_threads,
         device_id=opts.device_id if opts.device == "gpu" else None,
         seed=opts.seed + opts.shard_id, prefetch_queue_depth=res.prefetch_queue_depth, checkpoint=checkpoint)
+    pipe.shard_reader = None if isinstance(source, Files) else source
+    return pipe
 
 
-def _read(source: Files | Shards, opts: PipelineOptions, training: bool):
-    """The reader node: (encoded images, integer labels), sharded by rank and padded to full batches."""
+def _read(source, opts: PipelineOptions, training: bool):
+    """The reader node: (encoded images, integer labels), sharded by rank. Files: DALI's file
+    reader, padded to full batches. Shards: the ShardReader, through external_source."""
     from nvidia.dali import fn, types
 
     if isinstance(source, Files):
@@ -219,58 +229,8 @@ def _read(source: Files | Shards, opts: PipelineOptions, training: bool):
             files=source.files, labels=[int(x) for x in source.labels], name=READER_NAME,
             shard_id=opts.shard_id, num_shards=opts.num_shards, pad_last_batch=True,
             shuffle_after_epoch=training)
-    shuffle = dict(random_shuffle=True, initial_fill=SHUFFLE_BUFFER) if training else {}
-    source = _readable(source)
-    jpegs, cls = fn.readers.webdataset(
-        paths=list(source.paths), index_paths=list(source.index_paths), ext=["jpg", "cls"], name=READER_NAME,
-        shard_id=opts.shard_id, num_shards=opts.num_shards, pad_last_batch=True,
-        missing_component_behavior="error", **shuffle)
-    lab = _decimal(cls)
-    if source.remap is not None:  # the shards' class index -> the model's
-        lab = fn.lookup_table(lab, keys=list(range(len(source.remap))), values=list(source.remap),
-                              default_value=-1)
-    return jpegs, lab
-
-
-def _readable(source: Shards) -> Shards:
-    """The shards as DALI's webdataset reader can take them: a shard with excluded members or samples
-    whose image is not a `jpg` member gets an index rewritten with one `jpg` and one `cls` per usable
-    sample (shards.format.readable_index); the others keep theirs."""
-    if not source.excluded and all(_plain(p) for p in source.index_paths):
-        return source
-    from .shards.format import readable_index
-
-    kept = [(path, idx) for i, (path, index) in enumerate(zip(source.paths, source.index_paths))
-            for idx in [readable_index(index, frozenset(e for s, e in source.excluded if s == i))] if idx]
-    return Shards(tuple(p for p, _ in kept), tuple(i for _, i in kept), source.samples, source.remap)
-
-
-def _plain(index_path: str) -> bool:
-    from .shards.format import plain_index
-
-    return plain_index(index_path)
-
-
-CLS_DIGITS = 9  # shards.format.CLS_MAX_BYTES: the widest .cls the reader parses
-
-
-def _decimal(cls):
-    """The class index in a `.cls` member's bytes: plain decimal (`7`, as webdataset writes it), zero
-    padded (`000007`, packs of the first format) or followed by whitespace (`7\\n`). Digits are
-    left-aligned into CLS_DIGITS places, summed with their powers of ten, and divided by 10 to the
-    number of places left empty."""
-    from nvidia.dali import fn, types
-
-    digits = list(range(ord("0"), ord("9") + 1))
-    value = fn.lookup_table(cls, keys=digits, values=list(range(10)), default_value=0, dtype=types.INT32)
-    count = fn.reductions.sum(fn.lookup_table(cls, keys=digits, values=[1] * 10, default_value=0,
-                                              dtype=types.INT32), axes=0)
-    places = fn.pad(value, axes=[0], shape=[CLS_DIGITS], fill_value=0)
-    powers = types.Constant(np.array([10 ** k for k in range(CLS_DIGITS - 1, -1, -1)], dtype=np.int32))
-    left = fn.reductions.sum(places * powers, axes=0)
-    scale = fn.lookup_table(count, keys=list(range(CLS_DIGITS + 1)),
-                            values=[10 ** (CLS_DIGITS - k) for k in range(CLS_DIGITS + 1)], dtype=types.INT32)
-    return left // scale
+    return fn.external_source(source=source, num_outputs=2, batch=True, batch_info=True,
+                              dtype=[types.UINT8, types.INT32], ndim=[1, 0])
 
 
 def _auto_augment(images, aug: Augment, shape: tuple[int, int]):

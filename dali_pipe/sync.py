@@ -89,7 +89,22 @@ def make_client(workers: int, max_attempts: int | None = None, connect_timeout: 
     cfg = Config(max_pool_connections=max(10, workers), connect_timeout=connect_timeout or CONNECT_TIMEOUT,
                  read_timeout=read_timeout or READ_TIMEOUT, tcp_keepalive=True,
                  retries={"max_attempts": max_attempts or MAX_ATTEMPTS, "mode": "standard"})
-    return boto3.session.Session().client("s3", config=cfg)
+    return boto3.session.Session().client("s3", config=cfg, **endpoint_credentials())
+
+
+def endpoint_credentials() -> dict:
+    """An AWS_ENDPOINT_URL(_S3) of the form http://KEY:SECRET@host:port: the endpoint without them, and
+    them as the access key and secret (botocore would send them in the Host header otherwise)."""
+    from urllib.parse import unquote, urlsplit, urlunsplit
+
+    url = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+    if not url or "@" not in url:
+        return {}
+    u = urlsplit(url)
+    if u.username is None:
+        return {}
+    return {"endpoint_url": urlunsplit(u._replace(netloc=u.netloc.rsplit("@", 1)[1])),
+            "aws_access_key_id": unquote(u.username), "aws_secret_access_key": unquote(u.password or "")}
 
 
 def endpoint() -> str:

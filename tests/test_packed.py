@@ -138,15 +138,15 @@ def test_train_evaluate_and_predict_from_a_local_pack(packed, odd_root, tmp_path
 
 @pytest.mark.parametrize("route", ["sync", "stream"])
 def test_train_from_a_pack_on_s3(route, photo_root, s3_process, tmp_path, cache_dir, monkeypatch, capsys):
-    """Packed to S3, read back: synced when it fits, streamed by DALI from S3 when it does not (the free
-    space is made too small)."""
-    import dali_pipe.packed as packed_mod
+    """Packed to S3, read back: synced when it fits, streamed through the bounded cache when it does not
+    (the free space is made too small)."""
+    import dali_pipe.shards.cache as cache_mod
     from dali_pipe.sync import make_client
 
     make_client(4).create_bucket(Bucket="data")
     main(["pack", str(photo_root), "s3://data/packed", "--max-side", "96", "--shard-size", "60kB"])
     if route == "stream":
-        monkeypatch.setattr(packed_mod, "HEADROOM", 1 << 60)
+        monkeypatch.setattr(cache_mod, "HEADROOM", 1 << 60)
     res = train.main(["--data", "s3://data/packed", "--model", "tiny", "--device", "cpu", "--epochs", "1",
                       "--batch-size", "8", "--num-threads", "1", "--output", str(tmp_path / "m"), "--cache-dir",
                       str(cache_dir)])
@@ -157,7 +157,8 @@ def test_train_from_a_pack_on_s3(route, photo_root, s3_process, tmp_path, cache_
     if route == "sync":
         assert len(tars) == len(json.loads((local / "packed.json").read_text())["splits"]["train"]["shards"]) + 1
     else:
-        assert not tars and "reading them from S3 as needed" in capsys.readouterr().err
+        assert not tars and "streaming them through a bounded cache" in capsys.readouterr().err
+        assert list((cache_dir / "stream" / "s3" / "data" / "packed" / "rank-0").glob("*.tar"))
 
 
 def test_a_pack_of_the_first_format_reads_its_six_digit_labels(photo_root, tmp_path):
@@ -190,3 +191,33 @@ def test_a_pack_of_the_first_format_reads_its_six_digit_labels(photo_root, tmp_p
     p = open_shards(DataSettings(data=str(tmp_path), cache_dir=str(tmp_path / "cache")))
     assert [s.cls for s in p.shards] == [[i % 11 for i in range(12)]]
     assert _labels(_loader(p.train, 12, False)) == [i % 11 for i in range(12)]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("gpu", marks=pytest.mark.gpu)])
+def test_shard_bytes_decode_as_pil_decodes_them(packed, device):
+    """Validation over the pack's shards (bytes fed to DALI's decoder by the shard reader; nvJPEG on the GPU)
+    equals PIL + numpy on the same tar members, image for image, with the labels of their cls members."""
+    import io
+    import tarfile
+
+    import numpy as np
+    from test_pipeline import SPEC as PIPE_SPEC
+    from test_pipeline import TOL, _options, _reference, _run
+
+    from dali_pipe.shards.format import parse_cls
+
+    val = _shards(packed).val
+    members = {}
+    for path in val.paths:
+        with tarfile.open(path) as t:
+            for m in t.getmembers():
+                key, ext = m.name.rsplit(".", 1)
+                members.setdefault(key, {})[ext] = t.extractfile(m).read()
+    keys = [k for k in members]  # tar order = index order = the evaluation plan's order (one rank)
+    pipe = build_pipeline(val, PIPE_SPEC, _options(len(keys), device), training=False)
+    out, labels = _run(pipe)
+    ref = np.stack([_reference(io.BytesIO(members[k]["jpg"]), PIPE_SPEC) for k in keys])
+    assert labels.tolist() == [parse_cls(members[k]["cls"]) for k in keys]
+    err = np.abs(out - ref)
+    for got, tol in zip((err.mean(), np.percentile(err, 99), err.max()), TOL[device]):
+        assert got < tol

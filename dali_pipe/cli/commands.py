@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
                         "(see --help)")
     validate(s, COMMANDS[command], problems)
     if command == "sync":
-        from ..packed import fetch_to
+        from ..shards.cache import fetch_to
         from ..shards.source import is_packed
         from ..sync import sync
 

@@ -4,7 +4,7 @@
 
 - a pack (`python -m dali_pipe pack`): `packed.json` with the classes, the split, and per shard its
   index file, sample count, size, sha256 and the image_path of each sample; a folder or s3:// prefix
-  (`packed.fetch` brings it local);
+  (`shards.cache.fetch` brings it local);
 - shards written by others (webdataset's `ShardWriter`, img2dataset, any WebDataset tool) with no
   packed.json and no dataset.tsv: a folder of `.tar` files, a brace pattern
   (`shards/train-{000000..000099}.tar`), or an s3:// prefix of `.tar` objects. Each shard is indexed
@@ -247,7 +247,7 @@ class ShardSet:
 
 # -- opening --------------------------------------------------------------------------------------
 def open_packed(data: str, cache_dir: str | Path) -> ShardSet:
-    """The pack at --data read from local disk (after `packed.fetch` for s3://), with its structural
+    """The pack at --data read from local disk (after `shards.cache.fetch` for s3://), with its structural
     checks but no check of its members (that is `open_shards`)."""
     from ..config import DataSettings
 
@@ -264,9 +264,9 @@ def open_shards(data, *, num_threads: int = 1, progress: bool = False) -> ShardS
 
 
 def prepare_shards(data, *, num_threads: int, workers: int) -> ShardSet:
-    """Once per node: fetch a pack from S3 (packed.fetch), index shards of others, check every member."""
+    """Once per node: fetch a pack from S3 (shards.cache.fetch), index shards of others, check every member."""
     if source_kind(data.data, data.cache_dir) == "pack":
-        from ..packed import fetch
+        from .cache import fetch
 
         fetch(data.data, data.cache_dir, mode=data.packed_s3, workers=workers)
     return open_shards(data, num_threads=num_threads, progress=True)

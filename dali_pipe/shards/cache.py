@@ -1,0 +1,807 @@
+"""Shard bytes for training, always from local disk, always checked: a local pack verified once,
+a pack on S3 synced whole, or streamed through a bounded local cache.
+
+Every shard whose size and sha256 are known (packed.json; peer shards as indexed) is checked
+before its first use, and a mismatch names the shard and the way out; nothing unchecked is
+decoded.
+
+- Local packs (`verify_local`): hashed once before training, with the verdict cached by (path,
+  size, mtime) in CACHE_DIR/shard-verdicts.json, so reruns cost a stat per shard.
+- Synced packs (`fetch`, `--packed-s3 sync`, or `auto` when they fit): every shard fetched with
+  s3transfer's ranged parallel GETs, several at a time, checked as it lands (a mismatch is
+  fetched once more, then named), its verdict recorded. The index files (small, one per shard)
+  are fetched on every route, 32 at a time, skipped when their ETag is unchanged; packed.json last.
+- Streamed packs (`StreamCache`, `--packed-s3 stream`, or `auto` when they do not fit): the
+  shards are fetched in the order the epoch plan reads them, several at a time, into a folder
+  bounded by `--stream-cache`; a read waits until its shard has landed and matched. Training
+  starts once the first window of shards is local. Eviction follows the readers' plans: shards
+  that a reader has in progress are never evicted; otherwise the one whose next use is farthest
+  goes first (consumed shards, until the next epoch needs them), and only to make room for one
+  needed sooner. The plans are known ahead (dali_pipe/shards/plan.py), so this is Belady's
+  optimal rule, not a guess. DDP: each rank fetches the shards of its own share (the plan splits
+  the data by rank), into its own folder, with bound / local ranks; ranks fetch disjoint data,
+  so fetching once per node would save only the few shards cut by a rank boundary.
+
+Faults: S3 throttling (503 SlowDown) is retried by botocore's standard retry mode; a cut
+connection or a stalled body (read timeout) by s3transfer, then by one more whole attempt here;
+an attempt that moves no byte for STALL seconds, or runs past its deadline, is cancelled, so a
+silent endpoint is named after about a minute. What still fails is a
+ShardFetchError naming the endpoint and the key.
+
+Why s3transfer and not a hand-written loop: its ranged, parallel GETs of large objects, retries
+of streaming errors and atomic temp-file writes are what is needed; what is ours is the order
+(the plan), the bound, the eviction and the checks.
+"""
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import sys
+import threading
+import time
+import weakref
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import UserError
+from .format import file_sha256
+
+VERDICTS_NAME = "shard-verdicts.json"
+CHUNK = 8 << 20  # ranged GET part size (s3transfer's default), also the multipart threshold
+FETCH_PARALLEL = 4  # shards fetched at once
+PART_CONCURRENCY = 8  # ranged GETs at once, across the shards in flight
+CONNECT_TIMEOUT, READ_TIMEOUT = 5.0, 10.0  # a stalled body is retried after READ_TIMEOUT
+ATTEMPTS = 2  # whole-object attempts (each with s3transfer's own retries of streaming errors)
+STALL = 30.0  # seconds without a byte after which an attempt is cancelled (a silent endpoint: 2 x STALL)
+ATTEMPT_DEADLINE = 120.0  # seconds an attempt may take at most, plus the time to move its bytes at MIN_RATE
+MIN_RATE = 2e6  # bytes/s: the slowest transfer an attempt is given time for
+STREAM_SHARE = 0.5  # default --stream-cache: this share of the cache disk's free space
+HASH_WORKERS = 4
+
+
+class ShardError(UserError):
+    """A shard failed its size or sha256 check, or cannot be fetched; the message names it and the fix."""
+
+
+class ShardFetchError(ShardError):
+    """A shard could not be fetched from S3 within the time allowed; names the endpoint and the key."""
+
+
+@dataclass(frozen=True)
+class Remote:
+    """A shard in S3 and what it must be once local."""
+    url: str  # s3://bucket/key
+    size: int | None
+    sha256: str | None
+    etag: str | None = None  # from the LIST (then s3transfer needs no HEAD, and asks If-Match)
+
+
+# -- verdicts: (path, size, mtime) -> sha256, so an unchanged shard is hashed once -----------------
+class Verdicts:
+    """CACHE_DIR/shard-verdicts.json: {path: [size, mtime_ns, sha256]} of shards that matched."""
+
+    def __init__(self, cache_dir: str | Path):
+        self.path = Path(cache_dir) / VERDICTS_NAME
+        try:
+            self.data = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            self.data = {}
+        self._lock = threading.Lock()
+
+    def matches(self, path: str | Path, sha256: str) -> bool:
+        try:
+            st = os.stat(path)
+        except OSError:
+            return False
+        return self.data.get(str(path)) == [st.st_size, st.st_mtime_ns, sha256]
+
+    def record(self, path: str | Path, sha256: str) -> None:
+        st = os.stat(path)
+        with self._lock:
+            self.data[str(path)] = [st.st_size, st.st_mtime_ns, sha256]
+
+    def forget(self, path: str | Path) -> None:
+        with self._lock:
+            self.data.pop(str(path), None)
+
+    def save(self) -> None:
+        with self._lock:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.path.with_name(f".{self.path.name}.tmp-{os.getpid()}")
+            try:
+                tmp.write_text(json.dumps(self.data))
+                os.replace(tmp, self.path)
+            except OSError:  # a full disk: the verdicts are only a cache; the next run hashes again
+                tmp.unlink(missing_ok=True)
+
+
+def check_file(path: str | Path, size: int | None, sha256: str | None, verdicts: Verdicts | None = None) -> str | None:
+    """None when the file has the size and sha256 expected (either may be unknown), else what differs."""
+    try:
+        actual = os.stat(path).st_size
+    except OSError as e:
+        return f"cannot be read ({e.strerror})"
+    if size is not None and actual != size:
+        return f"has {actual} bytes, {size} expected"
+    if sha256 is None or (verdicts is not None and verdicts.matches(path, sha256)):
+        return None
+    got = file_sha256(path)
+    if got != sha256:
+        return f"has sha256 {got[:12]}..., {sha256[:12]}... expected"
+    if verdicts is not None:
+        verdicts.record(path, sha256)
+    return None
+
+
+def verify_local(shards, cache_dir: str | Path, *, progress: bool = True) -> None:
+    """Check every local shard of `shards` (a pipeline.Shards) against its size and sha256 before
+    training: hashed once, then cached by (path, size, mtime). Raises ShardError naming them."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tqdm import tqdm
+
+    sizes = shards.sizes or (None,) * len(shards.paths)
+    sums = shards.sha256 or (None,) * len(shards.paths)
+    todo = [(p, z, h) for p, z, h in zip(shards.paths, sizes, sums) if not p.startswith("s3://")]
+    if not todo:
+        return
+    verdicts = Verdicts(cache_dir)
+    unknown = [t for t in todo if t[2] is None or not verdicts.matches(t[0], t[2])]
+    total = sum(os.stat(p).st_size for p, _, h in unknown if h is not None and os.path.exists(p))
+    bar = tqdm(total=total, unit="B", unit_scale=True, desc="check shards", file=sys.stderr, mininterval=1.0,
+               disable=not progress or total < (256 << 20))
+    bad = []
+
+    def one(t):
+        path, size, sha = t
+        problem = check_file(path, size, sha, verdicts)
+        if sha is not None and os.path.exists(path):
+            bar.update(os.stat(path).st_size)
+        return path, problem
+
+    try:
+        with ThreadPoolExecutor(HASH_WORKERS) as pool:
+            bad = [(p, why) for p, why in pool.map(one, unknown) if why]
+    finally:
+        bar.close()
+        verdicts.save()
+    if bad:
+        lines = "\n  ".join(f"{p} {why}" for p, why in bad[:5])
+        raise ShardError(f"{len(bad)} shard(s) do not match packed.json, so they were changed or damaged after "
+                         f"packing:\n  {lines}\nCopy or sync the pack again (python -m dali_pipe sync), or pack the "
+                         "data again.")
+
+
+# -- one object: s3transfer's ranged parallel GETs, bounded, checked ----------------------------
+def _split(url: str) -> tuple[str, str]:
+    from ..sync import parse_s3_uri
+
+    return parse_s3_uri(url)
+
+
+def _where(url: str) -> str:
+    from ..sync import endpoint
+
+    return f"{url} (endpoint {endpoint()})"
+
+
+class Fetcher:
+    """s3transfer's TransferManager over one client from `sync.make_client`, bounded per attempt."""
+
+    def __init__(self, concurrency: int = PART_CONCURRENCY):
+        from boto3.s3.transfer import TransferConfig
+        from s3transfer.manager import TransferManager
+
+        from ..sync import make_client
+
+        self.client = make_client(concurrency + 2, connect_timeout=CONNECT_TIMEOUT, read_timeout=READ_TIMEOUT)
+        config = TransferConfig(multipart_threshold=CHUNK, multipart_chunksize=CHUNK, max_concurrency=concurrency,
+                                num_download_attempts=2)
+        self._tm = TransferManager(self.client, config)
+        self._futures: set = set()
+        self._closed = False
+        register = getattr(threading, "_register_atexit", None)  # before the executors' threads are joined
+        if register is not None:
+            try:
+                register(self.close)
+            except RuntimeError:  # interpreter shutting down
+                pass
+
+    def close(self) -> None:
+        """Cancel the transfers in flight and wait for their threads (each ends within a read timeout).
+        (TransferManager.shutdown(cancel=True) passes its message as the exception type in s3transfer
+        0.19, so the futures are cancelled one by one.)"""
+        if not self._closed:
+            self._closed = True
+            for future in list(self._futures):
+                future.cancel()
+            self._tm.shutdown()
+
+    def size_of(self, url: str) -> int:
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        from ..sync import explain
+
+        bucket, key = _split(url)
+        try:
+            return int(self.client.head_object(Bucket=bucket, Key=key)["ContentLength"])
+        except (BotoCoreError, ClientError) as e:
+            raise ShardFetchError(f"{_where(url)}: {explain(e, bucket, key)}") from None
+
+    def fetch(self, remote: Remote, dest: Path, *, stop: threading.Event | None = None,
+              verdicts: Verdicts | None = None, on_bytes=None) -> int:
+        """Download `remote` to `dest` through a temporary name; its size and sha256 checked before the
+        rename (a mismatch is fetched once more). Returns the bytes. Raises ShardError / ShardFetchError."""
+        from botocore.exceptions import BotoCoreError, ClientError, FlexibleChecksumError
+        from s3transfer.exceptions import RetriesExceededError, S3DownloadFailedError
+
+        from ..sync import explain, temp_name
+
+        bucket, key = _split(remote.url)
+        size = remote.size if remote.size is not None else self.size_of(remote.url)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        mismatch, failure = None, None
+        for attempt in range(ATTEMPTS):
+            if stop is not None and stop.is_set():
+                raise ShardFetchError(f"{_where(remote.url)}: the fetch was stopped")
+            tmp = temp_name(dest)
+            try:
+                self._one(bucket, key, tmp, size, on_bytes, remote.etag)
+                problem = check_file(tmp, size, remote.sha256)
+                if problem is None:
+                    os.replace(tmp, dest)
+                    if verdicts is not None and remote.sha256 is not None:
+                        verdicts.record(dest, remote.sha256)
+                    return size
+                mismatch = problem
+            except TimeoutError as e:
+                failure = str(e)
+            except FlexibleChecksumError:  # S3's own checksum of the response (whole-object GETs)
+                mismatch = "arrived with a checksum that does not match S3's"
+            except (BotoCoreError, ClientError, OSError, RetriesExceededError, S3DownloadFailedError) as e:
+                if isinstance(e, ClientError) and e.response.get("Error", {}).get("Code") in (
+                        "NoSuchKey", "404", "NotFound", "NoSuchBucket", "AccessDenied", "403"):
+                    raise ShardFetchError(f"{_where(remote.url)}: {explain(e, bucket, key)}") from None
+                cause = getattr(e, "last_exception", None) or e  # s3transfer's RetriesExceededError wraps it
+                if isinstance(cause, OSError) and cause.errno == errno.ENOSPC:
+                    raise ShardError(f"the disk of {dest.parent} is full ({remote.url} did not fit); free space, or "
+                                     "lower --stream-cache, or pass another --cache-dir") from None
+                failure, mismatch = f"{type(cause).__name__}: {str(cause)[:200]}", None
+            finally:
+                tmp.unlink(missing_ok=True)
+        if mismatch is not None and failure is None:
+            raise ShardError(f"{_where(remote.url)} {mismatch}, twice: the object in S3 is damaged or was replaced "
+                             "after packing (or the network damages data); upload the pack again")
+        from ..redact import redact
+
+        raise ShardFetchError(redact(f"{_where(remote.url)} could not be fetched in {ATTEMPTS} attempts "
+                                     f"({failure or mismatch}); check the endpoint and the network, then rerun "
+                                     "(finished shards are kept)"))
+
+    def _one(self, bucket: str, key: str, tmp: Path, size: int, on_bytes, etag: str | None = None) -> None:
+        """One s3transfer download, cancelled when it stalls or runs past its deadline."""
+        from s3transfer.subscribers import BaseSubscriber
+
+        last = [time.monotonic()]  # when the last bytes arrived
+
+        class Progress(BaseSubscriber):
+            def on_queued(self, future, **kwargs):
+                future.meta.provide_transfer_size(size)  # no HEAD request when both are known
+                if etag is not None:
+                    future.meta.provide_object_etag(etag)
+
+            def on_progress(self, future, bytes_transferred, **kwargs):
+                last[0] = time.monotonic()
+                if on_bytes is not None:
+                    on_bytes(bytes_transferred)
+
+        deadline = ATTEMPT_DEADLINE + size / MIN_RATE
+        if self._closed:
+            raise TimeoutError("the run is ending")
+        future = self._tm.download(bucket, key, str(tmp), subscribers=[Progress()])
+        self._futures.add(future)
+        start = time.monotonic()
+        try:
+            while not future.done():  # a watchdog: nothing for STALL seconds, or past the deadline
+                time.sleep(0.2)
+                now = time.monotonic()
+                if now - last[0] > STALL or now - start > deadline:
+                    future.cancel()  # its threads end on their own (read timeouts); no need to wait for them
+                    raise TimeoutError(f"no byte for {STALL:.0f} s" if now - last[0] > STALL else
+                                       f"no complete copy within {deadline:.0f} s")
+            future.result()
+        except Exception as e:
+            from s3transfer.exceptions import CancelledError
+
+            if isinstance(e, CancelledError):
+                raise TimeoutError("the run is ending") from None
+            raise
+        finally:
+            self._futures.discard(future)
+
+
+# -- the streaming cache -------------------------------------------------------------------------
+class StreamCacheError(ShardError):
+    """--stream-cache cannot hold what the epoch plan reads at once, or the disk cannot hold --stream-cache."""
+
+
+def _mb(n: float) -> str:
+    return f"{n / 1e6:.1f} MB" if n < 1e9 else f"{n / 1e9:.1f} GB"
+
+
+def stream_bound(setting: int | None, folder: Path, local_ranks: int = 1) -> int:
+    """This rank's cache bound: --stream-cache (or STREAM_SHARE of the free space) over the node's
+    ranks; refused when the disk cannot hold it."""
+    folder.mkdir(parents=True, exist_ok=True)
+    here = sum(f.stat().st_size for f in folder.iterdir() if f.is_file())
+    room = shutil.disk_usage(folder).free + here * local_ranks  # what this node's ranks could use
+    if setting is None:
+        return max(1, int(room * STREAM_SHARE) // local_ranks)
+    if setting > room:
+        raise StreamCacheError(f"--stream-cache {_mb(setting)}: the disk of {folder} has {_mb(room)} free for it; "
+                               "free space, pass a smaller --stream-cache, or another --cache-dir")
+    return setting // local_ranks
+
+
+class _Demand:
+    """One reader's position and what it will read next, as the URLs of its remote shards."""
+
+    def __init__(self, reader, urls: list[str], remote: set[str]):
+        self._reader, self.urls = weakref.ref(reader), [u if u in remote else None for u in urls]
+        self.epoch, self.position, self.started, self.need = 0, 0, False, 0
+        self.batch = reader.batch
+
+    @property
+    def reader(self):
+        """The ShardReader, while it lives (a loader that was dropped leaves nothing to protect)."""
+        return self._reader()
+
+    def _plan(self, epoch: int):
+        reader = self.reader
+        return reader.plan(epoch) if reader is not None else None
+
+    def _state(self):
+        plan = self._plan(self.epoch)
+        if plan is None:
+            empty = np.zeros(0, np.int64)
+            return empty, empty, empty, 0
+        shards, first, last = plan.uses
+        return shards, first, last, int(first.searchsorted(self.position, side="left"))
+
+    def in_progress(self) -> set[str]:
+        """Shards started and not finished: never evicted."""
+        shards, _, last, started = self._state()
+        return {self.urls[int(s)] for s, end in zip(shards[:started], last[:started])
+                if end >= self.position and self.urls[int(s)]}
+
+    def upcoming(self, limit: int) -> list[str]:
+        """URLs in the order this reader needs them: in progress, not started, then the next epoch."""
+        shards, _, last, started = self._state()
+        out = [self.urls[int(s)] for s, end in zip(shards[:started], last[:started]) if end >= self.position]
+        out += [self.urls[int(s)] for s in shards[started:started + limit]]
+        nxt = self._plan(self.epoch + 1) if len(out) < limit else None
+        if nxt is not None:
+            out += [self.urls[int(s)] for s in nxt.uses[0][:limit]]
+        return [u for u in dict.fromkeys(out) if u][:limit]
+
+    def next_event(self) -> int:
+        """The position at which in_progress or upcoming changes (a shard starts or finishes)."""
+        _, first, last, started = self._state()
+        ahead = [int(first[started])] if started < len(first) else []
+        ends = [int(e) + 1 for e in last[:started] if e >= self.position]
+        return min(ahead + ends, default=1 << 62)
+
+
+class StreamCache:
+    """Shards of S3 fetched ahead into `folder`, at most `bound` bytes (resident + in flight)."""
+
+    def __init__(self, folder: Path, remotes: list[Remote], bound: int, *, parallel: int = FETCH_PARALLEL,
+                 local_ranks: int = 1):
+        from concurrent.futures import ThreadPoolExecutor
+
+        from ..workdir import lock, remove_dead_temps
+
+        self.folder, self.bound, self.local_ranks = Path(folder), bound, local_ranks
+        self.folder.mkdir(parents=True, exist_ok=True)
+        lock(self.folder, "run streaming these shards", "wait for it to finish, or pass another --cache-dir")
+        remove_dead_temps(self.folder, ".*.part-*")
+        self.fetcher = Fetcher()
+        self.remotes = {r.url: r for r in listed(remotes, self.fetcher.client)}
+        self.names = _local_names(list(self.remotes))
+        self.verdicts = Verdicts(self.folder)
+        self.resident: dict[str, int] = {}
+        self.inflight: dict[str, int] = {}
+        self.failed: dict[str, Exception] = {}
+        self.demands: dict[int, _Demand] = {}
+        self.active: int | None = None
+        self.waiting: str | None = None  # the URL a reader is blocked on
+        self.peak = self.fetched = 0
+        self._cv = threading.Condition()
+        self._stop = threading.Event()
+        self._event = 0  # position of the active reader's next change
+        self._saved = time.monotonic()
+        self._pool = ThreadPoolExecutor(parallel, thread_name_prefix="shard-fetch")
+        self._parallel = parallel
+        self._thread: threading.Thread | None = None
+        self._adopt()
+        total = sum(r.size for r in self.remotes.values())
+        print(f"stream: {len(self.remotes)} shard(s), {_mb(total)}, fetched ahead of the reader into {self.folder} "
+              f"(at most {_mb(bound)} there; {len(self.resident)} already there)", file=sys.stderr, flush=True)
+
+    def _adopt(self) -> None:
+        """Shards left by an earlier run that still match are kept (a resume refetches only the rest)."""
+        wanted = {self.names[u]: u for u in self.remotes}
+        for f in self.folder.iterdir():
+            url = wanted.get(f.name)
+            if url is None:  # not a shard of this pack (any more): it would only take room
+                if f.is_file() and not f.name.startswith(".") and f.name != VERDICTS_NAME:
+                    f.unlink(missing_ok=True)
+                continue
+            if not f.is_file():
+                continue
+            r = self.remotes[url]
+            ok = f.stat().st_size == r.size and (r.sha256 is None or self.verdicts.matches(f, r.sha256))
+            if ok:
+                self.resident[url] = r.size
+            else:
+                f.unlink(missing_ok=True)
+                self.verdicts.forget(f)
+
+    def local(self, url: str) -> Path:
+        return self.folder / self.names[url]
+
+    def view(self, shards) -> "CacheView":
+        return CacheView(self, shards)
+
+    # -- the reader side -------------------------------------------------------------------------
+    def register(self, reader, urls: list[str]) -> None:
+        """A reader (a ShardReader) whose plan drives the fetching; refused when the bound cannot
+        hold what its plans (and those registered before) have in use at once."""
+        sizes = [self.remotes[u].size if u in self.remotes else 0 for u in urls]
+        need = max(reader.plan(e).in_use(sizes, extra=reader.batch) for e in (0, 1))
+        with self._cv:
+            self._forget_dead()
+            d = _Demand(reader, urls, set(self.remotes))
+            d.need = need
+            self.demands[id(reader)] = d
+            total = sum(x.need for x in self.demands.values()) + max(sizes, default=0)
+        if total > self.bound:
+            raise StreamCacheError(
+                f"--stream-cache gives this process {_mb(self.bound)}, but its readers have up to {_mb(total)} of "
+                f"shards in use at once (the shuffle window's shards, up to {_mb(max(sizes, default=0))} each, and "
+                f"one more); raise --stream-cache to at least {_mb(total * self.local_ranks)}, or pack with a smaller "
+                "--shard-size")
+
+    def _forget_dead(self) -> None:
+        for key in [k for k, d in self.demands.items() if d.reader is None]:
+            del self.demands[key]
+            if self.active == key:
+                self.active = None
+
+    def advance(self, reader, epoch: int, position: int) -> None:
+        d = self.demands.get(id(reader))
+        if d is None or d.reader is not reader:
+            return
+        with self._cv:
+            changed = epoch != d.epoch or not d.started
+            d.epoch, d.position, d.started = epoch, position, True
+            if self.active != id(reader):
+                self.active, changed = id(reader), True
+            if changed or position >= self._event:
+                self._cv.notify_all()
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._schedule, name="shard-cache", daemon=True)
+            self._thread.start()
+
+    def path(self, url: str, reader) -> str:
+        """The local path of `url` once it has landed and matched; waits (bounded) until then."""
+        r = self.remotes[url]
+        limit = ATTEMPTS * (ATTEMPT_DEADLINE + (r.size or 0) / MIN_RATE) + 60
+        start = time.monotonic()
+        with self._cv:
+            if url in self.resident:
+                return str(self.local(url))
+            self.active, self.waiting = id(reader), url
+            self._cv.notify_all()
+            while url not in self.resident:
+                if url in self.failed:
+                    raise self.failed[url]
+                if self._stop.is_set():
+                    raise ShardFetchError(f"{_where(url)}: the streaming cache was closed")
+                if time.monotonic() - start > limit:
+                    raise ShardFetchError(f"{_where(url)}: not fetched within {limit:.0f} s; check the endpoint "
+                                          "and the network")
+                self._cv.wait(0.5)
+            if self.waiting == url:
+                self.waiting = None
+            return str(self.local(url))
+
+    # -- the fetching side -----------------------------------------------------------------------
+    def _limit(self) -> int:
+        smallest = min((r.size for r in self.remotes.values() if r.size), default=1)
+        return int(min(len(self.remotes) * 2 + 4, 2 * self.bound // max(1, smallest) + 64))
+
+    def _schedule(self) -> None:
+        while not self._stop.is_set():
+            with self._cv:
+                try:
+                    self._step()
+                except Exception as e:  # never die silently: the blocked reader gets the error
+                    if self.waiting is not None:
+                        self.failed[self.waiting] = e
+                    self._cv.notify_all()
+                self._cv.wait(1.0)
+
+    def _step(self) -> None:
+        """Start what the plans need next, evicting what they need last (called holding the lock)."""
+        self._forget_dead()
+        active = self.demands.get(self.active)
+        if active is None:
+            return
+        limit = self._limit()
+        order = active.upcoming(limit)
+        for d in self.demands.values():
+            if d is not active and d.started:
+                order += [u for u in d.upcoming(limit) if u not in order]
+        rank = {u: i for i, u in enumerate(order)}
+        protected = set().union(*(d.in_progress() for d in self.demands.values() if d.started))
+        self._event = active.next_event()
+        for url in order:
+            if len(self.inflight) >= self._parallel:
+                break
+            if url in self.resident or url in self.inflight or url in self.failed:
+                continue
+            size = self.remotes[url].size
+            free = self.bound - sum(self.resident.values()) - sum(self.inflight.values())
+            if size > free:
+                victims = sorted((u for u in self.resident if u not in protected and rank.get(u, 1 << 62) > rank[url]),
+                                 key=lambda u: -rank.get(u, 1 << 62))
+                for u in victims:
+                    if size <= free:
+                        break
+                    free += self._evict(u)
+                if size > free:
+                    if url == self.waiting and not self.inflight:
+                        self.failed[url] = StreamCacheError(
+                            f"the streaming cache ({_mb(self.bound)}) is full of shards in use and cannot take "
+                            f"{url} ({_mb(size)}); raise --stream-cache")
+                        self._cv.notify_all()
+                    break
+            self.inflight[url] = size
+            self.peak = max(self.peak, sum(self.resident.values()) + sum(self.inflight.values()))
+            self._pool.submit(self._fetch, url)
+
+    def _evict(self, url: str) -> int:
+        size = self.resident.pop(url)
+        path = self.local(url)
+        path.unlink(missing_ok=True)
+        self.verdicts.forget(path)
+        return size
+
+    def _fetch(self, url: str) -> None:
+        try:
+            self.fetcher.fetch(self.remotes[url], self.local(url), stop=self._stop, verdicts=self.verdicts)
+        except Exception as e:
+            with self._cv:
+                self.inflight.pop(url, None)
+                self.failed[url] = e if isinstance(e, UserError) else ShardFetchError(f"{_where(url)}: {e}")
+                self._cv.notify_all()
+            return
+        with self._cv:
+            self.resident[url] = self.inflight.pop(url)
+            self.fetched += 1
+            self._cv.notify_all()
+            save = time.monotonic() - self._saved > 2.0
+            if save:
+                self._saved = time.monotonic()
+        if save:  # so that a killed run's landed shards are kept by the next one
+            self.verdicts.save()
+
+    def close(self) -> None:
+        """Stop fetching (in-flight transfers are cancelled); landed shards stay for the next run."""
+        from ..workdir import unlock
+
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        with self._cv:
+            self._cv.notify_all()
+        self.fetcher.close()
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        self.verdicts.save()
+        unlock(self.folder)
+        print(f"stream: fetched {self.fetched} shard(s); the cache held at most {_mb(self.peak)} of its "
+              f"{_mb(self.bound)}", file=sys.stderr, flush=True)
+
+
+class CacheView:
+    """The store a ShardReader reads through: its shards' positions -> local paths, local files
+    as they are, s3:// ones through the cache."""
+
+    def __init__(self, cache: StreamCache, shards):
+        self.cache, self.paths = cache, list(shards.paths)
+
+    def register(self, reader) -> None:
+        self.cache.register(reader, self.paths)
+
+    def path(self, shard: int, reader) -> str:
+        p = self.paths[shard]
+        return self.cache.path(p, reader) if p.startswith("s3://") else p
+
+    def advance(self, reader, epoch: int, position: int) -> None:
+        self.cache.advance(reader, epoch, position)
+
+
+def listed(remotes: list[Remote], client) -> list[Remote]:
+    """The shards with their sizes and ETags from one LIST per prefix: no HEAD per shard, and a shard
+    whose size in S3 differs from what packed.json says is named before anything is fetched."""
+    from ..sync import SyncError, list_objects
+
+    found: dict[str, tuple[int, str]] = {}
+    for base in sorted({r.url.rsplit("/", 1)[0] for r in remotes}):
+        bucket, prefix = _split(base + "/x")
+        try:
+            for rel, meta in list_objects(client, bucket, prefix[:-1]).items():
+                found[f"{base}/{rel}"] = meta
+        except SyncError as e:
+            raise ShardFetchError(str(e)) from None
+    out = []
+    for r in remotes:
+        if r.url not in found:
+            raise ShardFetchError(f"{_where(r.url)}: the shard is not in S3; check the prefix, or upload the pack "
+                                  "again")
+        size, etag = found[r.url]
+        if r.size is not None and size != r.size:
+            raise ShardError(f"{r.url} has {size} bytes in S3, {r.size} expected (packed.json): it was replaced after "
+                             "packing; upload the pack again")
+        out.append(Remote(r.url, size, r.sha256, f'"{etag}"'))
+    return out
+
+
+def _local_names(urls: list[str]) -> dict[str, str]:
+    """A file name per URL: the key's base name, prefixed by a number where two share one."""
+    names: dict[str, str] = {}
+    seen: dict[str, int] = {}
+    for u in urls:
+        base = u.rsplit("/", 1)[-1] or "shard"
+        n = seen.get(base, 0)
+        seen[base] = n + 1
+        names[u] = base if n == 0 else f"{n}-{base}"
+    return names
+
+
+# -- a pack on S3: synced whole, or made ready for streaming -------------------------------------
+HEADROOM = 1 << 30  # free space left on the cache disk after syncing a pack
+
+
+def fetch(data: str, cache_dir: str | Path, *, mode: str, workers: int, progress: bool = True) -> Path:
+    """Make the pack at --data readable from local disk: its packed.json and index files always, its
+    shards when `mode` (auto|sync|stream) says so (checked as they land). Returns the local folder."""
+    if not data.startswith("s3://"):
+        return Path(data)
+    from ..sync import local_target
+
+    return fetch_to(data, local_target(data, Path(cache_dir)), mode=mode, workers=workers, progress=progress,
+                    cache_dir=cache_dir)
+
+
+def fetch_to(data: str, local: Path, *, mode: str, workers: int, progress: bool = True,
+             cache_dir: str | Path | None = None) -> Path:
+    """`fetch` into a given folder (`python -m dali_pipe sync` of a pack); verdicts of the shards that
+    land go to `cache_dir` (default: the default cache dir)."""
+    from ..config import default_cache_dir
+    from ..packed import PackedError, _parse, _remote_packed_json
+    from .format import PACKED_NAME
+
+    local.mkdir(parents=True, exist_ok=True)
+    raw = _remote_packed_json(data)
+    if raw is None:
+        raise PackedError(f"{data} has no {PACKED_NAME}; pack it first (python -m dali_pipe pack)")
+    meta = _parse(raw, f"{data}/{PACKED_NAME}")
+    shards = [s for split in meta["splits"].values() for s in split["shards"]]
+    total = sum(s["size"] for s in shards)
+    free = shutil.disk_usage(local).free + sum((local / s["name"]).stat().st_size for s in shards
+                                               if (local / s["name"]).is_file())
+    if mode == "auto":
+        mode = "sync" if free >= total + HEADROOM else "stream"
+        if progress and mode == "stream":
+            print(f"packed data: {total / 1e9:.1f} GB of shards do not fit in {local} ({free / 1e9:.1f} GB free); "
+                  "streaming them through a bounded cache (--stream-cache)", file=sys.stderr)
+    sync_indexes(data, local, [s["index"] for s in shards], workers=workers)
+    if mode == "sync":
+        prefix = data.rstrip("/")
+        sync_shards([Remote(f"{prefix}/{s['name']}", s["size"], s.get("sha256")) for s in shards], local,
+                    cache_dir=cache_dir or default_cache_dir(), progress=progress)
+    (local / PACKED_NAME).write_bytes(raw)  # last: the local copy is complete
+    return local
+
+
+INDEX_STATE = ".index-state.json"  # {index file: ETag} of the index files fetched
+
+
+def sync_indexes(uri: str, local: Path, names: list[str], *, workers: int) -> int:
+    """Fetch the pack's index files (small; many) in parallel, skipping those whose ETag is unchanged;
+    returns how many were fetched."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    from ..sync import SyncError, atomic_write, explain, list_objects, make_client, parse_s3_uri
+
+    bucket, prefix = parse_s3_uri(uri)
+    base = f"{prefix}/" if prefix else ""
+    client = make_client(workers)
+    remote = list_objects(client, bucket, base)
+    missing = [n for n in names if n not in remote]
+    if missing:
+        raise SyncError(f"s3://{bucket}/{base} lacks {len(missing)} index file(s) of the pack, e.g. {missing[:3]}; "
+                        "upload the whole pack again")
+    try:
+        state = json.loads((local / INDEX_STATE).read_text())
+    except (OSError, ValueError):
+        state = {}
+    todo = [n for n in names if state.get(n) != remote[n][1] or not (local / n).is_file()
+            or (local / n).stat().st_size != remote[n][0]]
+
+    def one(name: str) -> str:
+        try:
+            atomic_write(local / name, client.get_object(Bucket=bucket, Key=base + name)["Body"].read())
+        except (BotoCoreError, ClientError, OSError) as e:
+            raise SyncError(f"{name}: {explain(e, bucket, base + name)} (rerun to finish)") from None
+        return name
+
+    try:
+        with ThreadPoolExecutor(min(workers, 32)) as pool:
+            for name in pool.map(one, todo):
+                state[name] = remote[name][1]
+    finally:
+        atomic_write(local / INDEX_STATE, json.dumps(state).encode())
+    return len(todo)
+
+
+def sync_shards(remotes: list[Remote], local: Path, *, cache_dir: str | Path, progress: bool = True) -> int:
+    """Fetch every shard into `local` (ranged parallel GETs, FETCH_PARALLEL shards at a time), each
+    checked as it lands; shards already there and matching are kept. Returns the bytes fetched."""
+    from concurrent.futures import ThreadPoolExecutor, as_completed
+
+    from tqdm import tqdm
+
+    from ..workdir import lock, remove_dead_temps, unlock
+
+    verdicts = Verdicts(cache_dir)
+    lock(local, "sync", "wait for it to finish")
+    try:
+        remove_dead_temps(local, ".*.part-*")
+        todo = []
+        for r in remotes:
+            dest = local / r.url.rsplit("/", 1)[-1]
+            if dest.is_file() and check_file(dest, r.size, r.sha256, verdicts) is None:
+                continue
+            todo.append((r, dest))
+        bar = tqdm(total=sum(r.size or 0 for r, _ in todo), unit="B", unit_scale=True, unit_divisor=1024,
+                   desc="sync shards", disable=not progress or not todo, file=sys.stderr, mininterval=0.5)
+        fetcher, stop = Fetcher(), threading.Event()
+        todo = list(zip(listed([r for r, _ in todo], fetcher.client), [d for _, d in todo])) if todo else []
+        pool = ThreadPoolExecutor(FETCH_PARALLEL, thread_name_prefix="shard-sync")
+        done = 0
+        try:
+            futures = [pool.submit(fetcher.fetch, r, dest, stop=stop, verdicts=verdicts, on_bytes=bar.update)
+                       for r, dest in todo]
+            for fut in as_completed(futures):
+                done += fut.result()  # the first failure stops the rest
+        except BaseException:
+            stop.set()
+            fetcher.close()
+            raise
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
+            fetcher.close()
+            bar.close()
+            verdicts.save()
+        return done
+    finally:
+        unlock(local)

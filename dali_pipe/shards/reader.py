@@ -1,0 +1,209 @@
+"""The shard reader: the encoded bytes and labels of the samples an epoch plan names, batch by
+batch, for DALI's `fn.external_source` (decoding and augmentation stay in the DALI graph).
+
+DALI's `readers.webdataset` reads shards in one fixed order (its `shuffle_after_epoch` is accepted
+and ignored), so a new order per epoch needs a reader of our own. `ShardReader` is the
+external_source callable: it takes DALI's `BatchInfo` (epoch and iteration) and returns that
+batch of the rank's plan (dali_pipe/shards/plan.py). It keeps no position of its own, so a DALI
+pipeline checkpoint, which saves the epoch and iteration and re-asks the source from there
+(external_source.py: "queries to sources that are single-argument callables ... will be resumed
+from the epoch and iteration saved in the checkpoint"), is all an exact resume needs.
+
+Bytes come from local files only, through a store: `LocalStore` for shards on disk (checked
+against their sha256 before training, dali_pipe/shards/cache.py), or the streaming cache, which
+fetches shards ahead in plan order and blocks a read until its shard has landed and matched.
+
+The source runs in the training process (DALI's serial mode): per sample it costs one `pread`
+of the image and label members (adjacent in our tars), measured at about 10 us; DALI's parallel
+mode (worker processes) was measured slower on the 2-core CPU path and would need the cache's
+position across processes (see the README's packing section for the numbers).
+"""
+from __future__ import annotations
+
+import os
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..errors import UserError
+from .format import IndexFormatError, LabelFormatError, image_member, label_member, parse_cls, read_index
+from .plan import Plan, epoch_plan
+
+OPEN_FILES = 32  # shard files kept open at once (a window's worth and more)
+
+
+class ShardReadError(UserError):
+    """A shard or its index cannot be read as the plan needs; the message names it and the fix."""
+
+
+@dataclass(frozen=True)
+class ShardEntries:
+    """One shard's samples as arrays (entry positions in its index file)."""
+    keys: list[str]
+    image: np.ndarray  # (entries, 2) int64: the image member's (offset, size)
+    label: np.ndarray  # (entries, 2) int64: the cls member's (offset, size)
+    usable: np.ndarray  # entry positions not excluded, in index order
+
+
+def read_entries(shards) -> list[ShardEntries]:
+    """Each shard's image and label members from its DALI index file, minus `shards.excluded`.
+    A sample without an image or a cls member stops here, naming its shard and key."""
+    out = []
+    excluded_by_shard: dict[int, set[int]] = {}
+    for sh, entry in shards.excluded:
+        excluded_by_shard.setdefault(sh, set()).add(entry)
+    for s, (path, idx) in enumerate(zip(shards.paths, shards.index_paths)):
+        try:
+            entries = read_index(idx)
+        except (OSError, IndexFormatError) as e:
+            raise ShardReadError(f"{idx} (index of {path}) cannot be read: {e}; pack the data again, or "
+                                 "delete the cached index so that it is made again") from None
+        image = np.zeros((len(entries), 2), np.int64)
+        label = np.zeros((len(entries), 2), np.int64)
+        excluded = excluded_by_shard.get(s, set())
+        for i, e in enumerate(entries):
+            if i in excluded:
+                continue
+            ext, cls = image_member(e.members), label_member(e.members)
+            if ext is None or cls is None:
+                what = "an image (jpg, jpeg, png or webp)" if ext is None else "a cls member"
+                raise ShardReadError(f"{path}: sample {e.key!r} has no {what}; pack the data again")
+            image[i], label[i] = e.members[ext], e.members[cls]
+        usable = np.array([i for i in range(len(entries)) if i not in excluded], np.int64)
+        out.append(ShardEntries([e.key for e in entries], image, label, usable))
+    return out
+
+
+class LocalStore:
+    """Shards that are local files already (verified before training)."""
+
+    def __init__(self, paths):
+        self.paths = list(paths)
+
+    def path(self, shard: int, reader=None) -> str:
+        return self.paths[shard]
+
+    def advance(self, reader, epoch: int, position: int) -> None:
+        """The reader has read up to `position` of `epoch` (nothing to do on local disk)."""
+
+
+class ShardReader:
+    """DALI external_source callable (batch mode, `batch_info=True`): BatchInfo -> (images, labels)."""
+
+    def __init__(self, shards, *, batch: int, seed: int, rank: int, world: int, training: bool, store=None,
+                 entries: list[ShardEntries] | None = None):
+        self.shards, self.batch, self.seed, self.rank, self.world = shards, batch, seed, rank, world
+        self.training = training
+        self.entries = entries if entries is not None else read_entries(shards)
+        self.store = store if store is not None else LocalStore(shards.paths)
+        usable = sum(len(e.usable) for e in self.entries)
+        if usable != shards.samples:
+            raise ShardReadError(f"the index files list {usable} usable samples, but the pack says {shards.samples} "
+                                 f"(packed.json, shard {shards.paths[0]} ...); pack the data again")
+        self._plans: OrderedDict[int, Plan] = OrderedDict()
+        self._lock = threading.Lock()  # plans are also asked for by the streaming cache's thread
+        self._files: OrderedDict[int, int] = OrderedDict()
+        self.batches = self.plan(0).batches  # the same every epoch
+
+    def plan(self, epoch: int) -> Plan:
+        """This rank's plan for `epoch` (the last few kept)."""
+        with self._lock:
+            if epoch not in self._plans:
+                self._plans[epoch] = epoch_plan([e.usable for e in self.entries], seed=self.seed, epoch=epoch,
+                                                rank=self.rank, world=self.world, batch=self.batch,
+                                                training=self.training)
+                while len(self._plans) > 4:
+                    self._plans.popitem(last=False)
+            return self._plans[epoch]
+
+    def valid(self, k: int) -> int:
+        """Real samples in batch k of any epoch (the loader drops the rest: padding)."""
+        return self.plan(0).valid(k)
+
+    def __call__(self, info):
+        plan = self.plan(info.epoch_idx)
+        k = info.iteration
+        if k >= plan.batches:
+            raise StopIteration
+        lo, hi = k * self.batch, min(len(plan), (k + 1) * self.batch)
+        self.store.advance(self, info.epoch_idx, lo)  # where this batch starts (the cache fetches from here)
+        positions = range(lo, hi) if hi > lo else [len(plan) - 1] if len(plan) else []
+        images, labels = [], []
+        for i in positions:
+            image, label = self._sample(int(plan.shard[i]), int(plan.entry[i]))
+            images.append(image)
+            labels.append(label)
+        if not images:  # a rank without samples (fewer samples than ranks): one padding sample, dropped
+            shard = next(s for s, e in enumerate(self.entries) if len(e.usable))
+            image, label = self._sample(shard, int(self.entries[shard].usable[0]))
+            images, labels = [image], [label]
+        self.store.advance(self, info.epoch_idx, hi)
+        self._close_finished(plan, hi)
+        return images, np.array(labels, np.int32)
+
+    # -- bytes -------------------------------------------------------------------------------------
+    def _fd(self, shard: int) -> int:
+        fd = self._files.get(shard)
+        if fd is None:
+            path = self.store.path(shard, self)
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except OSError as e:
+                raise ShardReadError(f"{self.shards.paths[shard]} cannot be opened ({e.strerror}); it was there when "
+                                     "training started: restore it, or pack the data again") from None
+            self._files[shard] = fd
+            while len(self._files) > OPEN_FILES:
+                os.close(self._files.popitem(last=False)[1])
+        else:
+            self._files.move_to_end(shard)
+        return fd
+
+    def _close_finished(self, plan: Plan, position: int) -> None:
+        """Close the shards this epoch has no more use for (the cache may then evict them)."""
+        spans = plan.spans
+        for shard in [s for s in self._files if s not in spans or spans[s][1] < position]:
+            os.close(self._files.pop(shard))
+
+    def _sample(self, shard: int, entry: int) -> tuple[np.ndarray, int]:
+        e = self.entries[shard]
+        (ioff, isize), (coff, csize) = e.image[entry], e.label[entry]
+        fd = self._fd(shard)
+        start, end = min(ioff, coff), max(ioff + isize, coff + csize)
+        if end - start <= isize + csize + 2048:  # adjacent members (our tars, most others): one read
+            data = os.pread(fd, int(end - start), int(start))
+            if len(data) != end - start:
+                self._short(shard, e.keys[entry])
+            view = memoryview(data)
+            image, cls = view[ioff - start:ioff - start + isize], bytes(view[coff - start:coff - start + csize])
+        else:
+            image, cls = os.pread(fd, int(isize), int(ioff)), os.pread(fd, int(csize), int(coff))
+            if len(image) != isize or len(cls) != csize:
+                self._short(shard, e.keys[entry])
+        try:
+            label = parse_cls(cls)
+        except LabelFormatError as err:
+            raise ShardReadError(f"{self.shards.paths[shard]}: sample {e.keys[entry]!r}: its cls member {err}; "
+                                 "pack the data again") from None
+        remap = self.shards.remap
+        if remap is not None:
+            if label >= len(remap) or remap[label] < 0:
+                raise ShardReadError(f"{self.shards.paths[shard]}: sample {e.keys[entry]!r} has class index {label}, "
+                                     "which the classes do not name; pack the data again")
+            label = remap[label]
+        return np.frombuffer(image, np.uint8), label
+
+    def _short(self, shard: int, key: str):
+        raise ShardReadError(f"{self.shards.paths[shard]} ends before sample {key!r}: the file is shorter than its "
+                             "index says (changed after it was checked); restore it or pack the data again")
+
+    def close(self) -> None:
+        while self._files:
+            os.close(self._files.popitem()[1])
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass

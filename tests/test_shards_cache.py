@@ -1,0 +1,386 @@
+"""Shard bytes, always checked: local packs verified once (verdicts cached), S3 shards fetched through a
+fault-injecting proxy in front of moto's server (throttling, cut and stalled bodies, flipped bytes), a
+credentialed endpoint, and the streaming cache: plan order, bounded disk, a resume that refetches only
+what it needs."""
+from __future__ import annotations
+
+import dataclasses
+import os
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+from faultproxy import FaultProxy
+
+from dali_pipe.cli.commands import main
+from dali_pipe.shards import cache as cache_mod
+from dali_pipe.shards.cache import (
+    Fetcher,
+    Remote,
+    ShardError,
+    ShardFetchError,
+    StreamCache,
+    StreamCacheError,
+    verify_local,
+)
+from dali_pipe.shards.reader import ShardReader
+
+
+@pytest.fixture(scope="module")
+def pack(photo_root, tmp_path_factory):
+    """photo_root (43 train / 5 val) packed into more shards than the shuffle window holds."""
+    dst = tmp_path_factory.mktemp("cachepack")
+    os.environ.setdefault("DALI_PIPE_CACHE", str(dst / "cache"))
+    main(["pack", str(photo_root), str(dst / "p"), "--max-side", "96", "--shard-size", "8kB", "--workers", "1"])
+    return dst / "p"
+
+
+def _train(pack):
+    from dali_pipe.shards.source import open_packed
+
+    return open_packed(str(pack), "unused").train
+
+
+@pytest.fixture(scope="module")
+def moto_with_pack(pack):
+    """moto's server on 127.0.0.1 (this module's), holding the pack's training shards under s3://data/p/."""
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    url = "http://{}:{}".format(*server.get_host_and_port())
+    env = {"AWS_ENDPOINT_URL": url, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+           "AWS_DEFAULT_REGION": "us-east-1"}
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        from dali_pipe.sync import make_client
+
+        client = make_client(4)
+        client.create_bucket(Bucket="data")
+        for p in _train(pack).paths:
+            client.upload_file(p, "data", f"p/{Path(p).name}")
+    finally:
+        for k, v in old.items():
+            os.environ.pop(k) if v is None else os.environ.update({k: v})
+    yield url
+    server.stop()
+
+
+@pytest.fixture
+def bucket(moto_with_pack, pack, monkeypatch):
+    """The pack's shards in moto, reached through a fault proxy: (proxy, Shards with s3:// paths)."""
+    for k, v in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+                 "AWS_DEFAULT_REGION": "us-east-1"}.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.delenv("AWS_PROFILE", raising=False)
+    proxy = FaultProxy(moto_with_pack).start()
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+    for name, value in {"READ_TIMEOUT": 0.5, "CONNECT_TIMEOUT": 1.0, "STALL": 1.0}.items():
+        monkeypatch.setattr(cache_mod, name, value)
+    train = _train(pack)
+    yield proxy, dataclasses.replace(train, paths=tuple(f"s3://data/p/{Path(p).name}" for p in train.paths))
+    proxy.stop()
+
+
+def _remote(shards, i):
+    return Remote(shards.paths[i], shards.sizes[i], shards.sha256[i])
+
+
+def test_a_local_shard_with_a_flipped_byte_is_named_and_verdicts_are_cached(pack, tmp_path, monkeypatch):
+    """A damaged shard stops the run before training, naming it; an unchanged pack is hashed once."""
+    import shutil
+
+    copy = tmp_path / "p"
+    shutil.copytree(pack, copy)
+    train = _train(copy)
+    hashed = []
+    real = cache_mod.file_sha256
+    monkeypatch.setattr(cache_mod, "file_sha256", lambda p: hashed.append(p) or real(p))
+    verify_local(train, tmp_path / "cache", progress=False)
+    verify_local(train, tmp_path / "cache", progress=False)
+    assert len(hashed) == len(train.paths), "the second check hashed nothing"
+    victim = Path(train.paths[1])
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    victim.write_bytes(bytes(data))
+    with pytest.raises(ShardError, match="do not match packed.json") as e:
+        verify_local(train, tmp_path / "cache", progress=False)
+    assert victim.name in str(e.value) and "sync the pack again" in str(e.value)
+
+
+def test_transient_faults_are_retried_and_the_bytes_are_right(bucket, tmp_path):
+    """A 503 SlowDown, a body cut mid-stream, a stalled body and a flipped byte: each retried, then the
+    shard lands whole and matching."""
+    proxy, shards = bucket
+    fetcher = Fetcher()
+    try:
+        for i, kind in enumerate(["503", "cut", "stall", "flip"]):
+            name = shards.paths[i].rsplit("/", 1)[1]
+            proxy.arm(kind, name, times=1, stall_s=5)
+            dest = tmp_path / name
+            fetcher.fetch(_remote(shards, i), dest)
+            assert cache_mod.file_sha256(dest) == shards.sha256[i]
+            assert proxy.applied(kind) == 1
+        assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")], "no temporary file left"
+    finally:
+        fetcher.close()
+
+
+@pytest.mark.parametrize("kind", ["flip", "stall"])
+def test_a_fault_that_persists_is_named_with_endpoint_and_key_in_bounded_time(bucket, tmp_path, kind):
+    """Every GET damaged or stalled: the fetch gives up after its attempts and names the shard (and for
+    a stall the endpoint); nothing is left at the destination."""
+    proxy, shards = bucket
+    name = shards.paths[0].rsplit("/", 1)[1]
+    proxy.arm(kind, name, times=100, stall_s=20)
+    fetcher, outcome = Fetcher(), []
+
+    def attempt():
+        try:
+            fetcher.fetch(_remote(shards, 0), tmp_path / name)
+        except ShardError as e:
+            outcome.append(e)
+
+    t = threading.Thread(target=attempt, daemon=True)
+    t.start()
+    t.join(120)
+    fetcher.close()
+    assert not t.is_alive(), "the fetch did not give up"
+    assert outcome and f"s3://data/p/{name}" in str(outcome[0])
+    if kind == "flip":
+        assert "does not match" in str(outcome[0]) and "upload the pack again" in str(outcome[0])
+    else:
+        assert isinstance(outcome[0], ShardFetchError) and proxy.url in str(outcome[0])
+    assert not list(tmp_path.iterdir())
+
+
+def test_credentials_in_the_endpoint_url_sign_the_requests(bucket, tmp_path, monkeypatch):
+    """AWS_ENDPOINT_URL=http://KEY:SECRET@host:port: the requests go to host:port, signed with KEY, and
+    neither reaches the Host header; a failure message does not show the secret."""
+    proxy, shards = bucket
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url.replace("http://", "http://AKIDURL:s3cr3t%2Fx@"))
+    fetcher = Fetcher()
+    try:
+        fetcher.fetch(_remote(shards, 0), tmp_path / "s.tar")
+        _, _, _, headers = proxy.requests[-1]
+        assert "Credential=AKIDURL/" in headers["Authorization"] and "@" not in headers["Host"]
+        with pytest.raises(ShardFetchError) as e:
+            fetcher.fetch(Remote("s3://data/p/none.tar", 10, None), tmp_path / "n.tar")
+        assert "s3cr3t" not in str(e.value)
+    finally:
+        fetcher.close()
+
+
+class _Info:
+    def __init__(self, epoch, iteration):
+        self.epoch_idx, self.iteration = epoch, iteration
+
+
+def _du(folder: Path) -> int:
+    return sum(f.stat().st_size for f in folder.iterdir() if f.is_file() and f.suffix == ".tar")
+
+
+def _minimum(reader, shards) -> int:
+    """The least bound the cache accepts for `reader`: its plans' bytes in use at once, plus one shard."""
+    return max(reader.plan(e).in_use(shards.sizes, extra=reader.batch) for e in (0, 1)) + max(shards.sizes)
+
+
+def test_streamed_epochs_match_local_ones_within_the_bound(bucket, pack, tmp_path):
+    """Two epochs through the smallest cache the plan allows: the same bytes and labels in the same order
+    as from local disk, the cache never above its bound, consumed shards evicted and fetched again, and
+    one GET per fetch (no HEAD)."""
+    proxy, shards = bucket
+    local = ShardReader(_train(pack), batch=4, seed=1, rank=0, world=1, training=True)
+    remotes = [_remote(shards, i) for i in range(len(shards.paths))]
+    bound = _minimum(local, shards)
+    assert bound < sum(shards.sizes), "the pack is larger than the cache"
+    cache = StreamCache(tmp_path / "c", remotes, bound)
+    view = cache.view(shards)
+    reader = ShardReader(shards, batch=4, seed=1, rank=0, world=1, training=True, store=view)
+    view.register(reader)
+    peak = 0
+    try:
+        for epoch in range(2):
+            for k in range(reader.batches):
+                got, want = reader(_Info(epoch, k)), local(_Info(epoch, k))
+                assert [bytes(x) for x in got[0]] == [bytes(x) for x in want[0]]
+                assert np.array_equal(got[1], want[1])
+                peak = max(peak, _du(tmp_path / "c"))
+        assert peak <= bound and cache.peak <= bound
+        assert cache.fetched > len(shards.paths), "shards were evicted and fetched again in epoch 2"
+        assert not [r for r in proxy.requests if r[0] == "HEAD"], "sizes and ETags come from one LIST"
+    finally:
+        cache.close()
+        reader.close()
+        local.close()
+
+
+def test_a_cache_too_small_for_the_window_is_refused(bucket, tmp_path):
+    """--stream-cache below what the plan has in use at once: an error naming the setting and the minimum."""
+    _, shards = bucket
+    cache = StreamCache(tmp_path / "c", [_remote(shards, i) for i in range(len(shards.paths))], max(shards.sizes))
+    try:
+        reader = ShardReader(shards, batch=4, seed=1, rank=0, world=1, training=True, store=cache.view(shards))
+        with pytest.raises(StreamCacheError, match="raise --stream-cache to at least"):
+            cache.view(shards).register(reader)
+    finally:
+        cache.close()
+
+
+def test_a_resumed_epoch_fetches_only_what_it_still_needs(bucket, tmp_path, monkeypatch):
+    """Stopped mid-epoch and rebuilt on the same folder: shards that landed are kept, and every shard the
+    epoch still reads is fetched before any that it has finished (those only for the next epoch)."""
+    _, shards = bucket
+    remotes = [_remote(shards, i) for i in range(len(shards.paths))]
+    asked = []
+    real = Fetcher.fetch
+    monkeypatch.setattr(Fetcher, "fetch", lambda self, r, *a, **kw: asked.append(r.url) or real(self, r, *a, **kw))
+
+    def run(iterations):
+        cache = StreamCache(tmp_path / "c", remotes, sum(shards.sizes))
+        reader = ShardReader(shards, batch=4, seed=2, rank=0, world=1, training=True, store=cache.view(shards))
+        cache.view(shards).register(reader)
+        try:
+            for k in iterations:
+                reader(_Info(0, k))
+        finally:
+            cache.close()
+            reader.close()
+        return reader.plan(0)
+
+    plan = run(range(3))
+    start = 3 * 4
+    kept = {f.name for f in (tmp_path / "c").glob("*.tar")}
+    asked.clear()
+    run([3])
+    names = [u.rsplit("/", 1)[1] for u in asked]
+    assert not set(names) & kept, "a shard that had landed was fetched again"
+    still = {shards.paths[s].rsplit("/", 1)[1] for s, (_, last) in plan.spans.items() if last >= start} - kept
+    finished = {shards.paths[s].rsplit("/", 1)[1] for s, (_, last) in plan.spans.items() if last < start} - kept
+    needed_first = [n for n in names if n in still]
+    assert set(needed_first) == still or len(needed_first) >= cache_mod.FETCH_PARALLEL
+    if finished & set(names):
+        assert max(names.index(n) for n in needed_first) < min(names.index(n) for n in finished & set(names))
+
+
+@pytest.fixture(scope="module")
+def big_pack(tmp_path_factory):
+    """About 40 MB of real photos (100 of 600-700 px, each under six names, each name its own class)
+    packed into shards of about 300 kB; every 25th name in the validation split."""
+    from dali_pipe.demo import make_photo_dataset
+
+    root = tmp_path_factory.mktemp("big")
+    photos = make_photo_dataset(root / "photos", classes=5, per_class=20, side=(600, 700))
+    rels = (photos / "dataset.tsv").read_text().splitlines()[1:]
+    data = root / "data"
+    lines = ["image_path\tlabel\tsplit"]
+    for copy in range(6):
+        for i, rel in enumerate(rels):
+            name = f"c{copy}/{Path(rel).stem}.jpg"
+            (data / name).parent.mkdir(parents=True, exist_ok=True)
+            (data / name).symlink_to(photos / rel)
+            lines.append(f"{name}\ts{copy}{i:03d}\t{'val' if (copy * 100 + i) % 25 == 3 else 'train'}")
+    (data / "dataset.tsv").write_text("\n".join(lines) + "\n")
+    os.environ.setdefault("DALI_PIPE_CACHE", str(root / "cache"))
+    main(["pack", str(data), str(root / "p"), "--max-side", "700", "--shard-size", "300kB", "--workers", "1"])
+    return data, root / "p"
+
+
+@pytest.mark.slow
+def test_training_streams_a_pack_three_times_its_cache_through_faults(big_pack, s3_process, tmp_path, monkeypatch):
+    """--stream-cache 12MB on a 40 MB pack, through a proxy that throttles, cuts, stalls and damages one GET
+    each: the run completes, trains each sample once, and the cache never holds more than its bound plus
+    one shard."""
+    import json
+
+    import resume_trace as rt
+
+    import train
+    from dali_pipe.sync import make_client
+
+    data, packed = big_pack
+    meta = json.loads((packed / "packed.json").read_text())
+    shards = [s for split in meta["splits"].values() for s in split["shards"]]
+    assert sum(s["size"] for s in shards) > 36e6
+    from concurrent.futures import ThreadPoolExecutor
+
+    client = make_client(8)
+    client.create_bucket(Bucket="data")
+    files = [f for f in packed.iterdir() if f.is_file() and not f.name.startswith(".")]
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(lambda f: client.upload_file(str(f), "data", f"big/{f.name}"), files))
+    proxy = FaultProxy(s3_process).start()
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+    monkeypatch.setattr(cache_mod, "READ_TIMEOUT", 1.0)
+    for kind, shard in zip(["503", "cut", "stall", "flip"], ["train-000003", "train-000010", "train-000020",
+                                                             "train-000030"]):  # of about 100
+        proxy.arm(kind, shard + ".tar", stall_s=5)
+    trace = tmp_path / "trace.jsonl"
+    rt.install(trace, patch=monkeypatch.setattr)
+    cache = tmp_path / "cache"
+    stream = cache / "stream" / "s3" / "data" / "big" / "rank-0"
+    peak, done = [0], threading.Event()
+
+    def sample():
+        while not done.wait(0.02):
+            if stream.is_dir():
+                peak[0] = max(peak[0], sum(f.stat().st_size for f in stream.iterdir() if f.is_file()))
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        res = train.main(["--data", "s3://data/big", "--packed-s3", "stream", "--stream-cache", "12MB", "--model",
+                          "tiny", "--device", "cpu", "--epochs", "1", "--batch-size", "64", "--num-threads", "2",
+                          "--output", str(tmp_path / "out"), "--cache-dir", str(cache)])
+    finally:
+        done.set()
+        sampler.join()
+    rows = [x.split("\t") for x in (data / "dataset.tsv").read_text().splitlines()[1:]]
+    train_set = {x[1] for x in rows if x[2] == "train"}
+    rt.assert_each_sample_once_per_epoch(rt.read(trace), train=train_set, epochs=1, batch=64,
+                                         val={x[1] for x in rows if x[2] == "val"})
+    assert res["global_step"] == len(train_set) // 64
+    assert 0 < peak[0] <= 12e6 + max(s["size"] for s in shards), peak[0]
+    assert all(proxy.applied(k) == 1 for k in ("503", "cut", "stall", "flip"))
+
+
+def test_peer_shards_of_unknown_size_and_sha256_are_listed_then_streamed(bucket, pack, tmp_path):
+    """Shards known only by URL (peer shards not yet indexed with sizes): one LIST gives their sizes, and the
+    reader streams the same bytes as from local disk."""
+    _, shards = bucket
+    peer = dataclasses.replace(shards, sizes=None, sha256=None)
+    cache = StreamCache(tmp_path / "c", [Remote(u, None, None) for u in peer.paths], sum(shards.sizes))
+    reader = ShardReader(peer, batch=4, seed=0, rank=0, world=1, training=True, store=cache.view(peer))
+    local = ShardReader(_train(pack), batch=4, seed=0, rank=0, world=1, training=True)
+    try:
+        cache.view(peer).register(reader)
+        assert [cache.remotes[u].size for u in peer.paths] == list(shards.sizes)
+        got, want = reader(_Info(0, 0)), local(_Info(0, 0))
+        assert [bytes(x) for x in got[0]] == [bytes(x) for x in want[0]]
+    finally:
+        cache.close()
+        reader.close()
+        local.close()
+
+
+def test_a_full_disk_while_fetching_is_named(bucket, tmp_path):
+    """The cache's disk fills up mid-fetch (a 64 kB tmpfs): one error naming the folder and what to do."""
+    import subprocess
+
+    _, shards = bucket
+    disk = tmp_path / "small"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(disk)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:
+        big = max(range(len(shards.paths)), key=lambda i: shards.sizes[i])
+        (disk / "filler").write_bytes(b"x" * (64 * 1024 - shards.sizes[big] // 2))
+        fetcher = Fetcher()
+        with pytest.raises(ShardError, match="is full") as e:
+            fetcher.fetch(_remote(shards, big), disk / "s.tar")
+        fetcher.close()
+        assert str(disk) in str(e.value) and not [p for p in disk.iterdir() if p.name != "filler"]
+    finally:
+        subprocess.run(["umount", str(disk)], capture_output=True)

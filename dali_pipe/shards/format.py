@@ -29,10 +29,8 @@ names skipped), and hands each member's bytes to the caller on the way (labels, 
 """
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
-import os
 import posixpath
 import re
 import tarfile
@@ -244,51 +242,6 @@ def format_index(entries: list[IndexEntry]) -> str:
         lines.append(" ".join(f"{ext} {off} {size} {_token(e.key + '.' + ext)}"
                               for ext, (off, size) in e.members.items()))
     return "\n".join(lines) + "\n"
-
-
-def plain_index(path: str | Path) -> bool:
-    """Whether every sample of the index has a `jpg` and a `cls` member (what DALI's reader asks for)."""
-    st = os.stat(path)
-    return _plain(str(path), st.st_size, st.st_mtime_ns)
-
-
-@functools.lru_cache(maxsize=4096)
-def _plain(path: str, size: int, mtime_ns: int) -> bool:
-    return all("jpg" in e.members and "cls" in e.members for e in read_index(path))
-
-
-_readable_dir: list[Path] = []
-
-
-def readable_index(path: str | Path, excluded: frozenset[int]) -> str | None:
-    """An index of the same shard for DALI's webdataset reader (pipeline.py): the samples not in
-    `excluded`, each as its image member (the first of IMAGE_EXTS) under the extension `jpg` and its
-    label member as `cls`; DALI matches members by the extension in the index and decodes by content.
-    Written once per content into a temporary folder of this process; None when no sample is left."""
-    import atexit
-    import shutil
-    import tempfile
-
-    kept = []
-    for pos, e in enumerate(read_index(path)):
-        if pos in excluded:
-            continue
-        img, lab = image_member(e.members), label_member(e.members)
-        if img is None or lab is None:
-            raise ValueError(f"{path}: sample {e.key!r} has no image or no cls member and is not excluded")
-        kept.append(IndexEntry(e.key, {"jpg": e.members[img], "cls": e.members[lab]}))
-    if not kept:
-        return None
-    text = format_index(kept)
-    if not _readable_dir:
-        _readable_dir.append(Path(tempfile.mkdtemp(prefix="dali_pipe-index-")))
-        atexit.register(shutil.rmtree, _readable_dir[0], True)
-    out = _readable_dir[0] / f"{hashlib.sha256(text.encode('utf-8', 'surrogateescape')).hexdigest()[:32]}.idx"
-    if not out.is_file():
-        tmp = out.with_name(f".{out.name}.tmp")
-        tmp.write_text(text, encoding="utf-8", errors="surrogateescape")
-        os.replace(tmp, out)
-    return str(out)
 
 
 # -- indexing a tar ---------------------------------------------------------------------------------

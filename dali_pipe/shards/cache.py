@@ -97,16 +97,16 @@ class Verdicts:
             st = os.stat(path)
         except OSError:
             return False
-        return self.data.get(str(path)) == [st.st_size, st.st_mtime_ns, sha256]
+        return self.data.get(os.path.realpath(path)) == [st.st_size, st.st_mtime_ns, sha256]
 
     def record(self, path: str | Path, sha256: str) -> None:
         st = os.stat(path)
         with self._lock:
-            self.data[str(path)] = [st.st_size, st.st_mtime_ns, sha256]
+            self.data[os.path.realpath(path)] = [st.st_size, st.st_mtime_ns, sha256]
 
     def forget(self, path: str | Path) -> None:
         with self._lock:
-            self.data.pop(str(path), None)
+            self.data.pop(os.path.realpath(path), None)
 
     def save(self) -> None:
         with self._lock:
@@ -308,6 +308,9 @@ class Fetcher:
         try:
             while not future.done():  # a watchdog: nothing for STALL seconds, or past the deadline
                 time.sleep(0.2)
+                if self._closed:
+                    future.cancel()
+                    raise TimeoutError("the run is ending")
                 now = time.monotonic()
                 if now - last[0] > STALL or now - start > deadline:
                     future.cancel()  # its threads end on their own (read timeouts); no need to wait for them

@@ -266,11 +266,14 @@ class SpotSafeCheckpoint(pl.Callback):
             # resumes a checkpoint taken here as a finished epoch (no validation, no METRIC row, its sums
             # carried into the next epoch). The save (periodic, or for a SIGTERM) follows the next step.
             return
-        if self._due and not self._stop_requested:
-            self.save(trainer)
+        # Agree first, then save: every rank must make the same collective calls in the same order, so no
+        # rank may skip or add a save on its own flag (a rank that saw the SIGTERM skipping the periodic save
+        # its peers make would leave them in the save's barrier and itself in the all-reduce: a deadlock).
+        stop = self._agree_to_stop(trainer)
+        if self._due or stop:
+            self.save(trainer)  # one save serves both
             self._due = False
-        if self._agree_to_stop(trainer):
-            self.save(trainer)
+        if stop:
             self.interrupted = True
             raise SIGTERMException()  # Lightning tears down; the command reports and exits 0
 

@@ -107,6 +107,34 @@ def test_kill_9_resumes_from_the_periodic_checkpoint_and_replays_only_after_it(i
     rt.assert_each_sample_once_per_epoch(kept, train=_sets(indexed)[0], epochs=EPOCHS, batch=BATCH)
 
 
+def test_ranks_make_the_same_collective_calls_when_only_one_saw_the_sigterm(tmp_path):
+    """A SIGTERM that reached one rank only (docker stop signals PID 1; spot hosts get theirs at different
+    moments), at a step where a periodic save is due (here deferred from the epoch's last batch): both ranks
+    call the agreement and the save in the same order, so neither waits in a collective the other never
+    enters (before, the signalled rank skipped the periodic save that its peer made: a deadlock)."""
+    from pytorch_lightning.utilities.exceptions import SIGTERMException
+
+    from model.checkpoint import SpotSafeCheckpoint
+
+    class Trainer:
+        num_training_batches, global_step = 4, 0
+
+    def calls(signalled: bool) -> list[str]:
+        cb, trainer, log = SpotSafeCheckpoint(tmp_path, every_steps=4), Trainer(), []
+        cb._agree_to_stop = lambda t: log.append("agree") or True  # the all-reduce: the peer saw a SIGTERM
+        cb.save = lambda t: log.append("save")
+        cb._stop_requested = signalled
+        for batch_idx, step in ((3, 4), (0, 5)):  # step 4 ends the epoch: its save waits; SIGTERM in validation
+            trainer.global_step = step
+            try:
+                cb.on_train_batch_end(trainer, None, None, None, batch_idx)
+            except SIGTERMException:
+                break
+        return log
+
+    assert calls(signalled=True) == calls(signalled=False) == ["agree", "save"]
+
+
 def test_save_killed_mid_write_keeps_the_previous_checkpoint(tmp_path):
     """A save killed mid-write leaves the previous last.ckpt whole; its temp file is removed on the next
     start, but a temp file of a live writer is left alone."""

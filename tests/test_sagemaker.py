@@ -401,3 +401,18 @@ def test_help_names_the_cache_path_the_contract_uses():
     assert f"/opt/ml/{CACHE_DIR}" in " ".join(train_parser().format_help().split())
     argv, _ = build_argv(Path("/opt/ml"), [], {})
     assert argv[argv.index("--cache-dir") + 1] == f"/opt/ml/{CACHE_DIR}"
+
+
+def test_a_successful_rerun_leaves_no_earlier_failure(tmp_path, monkeypatch):
+    """output/failure from an earlier attempt on the same folder (SAGEMAKER_BASE_DIR reused) is gone once the
+    contract runs again, so a job that then succeeds does not report the old reason."""
+    from dali_pipe.cli.sagemaker import run_sagemaker
+
+    (tmp_path / "input" / "config").mkdir(parents=True)
+    (tmp_path / "input" / "config" / "hyperparameters.json").write_text('{"model": "tiny"}')
+    (tmp_path / "output").mkdir()
+    (tmp_path / "output" / "failure").write_text("invalid hyperparameters: the old reason")
+    monkeypatch.setenv("SAGEMAKER_BASE_DIR", str(tmp_path))
+    seen = []
+    assert run_sagemaker([], lambda argv: seen.append(argv) or {"global_step": 1}) == {"global_step": 1}
+    assert seen and not (tmp_path / "output" / "failure").exists()

@@ -237,6 +237,10 @@ def run_sagemaker(extra: list[str], main) -> dict:
                              "SAGEMAKER_BASE_DIR to it; to train directly: python train.py --data DIR")
     failure_dir = base / "output"
     try:
+        (failure_dir / "failure").unlink(missing_ok=True)  # an earlier attempt's (a rerun on the same folder)
+    except OSError:
+        pass
+    try:
         cfg = base / "input" / "config"
         dist_env = host_env(_read_json(cfg / "resourceconfig.json"), dict(os.environ))
         os.environ.update(dist_env)

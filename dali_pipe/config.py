@@ -102,6 +102,7 @@ POSITIVE = (lambda v: v > 0, "must be positive")
 FRACTION_0_1 = (lambda v: 0 <= v < 1, "must be in [0, 1)")
 UNIT_INTERVAL = (lambda v: 0 <= v <= 1, "must be in [0, 1]")
 NON_NEGATIVE = (lambda v: v >= 0, "must be 0 or more")
+MAX_SEED = 2**32 - 1  # numpy's and Lightning's seed_everything's bound (DALI's -1 would mean a random seed)
 
 
 def cores() -> int:
@@ -122,7 +123,9 @@ class DataSettings:
     batch_size: int = setting(32, "images per batch per GPU/process", check=AT_LEAST_1)
     val_fraction: float = setting(0.1, "validation share per class when the manifest has no split column",
                                   check=FRACTION_0_1)
-    seed: int = setting(0, "seed for the split, the sample order, augmentation and model init")
+    seed: int = setting(0, "seed for the split, the sample order, augmentation and model init",
+                        check=(lambda v: 0 <= v <= MAX_SEED, f"must be between 0 and {MAX_SEED} (the seeds numpy and "
+                               "Lightning take)"))
     scan: str = setting("fast", "pre-flight image scan", choices=SCAN_MODES)
     max_pixels: int = setting(89_478_485, "reject images with more pixels (decompression bombs)", check=AT_LEAST_1)
     max_bad_fraction: float = setting(0.05, "abort when a larger share of images is bad", check=UNIT_INTERVAL)
@@ -538,6 +541,9 @@ def validate(s: Settings, groups=TRAIN_GROUPS, problems: list[str] = ()) -> None
     if "data" in groups:
         data = s.data.data
         shards_pattern = isinstance(data, str) and "{" in data and data.endswith(".tar")  # train-{000..099}.tar
+        if isinstance(data, str) and not data.strip():
+            problems.append(f"--data: {data!r} is empty; pass the folder that holds dataset.tsv (or a pack, or "
+                            "shards), or s3://bucket/prefix, or leave --data out for the demo set")
         if isinstance(data, str) and data and not data.startswith("s3://") and not shards_pattern:
             if not Path(data).is_dir():
                 problems.append(f"--data: {data!r} is not a directory; pass the folder that holds dataset.tsv, "

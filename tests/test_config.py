@@ -58,6 +58,17 @@ def test_every_problem_is_listed_with_flag_value_and_what_is_allowed(tmp_path):
         assert needle in msg, (needle, msg)
 
 
+def test_seeds_outside_what_numpy_takes_and_an_empty_data_are_refused():
+    """--seed -1 (DALI's 'random') or above 2**32 - 1 (numpy's and Lightning's bound) is named before any
+    work, not a ValueError from seed_everything; --data '' is named too, not read as the current folder."""
+    for bad in ("-1", str(2**32)):
+        with pytest.raises(UsageError, match=f"--seed: {bad} must be between 0 and 4294967295"):
+            _parse(["--seed", bad])
+    assert _parse(["--seed", str(2**32 - 1)]).data.seed == 2**32 - 1
+    with pytest.raises(UsageError, match="--data: '' is empty"):
+        _parse(["--data", ""])
+
+
 def test_unknown_flag_suggests_the_closest_and_joins_the_other_problems():
     with pytest.raises(UsageError) as e:
         _parse(["--batchsize", "8", "--epochs", "x"])

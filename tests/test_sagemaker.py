@@ -126,6 +126,15 @@ def test_failure_text_is_redacted_and_bounded(tmp_path):
     assert "AKIA" not in text and "hunter2" not in text and len(text) <= 1024
 
 
+def test_an_output_folder_that_cannot_take_the_failure_is_one_line(tmp_path, capsys):
+    """output/ that is a file (or read-only): one line saying so, not a traceback that hides the reason."""
+    from dali_pipe.cli.sagemaker import write_failure
+
+    (tmp_path / "output").write_text("not a folder")
+    write_failure(tmp_path / "output", "invalid hyperparameters")
+    assert f"could not write {tmp_path / 'output' / 'failure'}" in capsys.readouterr().err
+
+
 def test_hyperparameter_spellings_are_not_overridden(tmp_path):
     """'cache_dir' and 'cache-dir' both count as the user's choice; the contract adds no second value."""
     base = tmp_path / "opt_ml"

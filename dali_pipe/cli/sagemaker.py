@@ -212,11 +212,16 @@ SERVE_MESSAGE = ("this image trains and does not serve: deploy the model SageMak
 
 
 def write_failure(output_dir: Path, reason: str) -> None:
-    output_dir.mkdir(parents=True, exist_ok=True)
+    """output/failure: the reason, redacted and bounded. A folder that cannot take it is said in one line
+    (the reason itself is printed by the caller), never a traceback hiding the reason."""
     text = redact(reason.strip())
     if len(text) > FAILURE_LIMIT:
         text = text[: FAILURE_LIMIT - 3] + "..."
-    (output_dir / "failure").write_text(text)
+    try:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        (output_dir / "failure").write_text(text)
+    except OSError as e:
+        print(f"sagemaker: could not write {output_dir / 'failure'} ({e.strerror or e})", file=sys.stderr)
 
 
 def run_sagemaker(extra: list[str], main) -> dict:

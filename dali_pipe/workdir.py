@@ -23,6 +23,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from .errors import UserError
+from .redact import redact
 
 LEGACY_LOCK_NAME = ".dali_pipe.lock"  # where older versions kept the lock: inside the directory
 _held: dict[str, tuple[int, Path]] = {}  # resolved directory -> (descriptor, lock file) this process holds
@@ -47,7 +48,7 @@ def lock_path(directory: Path | str) -> Path:
     """The lock file that guards `directory` (which need not exist yet): keyed by its resolved path."""
     resolved = str(Path(directory).resolve())
     digest = hashlib.sha256(resolved.encode()).hexdigest()[:20]
-    slug = re.sub(r"[^A-Za-z0-9_.-]", "_", Path(resolved).name)[:40] or "root"
+    slug = re.sub(r"[^A-Za-z0-9_.-]", "_", redact(Path(resolved).name))[:40] or "root"  # a token in a path stays out
     return lock_dir() / f"{slug}-{digest}.lock"
 
 
@@ -84,7 +85,7 @@ def lock(directory: Path | str, what: str, hint: str) -> None:
         os.close(fd)
     try:
         os.ftruncate(fd, 0)
-        os.write(fd, f"{os.getpid()}\t{key}\n".encode())
+        os.write(fd, f"{os.getpid()}\t{redact(key)}\n".encode())
     except OSError as e:  # a full disk: no holder's name to give, so no lock
         path.unlink(missing_ok=True)
         os.close(fd)

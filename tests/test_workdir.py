@@ -29,6 +29,20 @@ def test_lock_puts_nothing_in_the_directory_and_a_second_holder_is_refused(tmp_p
         holder.wait()
 
 
+def test_a_token_in_the_guarded_path_stays_out_of_the_lock_file(tmp_path, cache_dir):
+    """The lock file (left behind by a kill -9) names the holder without a secret the path carries: neither
+    its name nor its content holds an hf_ token in --output's path."""
+    token = "hf_" + "AbCdEfGhIjKlMnOpQrStUvWx"
+    out = tmp_path / f"out_{token}"
+    lock(out, "training run", "wait")
+    try:
+        path = lock_path(out)
+        assert path.is_file() and token not in path.name and token not in path.read_text()
+        assert path.read_text().startswith(f"{os.getpid()}\t")
+    finally:
+        unlock(out)
+
+
 def test_kill_9_leaves_no_lock_that_blocks_the_rerun(tmp_path, cache_dir):
     """The holder dies by kill -9 (its lock file stays, outside the directory): the next lock succeeds and
     its unlock removes the file."""

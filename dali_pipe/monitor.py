@@ -341,12 +341,23 @@ def _validation_verdict(name: str, b: dict, cli: dict | None) -> str:
     if cli is not None:
         share = _without(b, "validation", v * ratio)
         return f"{head}; fewer val rows in the split column ({ratio:.0%} of them) would cut that to about {share:.0%}."
-    if runs >= 4:
-        for k in (2, 3, 5, 10, 20):
-            share = _without(b, "validation", v * -(-runs // k) / runs)
-            if share <= TARGET_SHARE:
-                break
-        return f"{head}; Trainer(check_val_every_n_epoch={k}) would cut that to about {share:.0%}."
+    # check_val_every_n_epoch=k validates in epochs k, 2k, ...: floor(epochs / k) of them, never none
+    epochs = max(1, info.get("epochs") or runs)
+    every = None
+    for k in (k for k in (2, 3, 5, 10, 20, 50, 100) if k <= epochs):
+        every = k, _without(b, "validation", v * (epochs // k) / epochs)
+        if every[1] <= TARGET_SHARE * 1.1:
+            break
+    if every and every[1] < VERDICT_SHARE:
+        return f"{head}; Trainer(check_val_every_n_epoch={every[0]}) would cut that to about {every[1]:.0%}."
+    batches = info.get("batches") or 0  # per run; a fraction of them below one batch is refused by Lightning
+    if batches:
+        n = max(1, round(ratio * batches))
+        if n >= batches:
+            return (f"{head}, {batches} batch(es) each: validate less often or on a smaller set (fewer runs, "
+                    "Trainer(check_val_every_n_epoch=...), over more epochs).")
+        return (f"{head}; Trainer(limit_val_batches={n}) ({n} of its {batches} batches) would cut that to about "
+                f"{_without(b, 'validation', v * n / batches):.0%}.")
     limit = max(0.01, float(f"{ratio:.1g}"))
     return (f"{head}; Trainer(limit_val_batches={limit:g}) would cut that to about "
             f"{_without(b, 'validation', v * limit):.0%}.")
@@ -536,9 +547,10 @@ class MonitorCallback(pl.Callback):
         self._started = None  # perf_counter of the first training batch: the end of start-up
         self._prev = None  # (time, fetch, saves, validation) at the previous batch end
         self._val_start = None
-        self._val = {"runs": 0, "images": 0, "seconds": 0.0}
+        self._val = {"runs": 0, "images": 0, "batches": 0, "seconds": 0.0}
         self._reported: dict[int, int] = {}  # callbacks that record their own saves: entries already counted
         self._train_end = None
+        self._epochs: set[int] = set()  # the epochs that trained in the window (the validation fix counts them)
 
     # -- the window ---------------------------------------------------------------------------
     def _sync(self, pl_module) -> float:
@@ -591,6 +603,7 @@ class MonitorCallback(pl.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self._count_reported_saves(trainer)
         self._seen += 1
+        self._epochs.add(trainer.current_epoch)
         if self._seen == self.skip_steps:  # the timed window starts here, with the GPU caught up
             self.clock.step += self._sync(pl_module)
         now = time.perf_counter()
@@ -625,6 +638,7 @@ class MonitorCallback(pl.Callback):
     def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0):
         if self._val_start is not None:
             self._val["images"] += _batch_len(batch)
+            self._val["batches"] += 1
 
     def on_validation_end(self, trainer, pl_module):
         if self._val_start is not None:
@@ -646,7 +660,8 @@ class MonitorCallback(pl.Callback):
             end - self.origin, startup=started - self.origin, data_wait=c.fetch, model_step=c.step,
             checkpoint_saves=c.saves_total, validation=self._val["seconds"] - c.saves_in_val,
             startup_parts=parts, saves_info=c.save_details(),
-            validation_info={"runs": runs, "images": self._val["images"] // max(1, runs)},
+            validation_info={"runs": runs, "images": self._val["images"] // max(1, runs),
+                             "batches": self._val["batches"] // max(1, runs), "epochs": len(self._epochs)},
             callbacks_by_name={k: v for k, v in c.hooks.items() if v > 0},
             steps=self._seen)
 
@@ -728,6 +743,8 @@ class MonitorCallback(pl.Callback):
 def _batch_len(batch) -> int:
     """Images in a batch: the length of its labels (or of its first element)."""
     try:
+        if isinstance(batch, dict):  # {"image": ..., "label": ...}: any entry has the batch's length
+            return len(next(iter(batch.values())))
         part = batch[1] if isinstance(batch, (tuple, list)) and len(batch) > 1 else batch[0]
         return len(part)
     except Exception:

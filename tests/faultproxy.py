@@ -6,7 +6,8 @@ request). A fault is armed for the next `times` GETs whose path contains `match`
 - "503": answer 503 SlowDown (S3's throttling reply) without asking upstream;
 - "cut": send the headers and half the body, then close the connection;
 - "stall": send the headers and half the body, then nothing for `stall_s` seconds, then close;
-- "flip": send the whole body with one byte inverted (a checksum must catch it).
+- "flip": send the whole body with one byte inverted (a checksum must catch it);
+- "hang": read the request and answer nothing, until the client gives up or the proxy stops.
 
 Everything is bounded: sockets time out, a stall ends, and the server stops with the fixture.
 `requests` records (method, path, fault, headers) of every request.
@@ -26,7 +27,7 @@ SLOWDOWN = (b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown</Cod
 
 @dataclass
 class Fault:
-    kind: str  # 503 | cut | stall | flip
+    kind: str  # 503 | cut | stall | flip | hang
     match: str  # substring of the request path
     times: int = 1
     stall_s: float = 30.0
@@ -104,6 +105,16 @@ class FaultProxy:
             sock.sendall(b"HTTP/1.1 503 Slow Down\r\nContent-Type: application/xml\r\nContent-Length: "
                          + str(len(SLOWDOWN)).encode() + b"\r\n\r\n" + SLOWDOWN)
             return True
+        if fault and fault.kind == "hang":
+            while not self._stop.is_set():  # silent until the client closes (recv gives b"") or the proxy stops
+                try:
+                    if not sock.recv(65536):
+                        break
+                except socket.timeout:
+                    continue
+                except OSError:
+                    break
+            return False
         conn = http.client.HTTPConnection(*self.upstream, timeout=30)
         try:
             conn.request(method, path, body=body or None,

@@ -279,7 +279,7 @@ def test_an_endpoint_silent_for_every_get_stops_the_whole_sync_at_one_deadline(s
     from concurrent.futures import ThreadPoolExecutor
 
     import dali_pipe.sync as mod
-    from s3faults import HangingProxy
+    from faultproxy import FaultProxy
 
     server, url = s3
     client = make_client(16)
@@ -288,7 +288,8 @@ def test_an_endpoint_silent_for_every_get_stops_the_whole_sync_at_one_deadline(s
     client.put_object(Bucket="data", Key="ds/dataset.tsv", Body=("image_path\n" + "\n".join(rows) + "\n").encode())
     with ThreadPoolExecutor(16) as pool:
         list(pool.map(lambda r: client.put_object(Bucket="data", Key=f"ds/{r}", Body=b"x"), rows))
-    proxy = HangingProxy(server.get_host_and_port(), lambda line: line.startswith("GET ") and ".jpg" in line)
+    proxy = FaultProxy(url).start()
+    proxy.arm("hang", ".jpg", times=10**6)  # every GET of a photo
     monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
     monkeypatch.setattr(mod, "READ_TIMEOUT", 0.5)
     monkeypatch.setattr(mod, "STALL_SECONDS", 1.0)
@@ -298,11 +299,11 @@ def test_an_endpoint_silent_for_every_get_stops_the_whole_sync_at_one_deadline(s
         with pytest.raises(SyncError) as e:
             sync("s3://data/ds", dest, workers=32, progress=False)
     finally:
-        proxy.close()
+        proxy.stop()
     took = time.perf_counter() - t
     msg = str(e.value)
     assert f"{proxy.url} sent no data for 1 s, so the sync stops: 0 of 200 file(s) fetched" in msg, msg
-    assert proxy.hung < 200, "the deadline stops the sync before every file has had its GET"
+    assert proxy.applied("hang") < 200, "the deadline stops the sync before every file has had its GET"
     assert took < 60, took  # loose: per file (200 x 3 tries x 0.5 s / 32 workers) it would be ~10 s or more
     assert not [p for p in dest.rglob("*") if ".part-" in p.name] and not (dest / "dataset.tsv").exists()
 

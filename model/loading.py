@@ -107,17 +107,30 @@ def load_model(name: str, classes: list[str]):
         print(f"--model {name}: its head predicts {saved.num_labels} classes; a new head for your {len(classes)} "
               "classes is trained from scratch (the rest of the weights are kept)", file=sys.stderr)
     try:
-        model = AutoModelForImageClassification.from_pretrained(
-            name, num_labels=len(classes), id2label=dict(enumerate(classes)),
-            label2id={c: i for i, c in enumerate(classes)}, ignore_mismatched_sizes=True)
+        with _quiet_transformers():  # its load report is a table per run; the lines below say what it would
+            model, info = AutoModelForImageClassification.from_pretrained(
+                name, num_labels=len(classes), id2label=dict(enumerate(classes)),
+                label2id={c: i for i, c in enumerate(classes)}, ignore_mismatched_sizes=True, output_loading_info=True)
     except (OSError, ValueError) as e:
         raise ModelLoadError(_fetch_hint(name, e)) from None
     except Exception as e:  # safetensors' SafetensorError: a truncated weights file
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
         raise ModelLoadError(f"--model {name}: its weights cannot be loaded ({first}); {REEXPORT}.") from None
+    _say_unloaded(name, info)
     # from_pretrained returns eval mode, and Lightning keeps a module's mode: dropout and batch-norm
     # statistics would be frozen for the whole fine-tune
     return model.train()
+
+
+def _say_unloaded(name: str, info: dict) -> None:
+    """One line each for the weights a fine-tune does not take from the checkpoint, beyond the resized head
+    (said above): those the checkpoint lacks (random init) and those it holds but the model has no place for."""
+    resized = {k[0] if isinstance(k, tuple) else k for k in info.get("mismatched_keys", [])}
+    for keys, what in ((set(info.get("missing_keys", [])) - resized, "are not in the checkpoint and start from "
+                        "random values"), (set(info.get("unexpected_keys", [])), "of the checkpoint are not used")):
+        if keys:
+            shown = ", ".join(sorted(keys)[:4]) + (", ..." if len(keys) > 4 else "")
+            print(f"note: --model {name}: {len(keys)} weight(s) {what} ({shown})", file=sys.stderr)
 
 
 def parameter_count(name: str, classes: list[str]) -> int:

@@ -79,3 +79,25 @@ def test_a_local_model_fine_tunes_in_training_mode(trained):
     statistics would stay frozen for the whole fine-tune."""
     model = load_model(str(trained), ["a", "b"])
     assert all(m.training for m in model.modules())
+
+
+def test_a_fine_tune_says_in_one_line_each_which_weights_it_does_not_take(tmp_path, capfd):
+    """A new head is one line of ours, not transformers' load-report table; a backbone-only checkpoint (no
+    classifier, an unused pooler) names the weights that start random and those left unused."""
+    from transformers import ViTConfig, ViTModel
+
+    load_model(str(_convnext(tmp_path / "convnext")), ["a", "b", "c", "d"])
+    err = capfd.readouterr().err
+    assert "LOAD REPORT" not in err and "MISMATCH" not in err, err
+    assert "a new head for your 4 classes is trained from scratch" in err and "note:" not in err, err
+
+    cfg = ViTConfig(image_size=32, patch_size=16, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                    intermediate_size=32)
+    ViTModel(cfg).save_pretrained(tmp_path / "backbone")  # the pooler ViTForImageClassification does not have
+    model = load_model(str(tmp_path / "backbone"), ["a", "b"])
+    err = capfd.readouterr().err
+    assert "LOAD REPORT" not in err, err
+    assert "2 weight(s) are not in the checkpoint and start from random values (classifier.bias, classifier.weight)" \
+        in err, err
+    assert "2 weight(s) of the checkpoint are not used (pooler.dense.bias, pooler.dense.weight)" in err, err
+    assert model.training and model.config.num_labels == 2

@@ -267,7 +267,8 @@ def budget_verdicts(name: str, b: dict, *, cli: dict | None = None) -> list[str]
         words = {"prepare_data": "data preparation (sync, scan)", "setup": "pipeline build"}
         named = [f"{words[k]} {v:.1f} s" for k, v in parts.items() if k in words and v >= 0.05]
         rest = max(0.0, sec["startup"] - sum(parts.values()))
-        detail = f": {', '.join(named)}, the rest {rest:.1f} s" if named else ""
+        detail = (f": {', '.join(named)}, the rest (model load, Trainer set-up, the first batches) {rest:.1f} s"
+                  if named else "")
         longer = sec["startup"] / (sec["startup"] + 10 * (wall - sec["startup"])) if wall > sec["startup"] else 1.0
         out.append(f"{name}: start-up takes {sh['startup']:.0%} of the run ({sec['startup']:.1f} s{detail}); it is "
                    f"paid once per run: a run 10x as long would spend about {longer:.0%} on it, and a rerun reuses the "

@@ -306,7 +306,9 @@ def scan(paths: list[str], mode: str, *, max_pixels: int, num_threads: int = 1,
 
 
 def write_report(bad: dict[str, str], root: Path, out: Path) -> Path:
-    """Write OUT/bad_images.tsv: one row per excluded file, its path and the reason."""
+    """Write OUT/bad_images.tsv: one row per excluded file, its path and the reason. The reason is redacted
+    (a link's target may hold a token); the path stays as the manifest wrote it, to join back to it."""
+    from .redact import redact
     from .workdir import writing
 
     out.mkdir(parents=True, exist_ok=True)
@@ -316,6 +318,6 @@ def write_report(bad: dict[str, str], root: Path, out: Path) -> Path:
         f.write("image_path\treason\n")
         for p in sorted(bad):
             rel = os.path.relpath(p, root) if p.startswith(str(root)) else p
-            f.write(f"{rel}\t{bad[p]}\n")
+            f.write(f"{rel}\t{redact(bad[p])}\n")
     os.replace(tmp, report)
     return report

@@ -136,14 +136,14 @@ def test_undetected_bad_file_gets_a_clear_error_pointing_to_full_scan(corpus, tm
 
 def test_skip_missing_trains_and_reports_the_missing_and_the_broken_links(photo_root, tmp_path, cache_dir):
     """A missing file (--skip-missing), a dangling symbolic link and a link loop: the run trains on the rest
-    and bad_images.tsv names each; a good link trains."""
+    and bad_images.tsv names each (a token in a link's target redacted); a good link trains."""
     import os
     import shutil
 
     data = tmp_path / "d"
     shutil.copytree(photo_root, data)
     (data / "coffee" / "coffee_0003.jpg").unlink()
-    os.symlink("nowhere.jpg", data / "coffee" / "dangling.jpg")
+    os.symlink("/models/hf_" + "a1B2c3D4e5F6g7H8i9J0k1L2/nowhere.jpg", data / "coffee" / "dangling.jpg")
     os.symlink("loop.jpg", data / "coffee" / "loop.jpg")
     os.symlink("coffee_0004.jpg", data / "coffee" / "good_link.jpg")
     with open(data / "dataset.tsv", "a") as f:
@@ -152,5 +152,5 @@ def test_skip_missing_trains_and_reports_the_missing_and_the_broken_links(photo_
     train.main(["--data", str(data), "--model", "tiny", "--epochs", "1", "--batch-size", "8", "--device", "cpu",
                 "--output", str(out), "--skip-missing"])
     assert _report(out) == {"coffee/coffee_0003.jpg": "missing on disk (listed in dataset.tsv; --skip-missing)",
-                            "coffee/dangling.jpg": "dangling symbolic link (-> nowhere.jpg)",
+                            "coffee/dangling.jpg": "dangling symbolic link (-> /models/[redacted]/nowhere.jpg)",
                             "coffee/loop.jpg": "symbolic link loop (-> loop.jpg)"}

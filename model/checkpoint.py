@@ -302,7 +302,10 @@ class SpotSafeCheckpoint(pl.Callback):
         if trainer.world_size > 1:
             import torch.distributed as dist
 
-            self._group = dist.new_group(backend="gloo")  # every rank calls it, in the same order
+            # every rank calls it, in the same order; with the Trainer's collective timeout (--dist-timeout in
+            # the CLI), not gloo's default of 30 minutes, so a lost peer ends this all-reduce as it ends DDP's
+            timeout = getattr(trainer.strategy, "_timeout", None)
+            self._group = dist.new_group(backend="gloo", timeout=timeout)
 
     def _install(self) -> None:
         import threading

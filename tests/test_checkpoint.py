@@ -328,3 +328,23 @@ def test_a_damaged_checkpoint_is_named_with_the_ways_out(trained, photo_root, tm
             train.main(argv + extra)
     plan = plan_resume("never", out / "checkpoints", {}, {})
     assert "the previous checkpoint is kept as" in plan.note and not ck.exists()
+
+
+def test_the_sigterm_agreement_waits_as_long_as_the_trainers_collectives(tmp_path):
+    """The ranks' SIGTERM all-reduce runs on a gloo side group with the Trainer's collective timeout
+    (--dist-timeout), not gloo's default of 30 minutes: a lost peer ends it as it ends DDP's own."""
+    code = """
+import datetime, os, types
+import torch, torch.distributed as dist
+from model.checkpoint import SpotSafeCheckpoint
+dist.init_process_group("gloo", rank=0, world_size=1, init_method="tcp://127.0.0.1:0")
+trainer = types.SimpleNamespace(world_size=2, strategy=types.SimpleNamespace(
+    checkpoint_io=object(), _timeout=datetime.timedelta(seconds=42)))
+cb = SpotSafeCheckpoint(os.environ["CKDIR"])
+cb.setup(trainer, None, "fit")
+print(cb._group._get_backend(torch.device("cpu")).options._timeout.total_seconds())
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "CKDIR": str(tmp_path)}, cwd=Path(__file__).parent.parent)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split()[-1] == "42.0", r.stdout

@@ -308,12 +308,13 @@ def finish(report: dict, out: Path) -> dict:
         from .workdir import remove_dead_temps
 
         out.mkdir(parents=True, exist_ok=True)
-        remove_dead_temps(out, ".benchmark.json.tmp-*")  # left by a run killed while writing
+        for left in (".benchmark.json.tmp-*", ".benchmark.png.tmp-*"):  # left by a run killed while writing
+            remove_dead_temps(out, left)
         tmp.write_text(json.dumps(report, indent=1))
         os.replace(tmp, out / "benchmark.json")
         plot(report, out / "benchmark.png")
     except OSError as e:
-        for partial in (tmp, (out / "benchmark.png").with_suffix(".tmp.png")):
+        for partial in (tmp, _png_temp(out / "benchmark.png")):
             partial.unlink(missing_ok=True)
         raise OutputError(f"the benchmark ran, but its results could not be written to {out} ({e.strerror or e}); "
                           "free space there or pass another --output") from None
@@ -506,10 +507,16 @@ def plot(report: dict, path: Path) -> None:
     fig.suptitle(f"model {cfg['model']}, batch {cfg['batch_size']}, {report['env']['cpus']} CPU core(s), "
                  f"{report['env']['gpu'] or 'no GPU'}, {cfg['repeat']} round(s)", fontsize=11)
     fig.tight_layout()
-    tmp = path.with_suffix(".tmp.png")
+    tmp = _png_temp(path)
     fig.savefig(tmp, dpi=110)
     plt.close(fig)
     os.replace(tmp, path)
+
+
+def _png_temp(path: Path) -> Path:
+    """The hidden name a figure is drawn under before its rename: ours (our PID, so a later run removes it
+    once we are dead), ending in .png for matplotlib's format."""
+    return path.with_name(f".{path.name}.tmp-{os.getpid()}.png")
 
 
 BUDGET_COLORS = {"startup": "#b0b0b0", "data_wait": "#d9534f", "model_step": "#76b900", "checkpoint_saves": "#f0ad4e",

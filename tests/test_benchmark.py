@@ -25,10 +25,14 @@ def _bench(data, out, *extra):
 def test_benchmark_writes_complete_json_and_png(photo_root, tmp_path, cache_dir, capsys):
     """Every documented key is present; numbers are finite and positive where they must be; each loader's
     time budget adds up to 100%. It prints a report, not a training log: one line per loader, a table per
-    round, the summary; no METRIC line, no Lightning banner or logging warning."""
+    round, the summary; no METRIC line, no Lightning banner or logging warning. What a killed run's writes
+    left (its PID dead) is removed, and no temporary file of ours stays."""
     import warnings
 
     out = tmp_path / "b"
+    out.mkdir()
+    for left in (".benchmark.json.tmp-9999999", ".benchmark.png.tmp-9999999.png"):  # beyond any pid_max: dead
+        (out / left).write_bytes(b"partial")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         _bench(photo_root, out, "--model", "tiny", "--cpus", "1")
@@ -58,6 +62,7 @@ def test_benchmark_writes_complete_json_and_png(photo_root, tmp_path, cache_dir,
     assert rep["diagnosis"] and all(isinstance(d, str) for d in rep["diagnosis"])
     png = (out / "benchmark.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+    assert not [p.name for p in out.iterdir() if ".tmp-" in p.name], sorted(p.name for p in out.iterdir())
 
 
 def test_planted_input_bound_and_compute_bound(big_root, tmp_path, cache_dir):

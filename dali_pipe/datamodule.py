@@ -379,7 +379,14 @@ class DaliDataModule(pl.LightningDataModule):
         return self._train
 
     def val_dataloader(self):
-        return self._val if self._val is not None else []
+        if self._val is not None:
+            return self._val
+        import warnings
+
+        # no validation data (--val-fraction 0, or no val rows): Lightning skips the loop on an empty list and
+        # warns that its length is zero, which here is meant (the start-up summary said "0 val images")
+        warnings.filterwarnings("ignore", message=r"Total length of `list` across ranks is zero")
+        return []
 
 
 FINGERPRINT_NAMES = {"samples": "the data (files, labels or split)", "classes": "the classes",

@@ -409,6 +409,11 @@ def _owner(action: str) -> str:
     return body.split("{", 1)[0].rsplit(".", 1)[0] or body
 
 
+def _no_step() -> None:
+    """The global step before a Trainer is attached (a module function, so that a _Clock pickles)."""
+    return None
+
+
 class _Clock:
     """Adds up host seconds per share from the profiled actions, once `on` (after start-up): the batch
     fetch (and its move to the device) is data wait, the training batch is the model step, checkpoint
@@ -422,7 +427,8 @@ class _Clock:
         self.hooks: dict[str, float] = {}
         self.saves: list[list] = []  # merged [start, end, global_step, phase] per save
         self.saves_total = self.saves_in_val = 0.0
-        self.global_step = lambda: None
+        self.global_step = _no_step  # the Trainer's, once a fit is tapped
+
 
     def _kind(self, action: str) -> str:
         if action == SAVE_ACTION:
@@ -534,7 +540,15 @@ class MonitorCallback(pl.Callback):
         self._given_origin = origin is not None
         self.report: dict | None = None
         self._tap = None
+        self._last_stage_end = None  # perf_counter at the end of this callback's previous Trainer stage
         self._reset()
+
+    def __getstate__(self) -> dict:
+        """What pickles (Trainer(strategy="ddp_spawn") sends its callbacks to each process): the settings and
+        any finished report, not the live taps (the Trainer's profiler, the sampler's thread)."""
+        state = dict(self.__dict__)
+        state.update(_tap=None, sampler=None, clock=_Clock())
+        return state
 
     def _reset(self) -> None:
         """A fresh measurement (each fit with this callback is measured on its own)."""
@@ -576,11 +590,13 @@ class MonitorCallback(pl.Callback):
         trainer.profiler = self._tap
         self.clock.global_step = lambda: trainer.global_step
         spans = getattr(trainer.datamodule, "spans", None) or {}
-        if "prepare_data" in spans:
+        since = self._last_stage_end if self._last_stage_end is not None else float("-inf")
+        if "prepare_data" in spans and spans["prepare_data"][0] >= since:  # this fit's, not an earlier stage's
             self.origin = min(self.origin, spans["prepare_data"][0])
 
     def teardown(self, trainer, pl_module, stage: str) -> None:
         self._untap(trainer)
+        self._last_stage_end = time.perf_counter()
 
     def _untap(self, trainer) -> None:
         """Give the Trainer its own profiler back."""

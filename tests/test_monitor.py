@@ -150,3 +150,58 @@ def test_monitor_prescribes_packing_for_large_photos(tmp_path, cache_dir, capsys
     assert line.startswith("MONITOR input-bound on large photos (median 2.") and "--max-side 384" in line, line
     fit.advise_packing(s, {"diagnosis": ["training: compute-bound (CPU)"]}, read(s.data), None)
     assert capsys.readouterr().out == ""
+
+
+def test_the_callback_pickles_for_spawned_processes():
+    """MonitorCallback survives pickling (Trainer(strategy="ddp_spawn") pickles its callbacks), before and after
+    a fit's setup has tapped a Trainer."""
+    import pickle
+    from types import SimpleNamespace
+
+    from pytorch_lightning.profilers import PassThroughProfiler
+
+    from dali_pipe.monitor import MonitorCallback
+
+    cb = MonitorCallback(verbose=False)
+    assert isinstance(pickle.loads(pickle.dumps(cb)), MonitorCallback)
+    trainer = SimpleNamespace(profiler=PassThroughProfiler(), datamodule=None, global_step=3)
+    cb.setup(trainer, None, "fit")
+    copy = pickle.loads(pickle.dumps(cb))
+    assert copy._tap is None and copy.clock.global_step() is None and cb.clock.global_step() == 3
+
+
+def test_a_second_fit_is_measured_from_its_own_start(photo_root, tmp_path, cache_dir):
+    """trainer.fit twice with one DataModule and one MonitorCallback: the second fit's start-up is its own
+    (the DataModule's prepare_data of the first fit, long past, is not counted again)."""
+    import time
+
+    import pytorch_lightning as pl
+    import torch
+
+    import dali_pipe
+
+    class Module(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.head = torch.nn.Linear(3, 4)
+
+        def training_step(self, batch, batch_idx):
+            return torch.nn.functional.cross_entropy(self.head(batch[0].mean((2, 3))), batch[1])
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    dm = dali_pipe.DaliDataModule(data=photo_root, model="tiny", batch_size=8, device="cpu", num_threads=1,
+                                  val_fraction=0)
+    dm.prepare_data()
+    monitor = dali_pipe.MonitorCallback(verbose=False)
+    trainer = pl.Trainer(max_epochs=1, limit_train_batches=2, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                         enable_checkpointing=False, default_root_dir=tmp_path, callbacks=[monitor])
+    module = Module()
+    trainer.fit(module, datamodule=dm)
+    time.sleep(1.0)  # the user's own work between the two fits
+    between = time.perf_counter()
+    trainer.fit_loop.max_epochs = 2
+    trainer.fit(module, datamodule=dm)
+    budget = monitor.report["time_budget"]
+    assert trainer.global_step == 4 and budget["seconds"]["startup"] < time.perf_counter() - between, budget

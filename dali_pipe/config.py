@@ -473,6 +473,13 @@ def settings_from_keywords(values: dict, names) -> Settings:
             raise TypeError(f"unexpected keyword argument {name!r}{hint}")
         group, f, tp = FIELDS[name]
         conv, expected = _converter(name)
+        pair = _pair_length(tp)
+        if pair:  # a pair (crop_scale=(0.35, 1.0)); as text, "0.35 1.0" or "0.35, 1.0" as the CLI takes it
+            expected = f"{pair} numbers, such as {f.default!r}"
+            if isinstance(value, str):
+                parts = [_tolerant(conv, expected)(v) for v in value.replace(",", " ").split()]
+                ok = len(parts) == pair and not any(isinstance(v, Invalid) for v in parts)
+                value = tuple(parts) if ok else Invalid(value, expected)
         if isinstance(value, str) and conv is not str:
             value = _tolerant(conv, expected)(value)
         elif value is not None and not _of_type(value, tp):
@@ -481,6 +488,15 @@ def settings_from_keywords(values: dict, names) -> Settings:
             value = tuple(value)
         setattr(getattr(s, group), name, value)
     return s
+
+
+def _pair_length(tp) -> int:
+    """The length of a setting's tuple type (crop_scale: 2), else 0."""
+    union = typing.get_origin(tp) in (typing.Union, types.UnionType)
+    for a in [a for a in typing.get_args(tp) if a is not type(None)] if union else [tp]:
+        if typing.get_origin(a) is tuple:
+            return len(typing.get_args(a))
+    return 0
 
 
 def _of_type(value, tp) -> bool:

@@ -128,3 +128,16 @@ def test_train_mode_is_only_the_first_argument():
     assert _parse(["--weight-decay", "0.05"]).model.weight_decay == 0.05
     with pytest.raises(UsageError, match="unrecognized arguments: train"):
         _parse(["--epochs", "2", "train"])
+
+
+def test_a_pair_keyword_names_the_pair_it_needs():
+    """A pair setting given as a keyword (crop_scale=0.5, or "0.35 1.0" as text) is read or refused as a pair:
+    the message asks for two numbers, not for 'a number'."""
+    from dali_pipe.config import field_problems, settings_from_keywords
+
+    s = settings_from_keywords({"crop_scale": "0.35 1.0"}, ["crop_scale"])
+    assert s.pipeline.crop_scale == (0.35, 1.0)
+    for bad in (0.5, "0.5", (0.1, 0.2, 0.3)):
+        s = settings_from_keywords({"crop_scale": bad}, ["crop_scale"])
+        problems = field_problems(s, ["crop_scale"])
+        assert len(problems) == 1 and "is not 2 numbers, such as (0.08, 1.0)" in problems[0], problems

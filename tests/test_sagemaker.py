@@ -425,3 +425,14 @@ def test_a_successful_rerun_leaves_no_earlier_failure(tmp_path, monkeypatch):
     seen = []
     assert run_sagemaker([], lambda argv: seen.append(argv) or {"global_step": 1}) == {"global_step": 1}
     assert seen and not (tmp_path / "output" / "failure").exists()
+
+
+def test_none_as_the_generic_estimator_writes_it_is_refused_as_null():
+    """SDK 2.x's Estimator writes a None hyperparameter as the text 'None' (its PyTorch estimator as 'null'):
+    both are refused the same way, naming the key, before any flag reads 'None' as a value."""
+    from dali_pipe.cli.sagemaker import SageMakerError
+
+    for raw in ("None", "null"):
+        with pytest.raises(SageMakerError) as e:
+            hyperparameter_argv({"clip-grad-norm": raw, "model": raw})
+        assert "hyperparameter 'clip-grad-norm' is null" in str(e.value) and "'model' is null" in str(e.value)

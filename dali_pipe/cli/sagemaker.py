@@ -115,9 +115,10 @@ def hyperparameter_argv(hp: dict) -> tuple[list[str], list[str]]:
                             "(python train.py --help). Pass secrets through the estimator's environment, "
                             "not hyperparameters.")
             continue
-        value = _unwrap(raw)
+        value = None if raw == "None" else _unwrap(raw)  # v2's Estimator writes str(None); its PyTorch, null
         if value is None:
-            problems.append(f"hyperparameter {key!r} is null; give it a value or remove it")
+            problems.append(f"hyperparameter {key!r} is null (None); give it a value or remove it to keep the "
+                            "default")
             continue
         argv += [flag, *_as_args(value)]
     if problems:

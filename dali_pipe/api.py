@@ -172,12 +172,16 @@ class SpotSafeCheckpoint(_SpotSafeCheckpoint):
     `ckpt_path="last"` continues at the next sample. A SIGTERM during validation lets it finish first.
 
     `dirpath`: where last.ckpt goes; default: the ModelCheckpoint's dirpath (so ckpt_path="last" finds
-    it), else default_root_dir/checkpoints. Periodic and final saves stay the ModelCheckpoint's.
+    it), else default_root_dir/checkpoints. Periodic and final saves stay the ModelCheckpoint's. Give
+    that ModelCheckpoint a dirpath: without one it saves into the logger's version_N folder, which a
+    rerun numbers anew (ckpt_path="last" would not find it); a note says so before training, and the
+    SIGTERM line then names the path to resume from.
     """
 
     def __init__(self, dirpath: str | os.PathLike | None = None):
         super().__init__(Path(dirpath or "."), every_steps=0)
         self._dirpath = None if dirpath is None else Path(dirpath)
+        self._versioned = False  # last.ckpt goes to a folder that a rerun's ckpt_path="last" does not search
 
     def _where(self, trainer) -> Path:
         if self._dirpath is not None:
@@ -190,6 +194,16 @@ class SpotSafeCheckpoint(_SpotSafeCheckpoint):
     def save(self, trainer) -> None:
         self.dir = self._where(trainer)
         super().save(trainer)
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        self._versioned = stage == "fit" and self._dirpath is None and _versioned_folder(trainer)
+        if self._versioned and trainer.is_global_zero:
+            print("SpotSafeCheckpoint: the ModelCheckpoint has no dirpath, so it saves into the logger's version "
+                  "folder (lightning_logs/version_N/checkpoints), numbered anew in every run: a rerun's "
+                  'fit(ckpt_path="last") would not find this run\'s last.ckpt. Give it a folder of its own, '
+                  "ModelCheckpoint(dirpath=...), or the logger a version name (version='run1')", file=sys.stderr,
+                  flush=True)
 
     def on_save_checkpoint(self, trainer, pl_module, checkpoint: dict) -> None:
         pass  # the run's fingerprint is the DataModule's state (and RunFingerprint's)
@@ -206,10 +220,22 @@ class SpotSafeCheckpoint(_SpotSafeCheckpoint):
             if trainer.is_global_zero:
                 path = self.dir / "last.ckpt"
                 found = getattr(trainer.checkpoint_callback, "dirpath", None)  # where ckpt_path="last" looks
-                how = '"last"' if found and Path(found) == self.dir else f'"{path}"'
+                how = '"last"' if found and Path(found) == self.dir and not self._versioned else f'"{path}"'
                 print(f"SIGTERM: checkpoint saved to {path} at step {trainer.global_step}; run the same script "
                       f"again to resume (trainer.fit(..., ckpt_path={how}))", file=sys.stderr, flush=True)
             raise
+
+
+def _versioned_folder(trainer) -> bool:
+    """Whether the Trainer's ModelCheckpoint will save into its logger's version folder, which a rerun's
+    logger numbers anew: no dirpath given (Lightning fills it in after this callback's setup), and a
+    logger whose version is a number (its next free one, unless version=N was given: then the SIGTERM
+    line names the path instead of "last", which is still right)."""
+    cb = trainer.checkpoint_callback
+    if cb is None or getattr(cb, "dirpath", None) is not None or not trainer.loggers:
+        return False
+    logger = trainer.loggers[0]  # Lightning's CSV and TensorBoard loggers: version_N, the next free N (an int)
+    return hasattr(logger, "_get_next_version") and isinstance(logger.version, int)
 
 
 class RunFingerprint(pl.Callback):

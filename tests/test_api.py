@@ -225,3 +225,35 @@ def test_the_readme_example_runs_as_written(photo_root, tmp_path, cache_dir, mon
     last = torch.load(out / "checkpoints" / "last.ckpt", weights_only=False)
     assert (last["global_step"], last["epoch"]) == (EPOCHS * (43 // 8) - 1, EPOCHS - 1)
     assert capsys.readouterr().out.count("MONITOR time: ") == 2
+
+
+def test_sigterm_names_a_path_a_rerun_finds_when_the_logger_versions_the_folder(photo_root, tmp_path, cache_dir,
+                                                                                 capsys):
+    """A ModelCheckpoint without dirpath saves into the logger's version folder, new in every run, where a
+    rerun's ckpt_path="last" does not look: SpotSafeCheckpoint says so before training, and on SIGTERM names
+    the checkpoint's own path to resume from (which does resume)."""
+    import pytorch_lightning as pl
+    from pytorch_lightning.callbacks import ModelCheckpoint
+    from pytorch_lightning.loggers import CSVLogger
+
+    import dali_pipe
+
+    dm = dali_pipe.DaliDataModule(data=photo_root, model="tiny", batch_size=BATCH, device="cpu", num_threads=1)
+    dm.prepare_data()
+
+    def fit(ckpt_path, sigterm_at=None):
+        trainer = pl.Trainer(max_epochs=1, logger=CSVLogger(tmp_path), enable_progress_bar=False,
+                             enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
+                             default_root_dir=tmp_path, callbacks=[ModelCheckpoint(save_last=True,
+                                                                                   every_n_train_steps=2),
+                                                                   dali_pipe.SpotSafeCheckpoint()])
+        trainer.fit(_Traced(dm.classes, tmp_path / "t.jsonl", sigterm_at), datamodule=dm, ckpt_path=ckpt_path)
+        return trainer
+
+    with pytest.raises(SystemExit):
+        fit("last", sigterm_at=1)
+    err = capsys.readouterr().err
+    assert "a rerun's fit(ckpt_path=\"last\") would not find" in err and "ModelCheckpoint(dirpath=" in err, err
+    saved = tmp_path / "lightning_logs" / "version_0" / "checkpoints" / "last.ckpt"
+    assert f'ckpt_path="{saved}"' in err and 'ckpt_path="last"))' not in err, err
+    assert fit(str(saved)).global_step == 43 // BATCH

@@ -136,7 +136,9 @@ Batches are `(images, labels)`: images (B, 3, H, W) float32, normalised as the m
 "auto" with a GPU Trainer), else on the CPU (Lightning then moves them to the module's device).
 
 Every epoch trains each sample at most once and drops each process's last partial batch (a note
-says so when that exceeds 10% of the images); validation sees every sample exactly once. With
+says so when that exceeds 10% of the images); validation sees every sample exactly once, and so do
+`trainer.test` and `trainer.predict`, which read the validation split too (predict in the order of
+`dm.manifest.val`, whose entries name the files). With
 several processes (DDP) each rank reads its own shard, from the Trainer's ranks. The state saved
 in a Lightning checkpoint holds every rank's loader position, so with a
 `ModelCheckpoint(save_last=True, every_n_train_steps=N)` a rerun's `trainer.fit(..., ckpt_path="last")`

@@ -42,6 +42,10 @@ class NotPreparedError(UserError):
     """The data was asked about before prepare_data() read it."""
 
 
+class EmptySplitError(UserError):
+    """trainer.test or trainer.predict asked for the validation split, and it has no samples."""
+
+
 class DeviceMismatchError(UserError):
     """device='gpu' for a Trainer that runs on the CPU."""
 
@@ -387,6 +391,22 @@ class DaliDataModule(pl.LightningDataModule):
         # warns that its length is zero, which here is meant (the start-up summary said "0 val images")
         warnings.filterwarnings("ignore", message=r"Total length of `list` across ranks is zero")
         return []
+
+    def test_dataloader(self):
+        """`trainer.test`: the validation split, unaugmented, every sample once (there is no third split)."""
+        return self._eval_split("test")
+
+    def predict_dataloader(self):
+        """`trainer.predict`: the validation split, unaugmented, every sample once, in the order of
+        `dm.manifest.val` (with several processes, each rank a contiguous part of it), so that the
+        outputs map back to its files."""
+        return self._eval_split("predict")
+
+    def _eval_split(self, stage: str):
+        if self._val is None:
+            raise EmptySplitError(f"nothing to {stage}: the validation split is empty; give the DataModule a "
+                                  "val_fraction= above 0, or val rows in dataset.tsv's split column")
+        return self._val
 
 
 FINGERPRINT_NAMES = {"samples": "the data (files, labels or split)", "classes": "the classes",

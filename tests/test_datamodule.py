@@ -44,3 +44,38 @@ def test_drop_note_says_what_each_epoch_leaves_out_and_a_better_batch():
                            "process(es) trains 1 full batch(es) of 32 and drops its partial batch")
     assert "--batch-size 27 would drop 1." in note and note.endswith("Validation still sees every image.")
     assert drop_note(55, 5, 1) is None and drop_note(1000, 32, 1) is None  # 0 and 8 dropped
+
+
+def test_trainer_test_and_predict_run_over_the_validation_split(photo_root, tmp_path, cache_dir):
+    """trainer.test and trainer.predict take the validation split, unaugmented, every sample once, predict in
+    the order of dm.manifest.val (so outputs map back to files); an empty split is refused, saying why."""
+    import pytorch_lightning as pl
+    import resume_trace as rt
+    import torch
+
+    import dali_pipe
+    from dali_pipe.errors import UserError
+
+    class Module(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.head = torch.nn.Linear(1, 1)
+
+        def test_step(self, batch, batch_idx):
+            self.log("seen", float(len(batch[1])), reduce_fx="sum")
+
+        def predict_step(self, batch, batch_idx):
+            return batch[1]
+
+    data = rt.indexed_dataset(photo_root, tmp_path / "data")  # each image its own class: labels name the files
+    dm = dali_pipe.DaliDataModule(data=data, model="tiny", batch_size=2, device="cpu", num_threads=1)
+    dm.prepare_data()
+    trainer = pl.Trainer(logger=False, enable_progress_bar=False, enable_model_summary=False,
+                         default_root_dir=tmp_path)
+    assert trainer.test(Module(), datamodule=dm, verbose=False)[0]["seen"] == len(dm.manifest.val) == 7
+    labels = torch.cat(trainer.predict(Module(), datamodule=dm)).tolist()
+    assert labels == [s.label for s in dm.manifest.val]
+    none = dali_pipe.DaliDataModule(data=rt.indexed_dataset(photo_root, tmp_path / "noval", val_every=None),
+                                    model="tiny", batch_size=2, device="cpu", num_threads=1)
+    with pytest.raises(UserError, match="the validation split is empty"):
+        trainer.predict(Module(), datamodule=none)

@@ -31,6 +31,20 @@ from .spec import ImageSpec
 
 _KEYWORDS = [f.name for cls in (DataSettings, PipelineSettings) for f in dataclasses.fields(cls)]
 _SPEC_KEYWORDS = ("model", "image_size", "mean", "std", "interpolation")
+_ELSEWHERE = {  # train.py flags that a DataModule does not take: where they go in your own code
+    "lr": "optimizer: your LightningModule's configure_optimizers sets it",
+    "weight_decay": "optimizer: your LightningModule's configure_optimizers sets it",
+    "warmup_fraction": "schedule: your LightningModule's configure_optimizers sets it",
+    "label_smoothing": "loss: your LightningModule's training_step sets it",
+    "mixup_alpha": "batch (mixup, on the device): your LightningModule's training_step applies it",
+    "cutmix_alpha": "batch (cutmix, on the device): your LightningModule's training_step applies it",
+    "epochs": "run: pass Trainer(max_epochs=...)", "max_steps": "run: pass Trainer(max_steps=...)",
+    "precision": "run: pass Trainer(precision=...)", "grad_accum": "run: pass Trainer(accumulate_grad_batches=...)",
+    "clip_grad_norm": "run: pass Trainer(gradient_clip_val=...)", "devices": "run: pass Trainer(devices=...)",
+    "num_nodes": "run: pass Trainer(num_nodes=...)",
+    "checkpoint_every_steps": "run: pass ModelCheckpoint(every_n_train_steps=...)",
+    "monitor": "run: add dali_pipe.MonitorCallback() to the Trainer's callbacks",
+}
 INTERPOLATIONS = ("nearest", "linear", "cubic", "lanczos")
 
 
@@ -62,6 +76,11 @@ class DaliDataModule(_SettingsDataModule):
                  mean=None, std=None, interpolation: str = "linear", output: str | os.PathLike | None = None,
                  **settings):
         """Check and resolve the keywords as the CLI does its flags (see the class documentation)."""
+        for key in settings:
+            if key in FIELDS and key not in _KEYWORDS:
+                raise TypeError(f"unexpected keyword argument {key!r}: {flag_of(key)} is a train.py setting of the "
+                                f"{_ELSEWHERE.get(key, 'model or the run, not of the data')}; the DataModule takes "
+                                f"the data and pipeline settings: {', '.join(k for k in _KEYWORDS if k != 'data')}")
         values = {"data": str(data) if isinstance(data, os.PathLike) else data, **settings}
         s = settings_from_keywords(values, _KEYWORDS)
         problems = []

@@ -4,6 +4,7 @@ Lightning's ModelCheckpoint, the public callbacks, benchmark() and the README's 
 from __future__ import annotations
 
 import json
+import re
 import os
 import runpy
 import signal
@@ -257,3 +258,15 @@ def test_sigterm_names_a_path_a_rerun_finds_when_the_logger_versions_the_folder(
     saved = tmp_path / "lightning_logs" / "version_0" / "checkpoints" / "last.ckpt"
     assert f'ckpt_path="{saved}"' in err and 'ckpt_path="last"))' not in err, err
     assert fit(str(saved)).global_step == 43 // BATCH
+
+
+def test_a_training_flag_given_to_the_datamodule_says_where_it_belongs():
+    """lr=, epochs=, precision= or mixup_alpha= (train.py flags of the model and run, not of the data) are
+    refused naming where they go in your own code, before any data is read."""
+    import dali_pipe
+
+    for key, where in (("lr", "optimizer"), ("epochs", "Trainer(max_epochs="), ("precision", "Trainer(precision="),
+                       ("mixup_alpha", "LightningModule")):
+        with pytest.raises(TypeError, match=rf"{key}.*{re.escape(where)}") as e:
+            dali_pipe.DaliDataModule(data="/nonexistent", model="tiny", **{key: 1})
+        assert "the DataModule takes" in str(e.value) and "batch_size" in str(e.value)

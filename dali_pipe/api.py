@@ -159,8 +159,8 @@ says so when that exceeds 10% of the images); validation sees every sample exact
 `trainer.test` and `trainer.predict`, which read the validation split too (predict in the order of
 `dm.manifest.val`, whose entries name the files). With several processes (DDP) each rank reads
 its own shard, from the Trainer's ranks. The state saved in a Lightning checkpoint holds every
-rank's loader position, so with a `ModelCheckpoint(save_last=True, every_n_train_steps=N)` a rerun's `trainer.fit(..., ckpt_path="last")`
-continues mid-epoch at the same sample with the same augmentation; a checkpoint of other data
+rank's loader position, so with a `ModelCheckpoint(save_last=True, every_n_train_steps=N)` a
+rerun's `trainer.fit(..., ckpt_path="last")` continues mid-epoch at the same sample with the same augmentation; a checkpoint of other data
 (files, labels, split, classes, image size, batch size, processes or seed) is refused
 (RunMismatchError) before anything is restored.
 

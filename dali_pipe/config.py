@@ -444,7 +444,10 @@ def parse(argv: list[str], parser: _Parser) -> tuple[argparse.Namespace, list[st
         known = [s for a in parser._actions for s in a.option_strings if s.startswith("--")]
         parts = []
         for tok in extra:
-            close = difflib.get_close_matches(tok.split("=")[0], known, n=1) if tok.startswith("-") else []
+            if tok.startswith("-"):
+                close = difflib.get_close_matches(tok.split("=")[0], known, n=1)
+            else:  # a flag without its dashes (`train.py benchmark`)
+                close = [f"--{tok}"] if f"--{tok}" in known else []
             parts.append(f"{tok} (did you mean {close[0]}?)" if close else tok)
         problems.append(f"unrecognized arguments: {' '.join(parts)} (see {parser.prog} --help)")
     return ns, problems

@@ -141,3 +141,9 @@ def test_a_pair_keyword_names_the_pair_it_needs():
         s = settings_from_keywords({"crop_scale": bad}, ["crop_scale"])
         problems = field_problems(s, ["crop_scale"])
         assert len(problems) == 1 and "is not 2 numbers, such as (0.08, 1.0)" in problems[0], problems
+
+
+def test_a_flag_written_as_a_bare_word_suggests_the_flag():
+    """`train.py benchmark ...` (the flag without its dashes) is refused suggesting --benchmark."""
+    ns, problems = parse(["benchmark", "--model", "tiny"], build_parser("train.py", ""))
+    assert any("benchmark (did you mean --benchmark?)" in p for p in problems), problems

@@ -111,3 +111,16 @@ def test_packed_loader_beside_the_raw_files(big_root, tmp_path, cache_dir):
     assert rep["ratios"]["packed_vs_dali"]["median"] > 1.5
     with pytest.raises(train.UsageError, match="'packed' needs --packed"):
         _bench(big_root, tmp_path / "c", "--model", "none", "--loaders", "packed")
+
+
+def test_a_loader_faster_than_the_synthetic_ceiling_is_called_a_disturbed_measurement():
+    """When dali measures faster than synthetic data (impossible for a ceiling: the synthetic run was
+    disturbed), the report says so and what to do, instead of 'reaches 1106% of the ceiling'."""
+    from dali_pipe.benchmark import ratio_lines
+
+    spread = {"median": 11.06, "min": 10.93, "max": 11.19}
+    lines = ratio_lines({"dali_vs_synthetic": spread}, cores=2, model=True)
+    assert not any("reaches" in x for x in lines) and any("faster than the synthetic-data ceiling" in x and
+                                                          "rerun" in x for x in lines), lines
+    fine = ratio_lines({"dali_vs_synthetic": {"median": 0.62, "min": 0.6, "max": 0.64}}, cores=2, model=True)
+    assert fine == ["dali reaches 62% (60-64%) of the synthetic-data ceiling."]

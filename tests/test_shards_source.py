@@ -172,3 +172,23 @@ def test_shards_of_others_on_s3_each_sample_once(photo_root, s3_process, tmp_pat
 
 def _labels(loader):
     return [i for _, y in loader for i in y.tolist()]
+
+
+def test_a_sample_with_no_member_we_read_is_listed_not_a_traceback(photo_root, tmp_path):
+    """A peer sample whose members are none we read (only a txt; or ShardWriter's dotted key `img.v2`, whose
+    members webdataset names `img` + `v2.jpg`) is left out and listed, the dotted one with the reason."""
+    import webdataset as wds
+
+    photo = next(photo_root.glob("*/*.jpg")).read_bytes()
+    d = tmp_path / "d"
+    d.mkdir()
+    with wds.TarWriter(str(d / "part-0.tar")) as w:
+        for i in range(4):
+            w.write({"__key__": f"k{i}", "jpg": photo, "cls": i % 2})
+        w.write({"__key__": "only", "txt": "no picture, no class"})
+        w.write({"__key__": "img.v2", "jpg": photo, "cls": 0})
+    s = _open(d, tmp_path / "c")
+    bad = {sh.keys[e]: r for sh, e, r in s.bad}
+    assert set(bad) == {"only", "img"} and "no .cls member" in bad["only"], bad
+    assert "v2.cls" in bad["img"] and "first dot" in bad["img"], bad
+    assert s.classes == ["0", "1"] and len(s.train) + len(s.val) == 4

@@ -277,8 +277,8 @@ class IndexedTar:
 def index_tar(stream, on_member=None, wanted=lambda ext: True) -> IndexedTar:
     """Index a tar read once from `stream` (a local file or an S3 body), as DALI's `wds2idx` does:
     regular files only, consecutive members with the same key make one sample, names whose last
-    segment has no dot or starts with one are skipped. `on_member(position, key, ext, data)` sees the
-    bytes of each member whose extension is `wanted` as they pass (the others are skipped unread).
+    segment has no dot or starts with one are skipped. `on_member(position, key, ext, data)` sees every
+    member: its bytes as they pass when its extension is `wanted`, else None (the bytes skipped unread).
     Returns the entries with the size and sha256 of the whole stream."""
     src = _Hashing(stream)
     entries: list[IndexEntry] = []
@@ -298,8 +298,8 @@ def index_tar(stream, on_member=None, wanted=lambda ext: True) -> IndexedTar:
                     duplicates.setdefault(len(entries) - 1, ext)
                 else:
                     members[ext] = (m.offset_data, m.size)
-                if on_member is not None and wanted(ext):
-                    on_member(len(entries) - 1, key, ext, tar.extractfile(m).read())
+                if on_member is not None:
+                    on_member(len(entries) - 1, key, ext, tar.extractfile(m).read() if wanted(ext) else None)
         src.drain()
     except (tarfile.TarError, EOFError) as e:
         raise TarFormatError(f"not a readable tar ({type(e).__name__}: {str(e)[:100]})") from None

@@ -379,7 +379,7 @@ class _Collector:
         self.names: dict[int, str | None] = {}
         self.problems: dict[int, str] = {}
         self.images: dict[int, str] = {}
-        self._pos, self._members, self._batch = None, {}, {}
+        self._pos, self._key, self._members, self._batch = None, "", {}, {}
         self._decoder = None
         if level == "full":
             from ..scan import _DaliDecoder
@@ -389,12 +389,13 @@ class _Collector:
     def reset(self) -> None:
         """Forget what was collected (the shard is read again from its start)."""
         self.cls, self.names, self.problems, self.images = {}, {}, {}, {}
-        self._pos, self._members, self._batch = None, {}, {}
+        self._pos, self._key, self._members, self._batch = None, "", {}, {}
 
-    def member(self, pos: int, key: str, ext: str, data: bytes) -> None:
+    def member(self, pos: int, key: str, ext: str, data: bytes | None) -> None:
+        """One member of entry `pos` (data None: a member no check reads)."""
         if pos != self._pos:
             self._finish()
-            self._pos, self._members = pos, {}
+            self._pos, self._key, self._members = pos, key, {}
         self._members.setdefault(ext, data)
 
     def _finish(self) -> None:
@@ -408,6 +409,10 @@ class _Collector:
         problem = cls_problem(raw)
         self.cls[pos] = parse_cls(raw) if problem is None else None
         if problem:
+            dotted = sorted(x for x in m if "." in x and used_member(x.rsplit(".", 1)[1]))
+            if dotted and raw is None:  # ShardWriter's key `img.v2`: members `img` + `v2.jpg`, as webdataset reads them
+                problem += (f"; its members are named {self._key}.{dotted[0]}: a key ends at the first dot of a "
+                            "member's name (as webdataset and DALI read it), so write keys without dots")
             self.problems[pos] = problem
         meta = meta_member(m)
         self.names[pos] = json_label(m[meta]) if meta else None
@@ -431,6 +436,10 @@ class _Collector:
 
     def close(self, n: int) -> dict:
         self._finish()
+        for e in range(n):  # an entry no member reached (a tar with entries of none): no cls, no image
+            if e not in self.cls:
+                self._pos, self._key, self._members = e, "", {}
+                self._finish()
         if self._decoder is not None:
             self._flush()
         return {"cls": [self.cls.get(e) for e in range(n)], "names": [self.names.get(e) for e in range(n)],
@@ -639,6 +648,9 @@ def _open_peer(data, *, num_threads: int, progress: bool) -> ShardSet:
     for it, meta in zip(listed, metas):
         checked = meta["checked"]
         bad = {int(e): r for e, r in checked["problems"].items()}
+        for e, c in enumerate(checked["cls"]):  # a verdict cached by an earlier version may lack the reason
+            if c is None:
+                bad.setdefault(e, "no .cls member (the class index)")
         if data.scan != "off":
             for e, r in checked["images"].items():
                 bad.setdefault(int(e), r)
@@ -658,7 +670,7 @@ def _peer_classes(shards: list[Shard], classes_txt: str | None, data: str):
     good = [(s, e, s.cls[e]) for s in shards for e in range(len(s.keys)) if e not in s.bad]
     used = sorted({c for _, _, c in good})
     if not used:
-        seen = "; ".join(f"{s.name} {s.keys[e]!r}: {r}" for s in shards for e, r in list(s.bad.items())[:2])[:500]
+        seen = "; ".join([f"{s.name} {s.keys[e]!r}: {r}" for s in shards for e, r in list(s.bad.items())[:2]][:3])
         raise ShardSourceError(f"--data {data!r}: no sample has a usable image and an integer cls (e.g. {seen}); "
                                "write the shards with KEY.jpg (or jpeg, png, webp) and KEY.cls members")
     if classes_txt is not None:

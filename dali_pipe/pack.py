@@ -230,9 +230,10 @@ def difference(meta: dict, settings: dict) -> str:
                      if k != "samples" and old.get(k) != v) or "other settings"
 
 
-def finished(dst: Path, settings: dict) -> dict | None:
-    """packed.json of DST when DST holds a finished pack of exactly `settings`, every file of it whole;
-    None when DST holds no finished pack. A finished pack of other input or settings is an error."""
+def finished(dst: Path, settings: dict, cache_dir: str | Path | None = None) -> dict | None:
+    """packed.json of DST when DST holds a finished pack of exactly `settings`, every file of it whole
+    (each shard's sha256 and index checked; with `cache_dir`, verdicts are cached there by path, size and
+    mtime); None when DST holds no finished pack. A finished pack of other input or settings is an error."""
     path = dst / PACKED_NAME
     if not path.is_file() or (dst / PROGRESS_NAME).is_file():
         return None
@@ -243,17 +244,52 @@ def finished(dst: Path, settings: dict) -> dict | None:
     if not same_pack(meta, settings):
         raise PackError(f"{dst} already holds a finished pack of {difference(meta, settings)}; pack into another "
                         "folder, or delete this one to pack it again")
+    verdicts = None
+    if cache_dir is not None:
+        from .shards.cache import Verdicts
+
+        verdicts = Verdicts(cache_dir)
     for split in meta["splits"].values():
         for s in split["shards"]:
             tar = dst / s["name"]
             if not tar.is_file() or tar.stat().st_size != s["size"] or not (dst / s["index"]).is_file():
                 raise PackError(f"{tar} (or its index) is missing or changed since it was packed; delete {dst} and "
                                 "pack again")
+            problem = _shard_problem(tar, dst / s["index"], s, verdicts)
+            if problem:
+                raise PackError(f"{problem}, so it changed since it was packed; delete {dst} and pack again")
+    if verdicts is not None:
+        verdicts.save()
     return meta
 
 
+def _shard_problem(tar: Path, index: Path, s: dict, verdicts) -> str | None:
+    """What is wrong with a finished shard and its index, or None: the shard's bytes against packed.json's
+    sha256 (a verdict cached by path, size and mtime spares the read), the index against the one the shard's
+    own bytes give (checked whenever the shard is read)."""
+    from .shards.format import TarFormatError, index_tar
+
+    sha = s.get("sha256")
+    if sha is not None and verdicts is not None and verdicts.matches(tar, sha) and verdicts.matches(
+            index, file_sha256(index)):
+        return None
+    try:
+        with open(tar, "rb") as f:
+            indexed = index_tar(f)
+    except TarFormatError as e:
+        return f"{tar} is {e}"
+    if sha is not None and indexed.sha256 != sha:
+        return f"{tar} has sha256 {indexed.sha256[:12]}..., packed.json records {sha[:12]}..."
+    if index.read_text(encoding="utf-8", errors="surrogateescape") != format_index(indexed.entries):
+        return f"{index} is not the index of {tar.name}"
+    if sha is not None and verdicts is not None:
+        verdicts.record(tar, sha)
+        verdicts.record(index, file_sha256(index))
+    return None
+
+
 def pack_manifest(manifest, dst: Path, *, max_side: int, quality: int, shard_size: int, workers: int, seed: int,
-                  bad: dict[str, str], progress: bool = True) -> PackStats:
+                  bad: dict[str, str], progress: bool = True, cache_dir: str | Path | None = None) -> PackStats:
     """Pack the manifest's (good) samples into shards under `dst`; see the module docstring. `bad`:
     {absolute path: reason} of the images left out before packing (for DST/bad_images.tsv)."""
     from .scan import write_report
@@ -267,11 +303,11 @@ def pack_manifest(manifest, dst: Path, *, max_side: int, quality: int, shard_siz
     settings = pack_settings(digest=manifest.digest(), max_side=max_side, quality=quality, shard_size=shard_size,
                              seed=seed)
     return pack_items(manifest_items(manifest), manifest.classes, dst, settings=settings, workers=workers,
-                      report=report, progress=progress)
+                      report=report, progress=progress, cache_dir=cache_dir)
 
 
 def pack_shards(shards, dst: Path, *, max_side: int, quality: int, shard_size: int, workers: int, seed: int,
-                progress: bool = True) -> PackStats:
+                progress: bool = True, cache_dir: str | Path | None = None) -> PackStats:
     """Pack the usable samples of a ShardSet (a pack, or shards written by others) into shards under `dst`."""
     from .shards.source import write_member_report
 
@@ -285,19 +321,20 @@ def pack_shards(shards, dst: Path, *, max_side: int, quality: int, shard_size: i
     settings = pack_settings(digest=shards.digest(), max_side=max_side, quality=quality, shard_size=shard_size,
                              seed=seed)
     return pack_items(shard_items(shards), shards.classes, dst, settings=settings, workers=workers, report=report,
-                      progress=progress)
+                      progress=progress, cache_dir=cache_dir)
 
 
 def pack_items(items: list[Item], classes: list[str], dst: Path, *, settings: dict, workers: int, report,
-               progress: bool = True) -> PackStats:
+               progress: bool = True, cache_dir: str | Path | None = None) -> PackStats:
     """Pack `items` under `dst`; `report(failed)` writes DST/bad_images.tsv (with the images that could
-    not be packed, {ident: reason}) and returns how many images were left out in all."""
+    not be packed, {ident: reason}) and returns how many images were left out in all. `cache_dir` keeps
+    the verdicts of the check of a finished pack (see `finished`)."""
     from multiprocessing import get_context
 
     from tqdm import tqdm
 
     dst.mkdir(parents=True, exist_ok=True)
-    meta = finished(dst, settings)
+    meta = finished(dst, settings, cache_dir)
     if meta is not None:
         return PackStats({k: v["samples"] for k, v in meta["splits"].items()}, meta.get("bad_images", 0),
                          sum(len(v["shards"]) for v in meta["splits"].values()),

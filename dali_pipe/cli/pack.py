@@ -151,7 +151,7 @@ def _run(s: Settings, staging: Path) -> dict:
                                                                            "seed")})
             previous = remote_pack(dst)
             try:
-                staged = finished(staging, settings)
+                staged = finished(staging, settings, data.cache_dir)
             except PackError:  # our staging holds another pack: it is ours to replace
                 _clear(staging)
                 staged = None
@@ -161,9 +161,10 @@ def _run(s: Settings, staging: Path) -> dict:
                 print(f"pack: {dst} already holds this pack ({_counts(previous)}); nothing to do", file=sys.stderr)
                 return {"done_before": True}
         if isinstance(source, ShardSet):
-            stats = pack_shards(source, staging, **opts)
+            stats = pack_shards(source, staging, **opts, cache_dir=data.cache_dir)
         else:
-            stats = pack_manifest(source, staging, **opts, bad={**result.bad, **missing_reasons(source)})
+            stats = pack_manifest(source, staging, **opts, bad={**result.bad, **missing_reasons(source)},
+                                  cache_dir=data.cache_dir)
         if dst.startswith("s3://"):
             from ..config import SyncSettings
 

@@ -96,7 +96,24 @@ def _cls_to(p, meta, value: bytes):
         f.write(value.rjust(size, b"9")[:size])
 
 
+def _index_edit(p, meta, edit):
+    shard = meta["splits"]["train"]["shards"][0]
+    lines = (p / shard["index"]).read_text().splitlines()
+    (p / shard["index"]).write_text("\n".join([lines[0]] + edit(lines[1:])) + "\n")
+
+
+def _swap_cls_offsets(rows):
+    a, b = rows[0].split(), rows[1].split()
+    ia, ib = a.index("cls"), b.index("cls")
+    a[ia + 1], b[ib + 1] = b[ib + 1], a[ia + 1]
+    return [" ".join(a), " ".join(b)] + rows[2:]
+
+
 DAMAGE = {
+    "an index of other order": (lambda p, m: _index_edit(p, m, lambda rows: rows[1:] + rows[:1]),
+                                r"sample 1 of its index .* by its json member, but packed.json lists"),
+    "an index pointing at another sample's cls": (lambda p, m: _index_edit(p, m, _swap_cls_offsets),
+                                                  r"is not where the index says: the tar member at byte"),
     "cls outside the classes": (lambda p, m: _cls_to(p, m, b"99"), r"has class 99, but packed.json lists 48"),
     "a class missing": (lambda p, m: m["classes"].pop(), r"has class 47, but packed.json lists 47 classes"),
     "index deleted": (lambda p, m: (p / m["splits"]["val"]["shards"][0]["index"]).unlink(), r"val-000000.idx is missing"),
@@ -108,8 +125,8 @@ DAMAGE = {
 
 @pytest.mark.parametrize("case", list(DAMAGE))
 def test_pack_damage_is_an_error_naming_the_file(case, odd_pack, tmp_path):
-    """A .cls outside the classes, a class missing from packed.json, a deleted index file and wrong counts stop
-    the run before training with an error naming the file."""
+    """A .cls outside the classes, a class missing from packed.json, a deleted index file, wrong counts and an index
+    that lies (other order, another sample's member) stop the run before training with an error naming the file."""
     damage, message = DAMAGE[case]
     with pytest.raises(ShardSourceError, match=message):
         _open(_damaged(odd_pack, tmp_path, damage), tmp_path / "cache")

@@ -166,6 +166,15 @@ def json_label(raw: bytes | None) -> str | None:
     return None
 
 
+def json_image_path(raw: bytes | None) -> str | None:
+    """The `image_path` a packed sample's json member records (json_bytes), or None."""
+    try:
+        meta = json.loads(raw) if raw else None
+    except (ValueError, UnicodeDecodeError):
+        return None
+    return meta["image_path"] if isinstance(meta, dict) and isinstance(meta.get("image_path"), str) else None
+
+
 def used_member(ext: str) -> bool:
     """Whether a member with this extension is one a reader uses (image, label or metadata)."""
     return ext.lower() in IMAGE_EXTS or ext.lower() in (LABEL_EXT, META_EXT)

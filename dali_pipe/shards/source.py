@@ -47,6 +47,7 @@ from .format import (
     format_index,
     image_member,
     index_tar,
+    json_image_path,
     json_label,
     label_member,
     meta_member,
@@ -352,6 +353,13 @@ def _check_pack_members(shards: list[Shard], classes: list[str], data, *, num_th
         for e, raw_problem in checked["problems"].items():
             raise ShardSourceError(f"{s.name}: sample {s.keys[int(e)]!r} {raw_problem} (in {s.index_path}); the pack "
                                    "is damaged: pack the data again")
+        recorded = s.image_paths if s.image_paths != s.keys else [None] * len(s.keys)  # packed/1: no image_paths
+        for e, (said, listed) in enumerate(zip(checked.get("paths") or [None] * len(s.keys), recorded)):
+            if said is not None and listed is not None and said != listed:
+                raise ShardSourceError(
+                    f"{s.name}: sample {e + 1} of its index {s.index_path} is {said!r} by its json member, but "
+                    f"packed.json lists {listed!r} there; the index or packed.json does not belong to this shard: copy "
+                    "the whole pack again, or pack the data again")
         for e, c in enumerate(checked["cls"]):
             if c is not None and c >= len(classes):
                 raise ShardSourceError(
@@ -377,6 +385,7 @@ class _Collector:
         self.level, self.max_pixels = level, max_pixels
         self.cls: dict[int, int | None] = {}
         self.names: dict[int, str | None] = {}
+        self.paths: dict[int, str | None] = {}  # the json member's image_path (packs)
         self.problems: dict[int, str] = {}
         self.images: dict[int, str] = {}
         self._pos, self._key, self._members, self._batch = None, "", {}, {}
@@ -388,7 +397,7 @@ class _Collector:
 
     def reset(self) -> None:
         """Forget what was collected (the shard is read again from its start)."""
-        self.cls, self.names, self.problems, self.images = {}, {}, {}, {}
+        self.cls, self.names, self.paths, self.problems, self.images = {}, {}, {}, {}, {}
         self._pos, self._key, self._members, self._batch = None, "", {}, {}
 
     def member(self, pos: int, key: str, ext: str, data: bytes | None) -> None:
@@ -397,6 +406,10 @@ class _Collector:
             self._finish()
             self._pos, self._key, self._members = pos, key, {}
         self._members.setdefault(ext, data)
+
+    def problem(self, pos: int, reason: str) -> None:
+        """A structural problem of entry `pos` found by the reader (the first one is kept)."""
+        self.problems.setdefault(pos, reason)
 
     def _finish(self) -> None:
         if self._pos is None:
@@ -413,9 +426,10 @@ class _Collector:
             if dotted and raw is None:  # ShardWriter's key `img.v2`: members `img` + `v2.jpg`, as webdataset reads them
                 problem += (f"; its members are named {self._key}.{dotted[0]}: a key ends at the first dot of a "
                             "member's name (as webdataset and DALI read it), so write keys without dots")
-            self.problems[pos] = problem
+            self.problems.setdefault(pos, problem)
         meta = meta_member(m)
         self.names[pos] = json_label(m[meta]) if meta else None
+        self.paths[pos] = json_image_path(m[meta]) if meta else None
         img = image_member(m)
         if img is None:
             self.problems.setdefault(pos, "has no image member (jpg, jpeg, png or webp)")
@@ -443,13 +457,17 @@ class _Collector:
         if self._decoder is not None:
             self._flush()
         return {"cls": [self.cls.get(e) for e in range(n)], "names": [self.names.get(e) for e in range(n)],
+                "paths": [self.paths.get(e) for e in range(n)],
                 "problems": {str(e): r for e, r in self.problems.items()},
                 "images": {str(e): r for e, r in self.images.items()}, "level": self.level,
                 "max_pixels": self.max_pixels}
 
 
 def _read_members(path: str, entries: list[IndexEntry], collector: _Collector, images: bool) -> None:
-    """Feed each entry's label, json and (when `images`) image member from a local tar."""
+    """Feed each entry's label, json and (when `images`) image member from a local tar, after checking
+    that the tar header before each names that member (an index of another shard points elsewhere)."""
+    import tarfile
+
     with open(path, "rb") as f:
         for pos, e in enumerate(entries):
             collector.member(pos, e.key, "", b"")  # the entry, even with none of the members below
@@ -457,7 +475,20 @@ def _read_members(path: str, entries: list[IndexEntry], collector: _Collector, i
             for ext in (label_member(e.members), meta_member(e.members), img):
                 if ext:
                     off, size = e.members[ext]
+                    named = None
+                    if off >= 512:
+                        f.seek(off - 512)
+                        try:
+                            head = tarfile.TarInfo.frombuf(f.read(512), "utf-8", "surrogateescape")
+                            named = (head.name, head.size)
+                        except (tarfile.HeaderError, ValueError):
+                            pass
                     f.seek(off)
+                    if named != (f"{e.key}.{ext}", size):
+                        collector.problem(pos, f"is not where the index says: the tar member at byte {off} is "
+                                               f"{'not a tar member' if named is None else repr(named[0])}, the index "
+                                               f"names {e.key}.{ext}")
+                        continue
                     collector.member(pos, e.key, ext, f.read(size) if images or ext != img else b"")
 
 
@@ -501,7 +532,7 @@ def _cached_check(s: Shard, cache_dir: Path, level: str, max_pixels: int, num_th
     identity = f"pack\0{s.path}\0{st.st_size}\0{st.st_mtime_ns}\0{s.index_path}\0{ist.st_size}\0{ist.st_mtime_ns}"
     cache = _cache_file(cache_dir, identity, ".json")
     checked = _load(cache)
-    if not _covers(checked, level, max_pixels, len(s.keys)):
+    if not _covers(checked, level, max_pixels, len(s.keys)) or "paths" not in checked:  # no paths: an older check
         entries = read_index(s.index_path)
         collector = _Collector(level, max_pixels, num_threads)
         _read_members(s.path, entries, collector, images=level != "off")

@@ -5,6 +5,7 @@ what it needs."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import threading
 from pathlib import Path
@@ -108,6 +109,17 @@ def test_a_local_shard_with_a_flipped_byte_is_named_and_verdicts_are_cached(pack
     with pytest.raises(ShardError, match="do not match packed.json") as e:
         verify_local(train, tmp_path / "cache", progress=False)
     assert victim.name in str(e.value) and "sync the pack again" in str(e.value)
+
+
+def test_the_verdicts_file_holds_no_path(pack, tmp_path):
+    """shard-verdicts.json is keyed by digests: an hf_ token in the pack's path is not written there."""
+    import shutil
+
+    copy = tmp_path / "hf_abcdefghijklmnopqrstuvwxyz0123" / "p"
+    shutil.copytree(pack, copy)
+    verify_local(_train(copy), tmp_path / "cache", progress=False)
+    text = (tmp_path / "cache" / cache_mod.VERDICTS_NAME).read_text()
+    assert "hf_" not in text and str(tmp_path) not in text and len(json.loads(text)) == len(_train(copy).paths)
 
 
 def test_transient_faults_are_retried_and_the_bytes_are_right(bucket, tmp_path):

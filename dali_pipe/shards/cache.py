@@ -35,6 +35,7 @@ of streaming errors and atomic temp-file writes are what is needed; what is ours
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import os
 import shutil
@@ -82,7 +83,8 @@ class Remote:
 
 # -- verdicts: (path, size, mtime) -> sha256, so an unchanged shard is hashed once -----------------
 class Verdicts:
-    """CACHE_DIR/shard-verdicts.json: {path: [size, mtime_ns, sha256]} of shards that matched."""
+    """CACHE_DIR/shard-verdicts.json: {digest of the real path: [size, mtime_ns, sha256]} of shards that
+    matched (digests, so no secret a path may carry, an hf_ token say, is written)."""
 
     def __init__(self, cache_dir: str | Path):
         self.path = Path(cache_dir) / VERDICTS_NAME
@@ -97,16 +99,16 @@ class Verdicts:
             st = os.stat(path)
         except OSError:
             return False
-        return self.data.get(os.path.realpath(path)) == [st.st_size, st.st_mtime_ns, sha256]
+        return self.data.get(_path_key(path)) == [st.st_size, st.st_mtime_ns, sha256]
 
     def record(self, path: str | Path, sha256: str) -> None:
         st = os.stat(path)
         with self._lock:
-            self.data[os.path.realpath(path)] = [st.st_size, st.st_mtime_ns, sha256]
+            self.data[_path_key(path)] = [st.st_size, st.st_mtime_ns, sha256]
 
     def forget(self, path: str | Path) -> None:
         with self._lock:
-            self.data.pop(os.path.realpath(path), None)
+            self.data.pop(_path_key(path), None)
 
     def save(self) -> None:
         with self._lock:
@@ -117,6 +119,10 @@ class Verdicts:
                 os.replace(tmp, self.path)
             except OSError:  # a full disk: the verdicts are only a cache; the next run hashes again
                 tmp.unlink(missing_ok=True)
+
+
+def _path_key(path: str | Path) -> str:
+    return hashlib.sha256(os.path.realpath(path).encode("utf-8", "surrogatepass")).hexdigest()[:32]
 
 
 def check_file(path: str | Path, size: int | None, sha256: str | None, verdicts: Verdicts | None = None) -> str | None:

@@ -195,8 +195,9 @@ def test_shards_of_others_repack_with_pre_resize_and_scan(peer_dir, tmp_path, ca
 
 def test_an_s3_pack_killed_during_its_upload_finishes_on_rerun(photo_root, s3, tmp_path, cache_dir, capsys):
     """An s3:// pack whose upload stopped half way (its finished pack still in the staging folder) is uploaded
-    on a rerun; a rerun after that has nothing to do; other settings replace the pack in S3, its stale objects
-    removed. The bucket never holds a lock, temporary or progress file."""
+    on a rerun; a rerun after that has nothing to do, unless a shard in S3 was replaced (same size, other bytes):
+    then it is uploaded again; other settings replace the pack in S3, its stale objects removed. The bucket never
+    holds a lock, temporary or progress file."""
     from dali_pipe.sync import list_objects, make_client
 
     client = make_client(4)
@@ -214,6 +215,11 @@ def test_an_s3_pack_killed_during_its_upload_finishes_on_rerun(photo_root, s3, t
     capsys.readouterr()
     _pack(photo_root, "s3://data/packed", "--workers", "1")
     assert "already holds this pack" in capsys.readouterr().err
+    good = (local / first["name"]).read_bytes()  # replaced in S3 by bytes of the same size: uploaded again
+    client.put_object(Bucket="data", Key=f"packed/{first['name']}", Body=good[:3000] + bytes([good[3000] ^ 1]) + good[3001:])
+    _pack(photo_root, "s3://data/packed", "--workers", "1")
+    assert "nothing to do" not in capsys.readouterr().err
+    assert client.get_object(Bucket="data", Key=f"packed/{first['name']}")["Body"].read() == good
     _pack(photo_root, "s3://data/packed", "--workers", "1", "--shard-size", "150kB")
     meta = json.loads(client.get_object(Bucket="data", Key="packed/packed.json")["Body"].read())
     names = {n for sp in meta["splits"].values() for s in sp["shards"] for n in (s["name"], s["index"])}

@@ -82,13 +82,32 @@ def remote_pack(uri: str) -> dict | None:
 
 
 def remote_complete(uri: str, meta: dict) -> bool:
-    """Every shard and index that packed.json `meta` names is in S3 with its size."""
-    from ..sync import list_objects, make_client, parse_s3_uri
+    """Every shard and index that packed.json `meta` names is in S3 with its size, and each shard with the
+    sha256 that `upload` recorded in its metadata (one HEAD per shard: an object replaced by other bytes of
+    the same size, or put there by another tool, is not this pack's)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    from ..sync import SyncError, explain, list_objects, make_client, parse_s3_uri
 
     bucket, prefix = parse_s3_uri(uri)
-    remote = list_objects(make_client(4), bucket, f"{prefix}/" if prefix else "")
-    return all(remote.get(s["name"], (None,))[0] == s["size"] and s["index"] in remote
-               for split in meta["splits"].values() for s in split["shards"])
+    base = f"{prefix}/" if prefix else ""
+    client = make_client(16)
+    remote = list_objects(client, bucket, base)
+    shards = [s for split in meta["splits"].values() for s in split["shards"]]
+    if not all(remote.get(s["name"], (None,))[0] == s["size"] and s["index"] in remote for s in shards):
+        return False
+
+    def recorded(s: dict) -> bool:
+        try:
+            head = client.head_object(Bucket=bucket, Key=base + s["name"])
+        except (BotoCoreError, ClientError) as e:
+            raise SyncError(f"checking {uri}: {explain(e, bucket, base + s['name'])}") from None
+        return head.get("Metadata", {}).get("sha256") == s.get("sha256")
+
+    with ThreadPoolExecutor(16) as pool:
+        return all(pool.map(recorded, shards))
 
 
 def _clear(staging: Path) -> None:

@@ -230,13 +230,24 @@ def test_streamed_epochs_match_local_ones_within_the_bound(bucket, pack, tmp_pat
 
 
 def test_a_cache_too_small_for_the_window_is_refused(bucket, tmp_path):
-    """--stream-cache below what the plan has in use at once: an error naming the setting and the minimum."""
+    """--stream-cache below what the plan has in use at once: an error naming the setting and the minimum, in
+    readable units (never '0.0 MB'), rounded up so that the size it asks for is enough."""
     _, shards = bucket
     cache = StreamCache(tmp_path / "c", [_remote(shards, i) for i in range(len(shards.paths))], max(shards.sizes))
     try:
         reader = ShardReader(shards, batch=4, seed=1, rank=0, world=1, training=True, store=cache.view(shards))
-        with pytest.raises(StreamCacheError, match="raise --stream-cache to at least"):
+        with pytest.raises(StreamCacheError, match="raise --stream-cache to at least") as e:
             cache.view(shards).register(reader)
+    finally:
+        cache.close()
+    assert " 0.0 " not in str(e.value), str(e.value)
+    from dali_pipe.config import parse_size
+
+    enough = parse_size(str(e.value).split("at least ")[1].split(",")[0].replace(" ", ""))
+    cache = StreamCache(tmp_path / "c", [_remote(shards, i) for i in range(len(shards.paths))], enough)
+    try:  # the size the message asks for is enough
+        cache.view(shards).register(ShardReader(shards, batch=4, seed=1, rank=0, world=1, training=True,
+                                                store=cache.view(shards)))
     finally:
         cache.close()
 

@@ -338,8 +338,17 @@ class StreamCacheError(ShardError):
     """--stream-cache cannot hold what the epoch plan reads at once, or the disk cannot hold --stream-cache."""
 
 
-def _mb(n: float) -> str:
-    return f"{n / 1e6:.1f} MB" if n < 1e9 else f"{n / 1e9:.1f} GB"
+def _mb(n: float, *, up: bool = False) -> str:
+    """A size in decimal units, as --stream-cache takes it ('812 bytes', '37.5 kB', '12.0 MB', '1.2 GB'; never
+    '0.0 MB'); `up`: rounded up, for a size that must be enough."""
+    import math
+
+    if n < 1000:
+        return f"{math.ceil(n) if up else int(n)} bytes"
+    for unit, scale in (("kB", 1e3), ("MB", 1e6), ("GB", 1e9)):
+        if n < scale * 1000 or unit == "GB":
+            v = n / scale
+            return f"{math.ceil(v * 10) / 10 if up else v:.1f} {unit}"
 
 
 def stream_bound(setting: int | None, folder: Path, local_ranks: int = 1) -> int:
@@ -482,8 +491,8 @@ class StreamCache:
             raise StreamCacheError(
                 f"--stream-cache gives this process {_mb(self.bound)}, but its readers have up to {_mb(total)} of "
                 f"shards in use at once (the shuffle window's shards, up to {_mb(max(sizes, default=0))} each, and "
-                f"one more); raise --stream-cache to at least {_mb(total * self.local_ranks)}, or pack with a smaller "
-                "--shard-size")
+                f"one more); raise --stream-cache to at least {_mb(total * self.local_ranks, up=True)}, or pack with a "
+                "smaller --shard-size")
 
     def _forget_dead(self) -> None:
         for key in [k for k, d in self.demands.items() if d.reader is None]:

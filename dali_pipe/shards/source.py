@@ -726,8 +726,8 @@ def _peer_classes(shards: list[Shard], classes_txt: str | None, data: str):
             clash = next((f"; the json labels disagree (cls {c}: {sorted(map(str, v))[:3]})" for c, v in by_cls.items()
                           if len(v) > 1 and None not in v), "")
             note = f"classes are the cls integers (no {CLASSES_NAME}, no json label){clash}"
-    remap = None if used == list(range(len(used))) else tuple(used.index(c) if c in used else -1
-                                                             for c in range(used[-1] + 1))
+    position = {c: i for i, c in enumerate(used)}  # a dict: linear in the largest cls (sparse ids: millions)
+    remap = None if used == list(range(len(used))) else tuple(position.get(c, -1) for c in range(used[-1] + 1))
     return classes, remap, note
 
 

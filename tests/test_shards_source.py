@@ -51,9 +51,9 @@ def test_shards_of_others_classes_split_and_bad_members(peer_dir, tmp_path, monk
 
 
 def test_classes_txt_names_sparse_classes_and_a_hash_split_stays_put(photo_root, tmp_path):
-    """classes.txt names the cls integers (sparse ones map to contiguous classes); a cls it does not name is an
-    error naming shard and key; without val shards the split is a hash of the key, unmoved by new shards; a brace
-    pattern selects shards."""
+    """classes.txt (a BOM and CRLF read as meant) names the cls integers (sparse ones map to contiguous classes);
+    a cls it does not name is an error naming shard and key; without val shards the split is a hash of the key,
+    unmoved by new shards; a brace pattern selects shards."""
     import webdataset as wds
 
     photo = next(photo_root.glob("*/*.jpg")).read_bytes()
@@ -63,7 +63,7 @@ def test_classes_txt_names_sparse_classes_and_a_hash_split_stays_put(photo_root,
         with wds.TarWriter(str(d / f"part-{n}.tar")) as w:
             for i in range(20):
                 w.write({"__key__": f"k{n}_{i}", "jpg": photo, "cls": 5 * (i % 2)})
-    (d / "classes.txt").write_text("cat\nx\nx\nx\nx\ndog\n")
+    (d / "classes.txt").write_bytes("\ufeffcat\r\nx\r\nx\r\nx\r\nx\r\ndog\r\n".encode())  # as Notepad saves it
     s = _open(f"{d}/part-{{0..1}}.tar", tmp_path / "c", val_fraction=0.3)
     assert s.classes == ["cat", "dog"] and s.remap == (0, -1, -1, -1, -1, 1) and s.note == "classes named by classes.txt"
     split = {sh.keys[e]: sh.split[e] for sh in s.shards for e in range(len(sh.keys))}

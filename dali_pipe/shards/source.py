@@ -570,7 +570,7 @@ def _list_peer(data: str) -> tuple[list[_Listed], str | None]:
         path = str(p.resolve())
         listed.append(_Listed(p.name, path, f"file\0{path}\0{st.st_size}\0{st.st_mtime_ns}", st.st_size))
     classes = folder / CLASSES_NAME
-    return listed, classes.read_text(encoding="utf-8") if classes.is_file() else None
+    return listed, classes.read_text(encoding="utf-8-sig") if classes.is_file() else None  # -sig: a BOM is no name
 
 
 def _list_s3(data: str) -> tuple[list[_Listed], str | None]:
@@ -596,7 +596,7 @@ def _list_s3(data: str) -> tuple[list[_Listed], str | None]:
     classes = None
     if CLASSES_NAME in remote:
         try:
-            classes = client.get_object(Bucket=bucket, Key=base + CLASSES_NAME)["Body"].read().decode("utf-8")
+            classes = client.get_object(Bucket=bucket, Key=base + CLASSES_NAME)["Body"].read().decode("utf-8-sig")
         except (BotoCoreError, ClientError) as e:
             raise SyncError(explain(e, bucket, base + CLASSES_NAME)) from None
     return listed, classes

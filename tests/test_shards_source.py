@@ -209,3 +209,18 @@ def test_a_sample_with_no_member_we_read_is_listed_not_a_traceback(photo_root, t
     assert set(bad) == {"only", "img"} and "no .cls member" in bad["only"], bad
     assert "v2.cls" in bad["img"] and "first dot" in bad["img"], bad
     assert s.classes == ["0", "1"] and len(s.train) + len(s.val) == 4
+
+
+def test_a_dangling_shard_link_is_named_not_skipped(photo_root, tmp_path):
+    """A `.tar` in the shards folder that is a dangling symbolic link stops the run naming it, instead of the run
+    training silently without that shard."""
+    import webdataset as wds
+
+    d = tmp_path / "d"
+    d.mkdir()
+    with wds.TarWriter(str(d / "part-0.tar")) as w:
+        for i, photo in enumerate(sorted(photo_root.glob("*/*.jpg"))[:4]):
+            w.write({"__key__": f"k{i}", "jpg": photo.read_bytes(), "cls": i % 2})
+    (d / "part-1.tar").symlink_to(tmp_path / "elsewhere" / "part-1.tar")
+    with pytest.raises(ShardSourceError, match=r"part-1.tar is a dangling symbolic link"):
+        _open(d, tmp_path / "c")

@@ -563,6 +563,10 @@ def _list_peer(data: str) -> tuple[list[_Listed], str | None]:
         folder = paths[0].parent
     else:
         folder = Path(data)
+        dangling = sorted(p for p in folder.glob("*.tar") if p.is_symlink() and not p.exists())
+        if dangling:
+            raise ShardSourceError(f"{dangling[0]} is a dangling symbolic link (-> {os.readlink(dangling[0])}); "
+                                   f"{len(dangling)} shard link(s) in {folder} point nowhere: fix or remove them")
         paths = sorted(p for p in folder.glob("*.tar") if p.is_file())
     listed = []
     for p in paths:

@@ -108,7 +108,8 @@ def endpoint_credentials() -> dict:
 
 
 def endpoint() -> str:
-    return redact(os.environ.get("AWS_ENDPOINT_URL") or os.environ.get("AWS_ENDPOINT_URL_S3") or "the AWS S3 endpoint")
+    """The endpoint boto3 sends S3 requests to (AWS_ENDPOINT_URL_S3 before AWS_ENDPOINT_URL), redacted."""
+    return redact(os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or "the AWS S3 endpoint")
 
 
 def explain(err: Exception, bucket: str, key: str) -> str:

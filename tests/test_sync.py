@@ -263,6 +263,16 @@ def test_an_endpoint_that_never_answers_fails_fast_and_names_it(tmp_path, monkey
     assert f"http://[redacted]@127.0.0.1:{port} did not answer" in msg and "s3cr3tpass" not in msg
 
 
+def test_messages_name_the_endpoint_boto3_uses(monkeypatch):
+    """With AWS_ENDPOINT_URL and AWS_ENDPOINT_URL_S3 both set, messages name the S3 one, the one boto3 sends to."""
+    from dali_pipe.sync import endpoint, make_client
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:1")
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", "http://127.0.0.1:2")
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    assert endpoint() == make_client(1).meta.endpoint_url == "http://127.0.0.1:2"
+
+
 def test_the_default_timeouts_bound_a_silent_endpoint_to_about_a_minute():
     """One request (the manifest, the LIST) and the whole download phase each end within about a minute."""
     import dali_pipe.sync as mod

@@ -224,3 +224,19 @@ def test_a_dangling_shard_link_is_named_not_skipped(photo_root, tmp_path):
     (d / "part-1.tar").symlink_to(tmp_path / "elsewhere" / "part-1.tar")
     with pytest.raises(ShardSourceError, match=r"part-1.tar is a dangling symbolic link"):
         _open(d, tmp_path / "c")
+
+
+def test_classes_txt_naming_two_classes_alike_is_refused(photo_root, tmp_path):
+    """classes.txt giving two used classes one name (which would merge them by name in evaluate and the model's
+    label2id) is an error naming the name and both lines."""
+    import webdataset as wds
+
+    photo = next(photo_root.glob("*/*.jpg")).read_bytes()
+    d = tmp_path / "d"
+    d.mkdir()
+    with wds.TarWriter(str(d / "part-0.tar")) as w:
+        for i in range(6):
+            w.write({"__key__": f"k{i}", "jpg": photo, "cls": i % 3})
+    (d / "classes.txt").write_text("cat\ndog\ncat\n")
+    with pytest.raises(ShardSourceError, match=r"classes.txt names class 0 and class 2 alike \('cat', lines 1 and 3\)"):
+        _open(d, tmp_path / "c")

@@ -717,6 +717,12 @@ def _peer_classes(shards: list[Shard], classes_txt: str | None, data: str):
                 raise ShardSourceError(f"{s.name}: sample {s.keys[e]!r} has class {c}, but {CLASSES_NAME} names "
                                        f"{len(names)} classes (one per line, from 0); add the missing names")
         classes, note = [names[c] or str(c) for c in used], f"classes named by {CLASSES_NAME}"
+        first: dict[str, int] = {}
+        for c, name in zip(used, classes):  # one name for two classes would merge them wherever labels go by name
+            if name in first:
+                raise ShardSourceError(f"{CLASSES_NAME} names class {first[name]} and class {c} alike ({name!r}, lines "
+                                       f"{first[name] + 1} and {c + 1}); give each class its own name")
+            first[name] = c
     else:
         by_cls: dict[int, set] = {}
         for s, e, c in good:

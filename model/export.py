@@ -78,7 +78,7 @@ def problem(out: Path, *, run: str | None, global_step: int, select: str) -> str
         return f"holds the model selected by --select {record.get('select')}, not {select}"
     damaged = damaged_files(out)
     if damaged:
-        return "; ".join(damaged)
+        return "has files that differ from its record: " + "; ".join(damaged)
     from .loading import ModelLoadError, load_checked
 
     try:

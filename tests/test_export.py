@@ -201,4 +201,5 @@ def test_a_damaged_model_in_out_is_exported_again_and_refused_by_evaluate(traine
     assert train.main(_trained_argv(photo_root, out)) == {"exported_again": True, "global_step": 16}
     text = capsys.readouterr().out
     assert f"{weights} is damaged" in text and "exporting the model again" in text
+    assert f"{out} {weights}" not in text, "the folder named twice in a row"
     _assert_holds_checkpoint_model(out, 16)

@@ -240,3 +240,20 @@ def test_classes_txt_naming_two_classes_alike_is_refused(photo_root, tmp_path):
     (d / "classes.txt").write_text("cat\ndog\ncat\n")
     with pytest.raises(ShardSourceError, match=r"classes.txt names class 0 and class 2 alike \('cat', lines 1 and 3\)"):
         _open(d, tmp_path / "c")
+
+
+def test_a_brace_pattern_over_train_and_val_folders_splits_by_folder(photo_root, tmp_path):
+    """`shards/{train,val}/part-0.tar`: the shards in the folder named val are the validation set, as shards named
+    val are (the words that tell shards apart count, not the folder that holds them all)."""
+    import webdataset as wds
+
+    photo = next(photo_root.glob("*/*.jpg")).read_bytes()
+    root = tmp_path / "val" / "shards"  # a folder above all of them may say val too: it tells nothing apart
+    for split in ("train", "val"):
+        (root / split).mkdir(parents=True)
+        with wds.TarWriter(str(root / split / "part-0.tar")) as w:
+            for i in range(6):
+                w.write({"__key__": f"{split}{i}", "jpg": photo, "cls": i % 2})
+    s = _open(f"{root}/{{train,val}}/part-0.tar", tmp_path / "c")
+    assert len(s.train) == 6 and len(s.val) == 6
+    assert {sh.split[0] for sh in s.shards if sh.path.endswith("/val/part-0.tar")} == {"val"}

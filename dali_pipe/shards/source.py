@@ -30,6 +30,7 @@ import errno
 import hashlib
 import json
 import os
+import posixpath
 import re
 import sys
 from dataclasses import dataclass, field
@@ -747,11 +748,16 @@ def _unit_hash(key: str, seed: int) -> float:
 
 
 def _peer_split(shards: list[Shard], val_fraction: float, seed: int) -> None:
-    """Shards named val/validation are validation; without any, a hash of (seed, key) per sample."""
-    def words(s: Shard) -> set[str]:
-        return set(re.split(r"[^a-z0-9]+", s.name.rsplit("/", 1)[-1].lower().removesuffix(".tar")))
+    """Shards named val/validation are validation; without any, a hash of (seed, key) per sample. A shard's
+    name is its path below the folder that holds them all (`val/part-0` for `shards/{train,val}/part-0.tar`)."""
+    paths = [s.path.split("://", 1)[-1] for s in shards]
+    common = posixpath.commonpath(paths) if len(paths) > 1 else posixpath.dirname(paths[0])
+    common = posixpath.dirname(common) if common in paths else common  # one shard, or the same shard twice
 
-    named = [bool(words(s) & VAL_WORDS) for s in shards]
+    def words(path: str) -> set[str]:
+        return set(re.split(r"[^a-z0-9]+", path[len(common):].lower().removesuffix(".tar")))
+
+    named = [bool(words(p) & VAL_WORDS) for p in paths]
     for s, is_val in zip(shards, named):
         if any(named):
             s.split = ["val" if is_val else "train"] * len(s.keys)

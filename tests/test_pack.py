@@ -234,6 +234,32 @@ def test_an_s3_pack_killed_during_its_upload_finishes_on_rerun(photo_root, s3, t
         "packed.json", "bad_images.tsv"}
 
 
+def test_shards_of_others_in_several_s3_folders_repack_each_from_its_own(photo_root, s3, tmp_path, cache_dir):
+    """Packing `s3://.../{train,val}/part-0.tar` (two shards of one name in two folders) copies each from its own
+    folder: the val folder's samples make the val split, the train folder's the train split."""
+    import webdataset as wds
+
+    from dali_pipe.sync import make_client
+
+    photos = sorted(photo_root.glob("*/*.jpg"))
+    client = make_client(4)
+    client.create_bucket(Bucket="data")
+    source = {}
+    for n, split in enumerate(("train", "val")):
+        with wds.TarWriter(str(tmp_path / f"{split}.tar")) as w:
+            for i in range(4):
+                source[f"{split}{i}"] = photos[10 * n + i].read_bytes()
+                w.write({"__key__": f"{split}{i}", "jpg": source[f"{split}{i}"], "cls": i % 2})
+        client.upload_file(str(tmp_path / f"{split}.tar"), "data", f"shards/{split}/part-0.tar")
+    dst = tmp_path / "p"
+    _pack("s3://data/shards/{train,val}/part-0.tar", dst, "--workers", "1", "--max-side", "400")  # copied as they are
+    meta = json.loads((dst / "packed.json").read_text())
+    paths = {split: sorted(p for s in meta["splits"][split]["shards"] for p in s["image_paths"]) for split in meta["splits"]}
+    assert paths == {"train": [f"train{i}" for i in range(4)], "val": [f"val{i}" for i in range(4)]}
+    packed = {json.loads(m["json"])["image_path"]: m["jpg"] for m in _members(dst).values()}
+    assert packed == source
+
+
 def test_a_full_disk_during_pack_is_one_message_and_loses_nothing(photo_root, tmp_path, cache_dir):
     """Packing onto a disk that fills up stops with one message naming the folder; the finished shards stay and
     no temporary file is left; after room is made, the rerun ends with the same pack as one that never stopped."""

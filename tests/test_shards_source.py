@@ -257,3 +257,24 @@ def test_a_brace_pattern_over_train_and_val_folders_splits_by_folder(photo_root,
     s = _open(f"{root}/{{train,val}}/part-0.tar", tmp_path / "c")
     assert len(s.train) == 6 and len(s.val) == 6
     assert {sh.split[0] for sh in s.shards if sh.path.endswith("/val/part-0.tar")} == {"val"}
+
+
+def test_an_s3_brace_pattern_may_span_folders(photo_root, s3, tmp_path):
+    """`s3://bucket/shards/{train,val}/part-0.tar` finds the shards in both folders (each folder listed once) and
+    the val folder's shard is the validation set; a shard the pattern names and S3 lacks is named."""
+    import webdataset as wds
+
+    from dali_pipe.sync import make_client
+
+    photo = next(photo_root.glob("*/*.jpg")).read_bytes()
+    client = make_client(4)
+    client.create_bucket(Bucket="data")
+    for split in ("train", "val"):
+        with wds.TarWriter(str(tmp_path / f"{split}.tar")) as w:
+            for i in range(4):
+                w.write({"__key__": f"{split}{i}", "jpg": photo, "cls": i % 2})
+        client.upload_file(str(tmp_path / f"{split}.tar"), "data", f"shards/{split}/part-0.tar")
+    s = _open("s3://data/shards/{train,val}/part-0.tar", tmp_path / "c")
+    assert len(s.train) == 4 and len(s.val) == 4 and s.shards[1].path == "s3://data/shards/val/part-0.tar"
+    with pytest.raises(ShardSourceError, match=r"not in S3, e.g. s3://data/shards/test/part-0.tar"):
+        _open("s3://data/shards/{train,test}/part-0.tar", tmp_path / "c")

@@ -207,16 +207,17 @@ def _counts(meta: dict) -> str:
 
 
 def _local_tars(source, data) -> None:
-    """Shards of others on S3 are read from a copy in the cache dir (CACHE/s3/...), fetched with ranged GETs."""
+    """Shards of others on S3 are read from a copy in the cache dir (CACHE/s3/...), fetched with ranged GETs,
+    folder by folder (a brace pattern may span several)."""
+    from ..config import SyncSettings
     from ..sync import local_target, sync_objects
 
-    remote = [s for s in source.shards if s.path.startswith("s3://")]
-    if not remote:
-        return
-    prefix = remote[0].path.rsplit("/", 1)[0]
-    local = local_target(prefix, Path(data.cache_dir))
-    from ..config import SyncSettings
-
-    sync_objects(prefix, local, [s.path.rsplit("/", 1)[1] for s in remote], workers=SyncSettings.workers)
-    for s in remote:
-        s.path = str((local / s.path.rsplit("/", 1)[1]).resolve())
+    folders: dict[str, list] = {}
+    for s in source.shards:
+        if s.path.startswith("s3://"):
+            folders.setdefault(s.path.rsplit("/", 1)[0], []).append(s)
+    for prefix, remote in folders.items():
+        local = local_target(prefix, Path(data.cache_dir))
+        sync_objects(prefix, local, [s.path.rsplit("/", 1)[1] for s in remote], workers=SyncSettings.workers)
+        for s in remote:
+            s.path = str((local / s.path.rsplit("/", 1)[1]).resolve())

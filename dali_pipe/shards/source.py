@@ -583,21 +583,32 @@ def _list_s3(data: str) -> tuple[list[_Listed], str | None]:
 
     from ..sync import SyncError, explain, make_client, parse_s3_uri
 
-    pattern = data if is_brace_pattern(data) else None
-    bucket, prefix = parse_s3_uri(data.rsplit("/", 1)[0] if pattern else data)
-    base = f"{prefix}/" if prefix else ""
     client = make_client(4)
-    remote = _list_top(client, bucket, base)
-    if pattern:
-        names = [u.rsplit("/", 1)[1] for u in expand_braces(pattern)]
-        missing = [n for n in names if n not in remote]
+    if is_brace_pattern(data):  # its shards may lie in several folders (`{train,val}/part-0.tar`): each listed once
+        urls = expand_braces(data)
+        folders: dict[str, dict] = {}
+        for u in urls:
+            folder = u.rsplit("/", 1)[0]
+            if folder not in folders:
+                b, p = parse_s3_uri(folder)
+                folders[folder] = _list_top(client, b, f"{p}/" if p else "")
+        missing = [u for u in urls if u.rsplit("/", 1)[1] not in folders[u.rsplit("/", 1)[0]]]
         if missing:
-            raise ShardSourceError(f"--data {data!r}: {len(missing)} of its {len(names)} shard(s) are not in "
-                                   f"s3://{bucket}/{base}, e.g. {missing[0]}; fix the pattern or upload them")
+            raise ShardSourceError(f"--data {data!r}: {len(missing)} of its {len(urls)} shard(s) are not in S3, e.g. "
+                                   f"{missing[0]}; fix the pattern or upload them")
+        bucket, prefix = parse_s3_uri(urls[0].rsplit("/", 1)[0])
+        base = f"{prefix}/" if prefix else ""
+        remote = folders[urls[0].rsplit("/", 1)[0]]
+        found = [(u, folders[u.rsplit("/", 1)[0]][u.rsplit("/", 1)[1]]) for u in urls]
     else:
-        names = sorted(n for n in remote if n.endswith(".tar"))
-    listed = [_Listed(f"s3://{bucket}/{base}{n}", f"s3://{bucket}/{base}{n}",
-                      f"s3\0{bucket}\0{base}{n}\0{remote[n][0]}\0{remote[n][1]}", remote[n][0]) for n in names]
+        bucket, prefix = parse_s3_uri(data)
+        base = f"{prefix}/" if prefix else ""
+        remote = _list_top(client, bucket, base)
+        found = [(f"s3://{bucket}/{base}{n}", remote[n]) for n in sorted(n for n in remote if n.endswith(".tar"))]
+    listed = []
+    for url, (size, etag) in found:
+        b, key = parse_s3_uri(url)
+        listed.append(_Listed(url, url, f"s3\0{b}\0{key}\0{size}\0{etag}", size))
     classes = None
     if CLASSES_NAME in remote:
         try:

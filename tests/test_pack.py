@@ -203,8 +203,9 @@ def test_shards_of_others_repack_with_pre_resize_and_scan(peer_dir, tmp_path, ca
 def test_an_s3_pack_killed_during_its_upload_finishes_on_rerun(photo_root, s3, tmp_path, cache_dir, capsys):
     """An s3:// pack whose upload stopped half way (its finished pack still in the staging folder) is uploaded
     on a rerun; a rerun after that has nothing to do, unless a shard in S3 was replaced (same size, other bytes):
-    then it is uploaded again; other settings replace the pack in S3, its stale objects removed. The bucket never
-    holds a lock, temporary or progress file."""
+    then it is uploaded again; other settings replace the pack in S3, its stale objects removed, also when that
+    upload was stopped after the old packed.json was gone. The bucket never holds a lock, temporary or progress
+    file."""
     from dali_pipe.sync import list_objects, make_client
 
     client = make_client(4)
@@ -227,6 +228,21 @@ def test_an_s3_pack_killed_during_its_upload_finishes_on_rerun(photo_root, s3, t
     _pack(photo_root, "s3://data/packed", "--workers", "1")
     assert "nothing to do" not in capsys.readouterr().err
     assert client.get_object(Bucket="data", Key=f"packed/{first['name']}")["Body"].read() == good
+    import dali_pipe.sync as sync_mod
+
+    real = sync_mod.make_client
+
+    def dying(*a, **k):  # the replacing upload stops (a kill) once the old packed.json is gone
+        c = real(*a, **k)
+        c.upload_file = lambda *a, **k: (_ for _ in ()).throw(SystemExit("killed"))
+        return c
+
+    sync_mod.make_client = dying
+    try:
+        with pytest.raises(SystemExit):
+            _pack(photo_root, "s3://data/packed", "--workers", "1", "--shard-size", "150kB")
+    finally:
+        sync_mod.make_client = real
     _pack(photo_root, "s3://data/packed", "--workers", "1", "--shard-size", "150kB")
     meta = json.loads(client.get_object(Bucket="data", Key="packed/packed.json")["Body"].read())
     names = {n for sp in meta["splits"].values() for s in sp["shards"] for n in (s["name"], s["index"])}

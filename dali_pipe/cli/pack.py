@@ -19,6 +19,9 @@ from pathlib import Path
 from ..config import Settings, cores, resolve
 
 
+REPLACED = ".replaced-packed.json"  # in the staging folder: the packed.json of the pack being replaced in S3
+
+
 def upload(local: Path, uri: str, *, workers: int, previous: dict | None = None) -> int:
     """Upload the finished pack: each file with parallel multipart PUTs (s3transfer), skipping those
     already there with the same size and sha256; packed.json last, so readers never see half a pack.
@@ -27,7 +30,7 @@ def upload(local: Path, uri: str, *, workers: int, previous: dict | None = None)
     from botocore.exceptions import BotoCoreError, ClientError
 
     from ..shards.format import PACKED_NAME
-    from ..sync import SyncError, explain, list_objects, make_client, parse_s3_uri
+    from ..sync import SyncError, atomic_write, explain, list_objects, make_client, parse_s3_uri
 
     bucket, prefix = parse_s3_uri(uri)
     base = f"{prefix}/" if prefix else ""
@@ -36,6 +39,7 @@ def upload(local: Path, uri: str, *, workers: int, previous: dict | None = None)
     shards = [s for split in meta["splits"].values() for s in split["shards"]]
     try:
         if previous is not None:  # no reader may trust the old packed.json while its shards are replaced
+            atomic_write(local / REPLACED, json.dumps(previous).encode())  # a rerun after a kill still knows it
             client.delete_object(Bucket=bucket, Key=base + PACKED_NAME)
     except (BotoCoreError, ClientError) as e:
         raise SyncError(f"replacing the pack at {uri}: {explain(e, bucket, base + PACKED_NAME)}") from None
@@ -67,6 +71,7 @@ def upload(local: Path, uri: str, *, workers: int, previous: dict | None = None)
                 client.delete_object(Bucket=bucket, Key=base + name)
             except (BotoCoreError, ClientError) as e:
                 raise SyncError(f"removing {name} of the replaced pack: {explain(e, bucket, base + name)}") from None
+        (local / REPLACED).unlink(missing_ok=True)
     return sent
 
 
@@ -108,6 +113,14 @@ def remote_complete(uri: str, meta: dict) -> bool:
 
     with ThreadPoolExecutor(16) as pool:
         return all(pool.map(recorded, shards))
+
+
+def _replaced(staging: Path) -> dict | None:
+    """The packed.json of a pack whose replacement in S3 was stopped (see upload), or None."""
+    try:
+        return json.loads((staging / REPLACED).read_text())
+    except (OSError, ValueError):
+        return None
 
 
 def _clear(staging: Path) -> None:
@@ -169,6 +182,7 @@ def _run(s: Settings, staging: Path) -> dict:
             settings = pack_settings(digest=digest, **{k: opts[k] for k in ("max_side", "quality", "shard_size",
                                                                            "seed")})
             previous = remote_pack(dst)
+            replaced = _replaced(staging)  # a replacing upload stopped after removing its packed.json from S3
             try:
                 staged = finished(staging, settings, data.cache_dir)
             except PackError:  # our staging holds another pack: it is ours to replace
@@ -188,7 +202,8 @@ def _run(s: Settings, staging: Path) -> dict:
             from ..config import SyncSettings
 
             upload(staging, dst, workers=SyncSettings.workers,
-                   previous=previous if previous is not None and not same_pack(previous, settings) else None)
+                   previous=next((p for p in (previous, replaced) if p is not None and not same_pack(p, settings)),
+                                 None))
             _clear(staging)  # the pack lives in S3 now; a rerun finds it there
     finally:
         unlock(staging)

@@ -278,3 +278,28 @@ def test_an_s3_brace_pattern_may_span_folders(photo_root, s3, tmp_path):
     assert len(s.train) == 4 and len(s.val) == 4 and s.shards[1].path == "s3://data/shards/val/part-0.tar"
     with pytest.raises(ShardSourceError, match=r"not in S3, e.g. s3://data/shards/test/part-0.tar"):
         _open("s3://data/shards/{train,test}/part-0.tar", tmp_path / "c")
+
+
+def test_temporary_files_of_a_killed_indexer_are_removed(photo_root, tmp_path):
+    """An index or verdict file half written by a run killed with -9 (its hidden temporary, named with the dead
+    PID) is removed from the cache dir by the next run that indexes shards; a live writer's is kept."""
+    import os
+    import subprocess
+    import sys
+
+    import webdataset as wds
+
+    d = tmp_path / "d"
+    d.mkdir()
+    with wds.TarWriter(str(d / "part-0.tar")) as w:
+        for i, photo in enumerate(sorted(photo_root.glob("*/*.jpg"))[:4]):
+            w.write({"__key__": f"k{i}", "jpg": photo.read_bytes(), "cls": i % 2})
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    shards = tmp_path / "c" / "shards"
+    shards.mkdir(parents=True)
+    left = shards / f".0123abcd.idx.tmp-{int(dead.stdout)}"
+    left.write_text("v1.2 9\n")
+    live = shards / f".4567ef.json.tmp-{os.getppid()}"
+    live.write_text("{")
+    _open(d, tmp_path / "c")
+    assert not left.exists() and live.exists()

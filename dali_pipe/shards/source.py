@@ -344,7 +344,10 @@ def _pack_shard(root: Path, s: dict, split: str, packed: Path, prefix: str | Non
 
 def _check_pack_members(shards: list[Shard], classes: list[str], data, *, num_threads: int, progress: bool) -> None:
     """Each local shard's .cls (an error when outside the classes) and, with --scan, its images."""
+    from ..workdir import remove_dead_temps
+
     level = data.scan
+    remove_dead_temps(Path(data.cache_dir) / "shards", ".*.tmp-*")  # what a writer killed with -9 left half written
     bar = _bar(len(shards), "check pack", progress)
     for s in shards:
         if s.path.startswith("s3://"):
@@ -677,6 +680,9 @@ def _open_peer(data, *, num_threads: int, progress: bool) -> ShardSet:
         raise ShardSourceError(f"--data {data.data!r} holds no .tar shards, no dataset.tsv and no packed.json; pass a "
                                "dataset folder, a pack, or a folder / brace pattern / s3:// prefix of WebDataset shards")
     cache_dir = Path(data.cache_dir)
+    from ..workdir import remove_dead_temps
+
+    remove_dead_temps(cache_dir / "shards", ".*.tmp-*")  # what a writer killed with -9 left half written
     bar = _bar(len(listed), "index shards", progress)
     metas = []
     if listed[0].path.startswith("s3://") and len(listed) > 1:

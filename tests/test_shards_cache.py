@@ -190,8 +190,17 @@ class _Info:
         self.epoch_idx, self.iteration = epoch, iteration
 
 
-def _du(folder: Path) -> int:
-    return sum(f.stat().st_size for f in folder.iterdir() if f.is_file() and f.suffix == ".tar")
+def _du(folder: Path, suffix: str | None = ".tar") -> int:
+    """Bytes of the shards (suffix None: of all files) in a cache folder now; a file evicted between the
+    listing and its stat counts 0."""
+    total = 0
+    for f in folder.iterdir():
+        if suffix is None or f.suffix == suffix:
+            try:
+                total += f.stat().st_size
+            except FileNotFoundError:  # the fetcher thread evicted it meanwhile
+                pass
+    return total
 
 
 def _minimum(reader, shards) -> int:
@@ -347,7 +356,7 @@ def test_training_streams_a_pack_three_times_its_cache_through_faults(big_pack, 
     def sample():
         while not done.wait(0.02):
             if stream.is_dir():
-                peak[0] = max(peak[0], sum(f.stat().st_size for f in stream.iterdir() if f.is_file()))
+                peak[0] = max(peak[0], _du(stream, None))  # partial downloads too
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()

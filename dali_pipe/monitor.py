@@ -201,7 +201,8 @@ def diagnose(name: str, m: dict, *, cores: int, model: bool = True) -> list[str]
         out.append(f"{name}: input-bound, {wait:.0%} of each step waits for data while the CPU is {cpu:.0f}% "
                    f"busy{gpu_part}; {why}.")
     elif gpu is None:
-        out.append(f"{name}: compute-bound (CPU), the model step dominates and data-wait is {wait:.1%}.")
+        out.append(f"{name}: compute-bound (CPU), the training steps wait on the model, not on the data (data-wait "
+                   f"is {wait:.1%} of their time).")
     elif gpu >= GPU_BUSY:
         out.append(f"{name}: compute-bound, the GPU is {gpu:.0f}% busy and data-wait is {wait:.1%}.")
     else:

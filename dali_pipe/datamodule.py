@@ -133,7 +133,7 @@ def prepare(data: DataSettings, output: Path, *, num_threads: int,
     if data.data.startswith("s3://"):
         from .sync import sync
 
-        sync(data.data, local_root(data), workers=SyncSettings.workers, skip_missing=data.skip_missing)
+        sync(data.data, local_root(data), workers=SyncSettings.workers, skip_missing=data.skip_missing, rows=True)
     manifest = read(data)
     result = scan_manifest(manifest, data, num_threads=num_threads, progress=True)
     report(manifest, result, data, output, empty=report_empty)

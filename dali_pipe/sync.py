@@ -250,9 +250,13 @@ def holding(dest: Path):
         unlock(dest)
 
 
-def fetch_manifest(client, bucket: str, base: str, dest: Path) -> tuple[Path, dict[str, int]]:
-    """Download dataset.tsv to a staging name (with our PID) and check every row: {rel path: line}."""
+def fetch_manifest(client, bucket: str, base: str, dest: Path, rows: bool = False) -> tuple[Path, dict[str, int]]:
+    """Download dataset.tsv to a staging name (with our PID) and check every row: {rel path: line}. With
+    `rows`, also as training reads them (columns, labels, split, conflicting duplicates), so a manifest that
+    training would refuse stops here, named by its S3 URI, before any file is fetched."""
     from botocore.exceptions import BotoCoreError, ClientError
+
+    from .manifest import check_columns, parse_rows
 
     key = base + MANIFEST_NAME
     try:
@@ -275,9 +279,13 @@ def fetch_manifest(client, bucket: str, base: str, dest: Path) -> tuple[Path, di
         if refused:
             raise SyncError(f"s3://{bucket}/{key}: refused {len(refused)} row(s) that would land outside {dest}; "
                             "nothing was downloaded:\n  " + "\n  ".join(refused[:10]))
+        if rows:
+            check_columns(df, f"s3://{bucket}/{key}")
+            parse_rows(df, dest, f"s3://{bucket}/{key}")
     except ManifestError as e:
         staged.unlink(missing_ok=True)
-        raise SyncError(f"s3://{bucket}/{key}: {str(e).split(': ', 1)[-1]}") from None
+        raise SyncError(str(e).replace(str(staged), f"s3://{bucket}/{key}")
+                        + "\nNothing was downloaded: fix the manifest in S3, then rerun.") from None
     except BaseException:
         staged.unlink(missing_ok=True)
         raise
@@ -418,11 +426,12 @@ def check_room(dest: Path, todo: list[tuple[str, int, str]]) -> None:
 
 
 def sync(uri: str, dest: Path | str, *, workers: int, skip_missing: bool = False, progress: bool = True,
-         client=None) -> SyncStats:
+         client=None, rows: bool = False) -> SyncStats:
     """Download s3://bucket/prefix/dataset.tsv and the files it lists into `dest`.
 
     Files listed but absent in S3 stop the sync (nothing is trained on a partial set) unless
-    `skip_missing`, which reports them and lets training skip them (--skip-missing)."""
+    `skip_missing`, which reports them and lets training skip them (--skip-missing). `rows`: the
+    manifest is for training, so its rows are checked as training reads them before any download."""
     start = time.perf_counter()
     bucket, prefix = parse_s3_uri(uri)
     dest = Path(dest)
@@ -432,7 +441,7 @@ def sync(uri: str, dest: Path | str, *, workers: int, skip_missing: bool = False
         if progress:
             print(f"sync: reading s3://{bucket}/{base}{MANIFEST_NAME} from {endpoint()}", file=sys.stderr, flush=True)
         try:
-            staged, wanted = fetch_manifest(client, bucket, base, dest)
+            staged, wanted = fetch_manifest(client, bucket, base, dest, rows)
         except OSError as e:
             if is_disk_full(e):
                 raise disk_full(dest, SyncStats(), []) from None

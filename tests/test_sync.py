@@ -344,3 +344,22 @@ def test_a_full_disk_gives_one_clear_error_and_keeps_what_was_fetched(s3, photo_
         assert not (dest / "dataset.tsv").exists()
         state = dest / ".sync-state.json"
         assert not state.exists() or isinstance(json.loads(state.read_text()), dict)
+
+
+def test_training_data_with_a_bad_row_fails_naming_the_s3_manifest_before_any_download(s3, photo_root, tmp_path):
+    """--data s3://...: a row training would refuse (an empty label beside labelled rows) stops the sync
+    before any GET, naming the manifest in S3 (the copy in the cache dir is overwritten by every sync)."""
+    from dali_pipe.config import DataSettings
+    from dali_pipe.datamodule import prepare
+
+    client = _upload(photo_root)
+    rows = "".join(f"{line}\t{line.split('/')[0]}\n" for line in
+                   (photo_root / "dataset.tsv").read_text().splitlines()[1:])
+    text = "image_path\tlabel\n" + rows + "coffee/coffee_0001.jpg\t\n"
+    client.put_object(Bucket="data", Key="ds/dataset.tsv", Body=text.replace("coffee/coffee_0001.jpg\tcoffee\n", "", 1).encode())
+    data = DataSettings(data="s3://data/ds", cache_dir=str(tmp_path / "cache"))
+    with pytest.raises(SyncError, match=r"s3://data/ds/dataset.tsv: 1 bad row\(s\):\n  line 49: 'coffee/coffee_0001"
+                                        r".jpg' has an empty label.*\nNothing was downloaded: fix the manifest in S3"):
+        prepare(data, tmp_path / "out", num_threads=1)
+    assert not list((tmp_path / "cache").rglob("*.jpg"))
+    assert sync("s3://data/ds", tmp_path / "plain", workers=4, progress=False).downloaded == 48  # plain sync: labels unchecked

@@ -165,8 +165,10 @@ def unlock(directory: Path | str) -> None:
         os.close(fd)  # closing the descriptor releases the flock
 
 
-def check_writable(directory: Path | str, flag: str, needed_bytes: int = 0) -> None:
-    """DIR is (or can be made) a writable directory with `needed_bytes` free; else one clear error."""
+def check_writable(directory: Path | str, flag: str, needed_bytes: int = 0,
+                   what: str = "two checkpoints and the model") -> None:
+    """DIR is (or can be made) a writable directory with `needed_bytes` (`what` the run writes) free; else
+    one clear error."""
     directory = Path(directory)
     if directory.exists() and not directory.is_dir():
         raise OutputError(f"{flag} {directory} is a file, not a directory; pass a directory (it is created if "
@@ -189,7 +191,7 @@ def check_writable(directory: Path | str, flag: str, needed_bytes: int = 0) -> N
     free = shutil.disk_usage(directory).free
     if needed_bytes and free < needed_bytes:
         raise OutputError(f"{flag} {directory} has {human_bytes(free)} free but the run writes about "
-                          f"{human_bytes(needed_bytes)} there (two checkpoints and the model); free space or "
+                          f"{human_bytes(needed_bytes)} there ({what}); free space or "
                           "pass another directory.")
 
 

@@ -348,3 +348,18 @@ print(cb._group._get_backend(torch.device("cpu")).options._timeout.total_seconds
                        env={**os.environ, "CKDIR": str(tmp_path)}, cwd=Path(__file__).parent.parent)
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.split()[-1] == "42.0", r.stdout
+
+
+def test_an_output_on_another_disk_without_room_for_the_model_stops_before_training(photo_root, tmp_path, cache_dir):
+    """--output on a disk of its own (--checkpoint-dir elsewhere) too small for the model: one error before
+    training, naming --output and both sizes (before, the run trained to its end, then failed to export)."""
+    from dali_pipe.workdir import OutputError
+    from helpers import small_disk
+
+    with small_disk(tmp_path / "disk", "256k") as disk:
+        with pytest.raises(OutputError, match=r"--output .*disk/out has \d+\.\d KiB free but the run writes about "
+                                              r"\d+\.\d MiB there \(the model\)"):
+            train.main(["--data", str(photo_root), "--model", "tiny", "--device", "cpu", "--num-threads", "1",
+                        "--epochs", "1", "--output", str(disk / "out"), "--checkpoint-dir", str(tmp_path / "ck"),
+                        "--cache-dir", str(cache_dir)])
+        assert not (tmp_path / "ck" / "last.ckpt").exists()

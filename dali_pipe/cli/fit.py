@@ -95,6 +95,16 @@ def make_trainer(s: Settings, callbacks: list, *, logger=True, **overrides):
     return pl.Trainer(**kw)
 
 
+def model_bytes(params: int) -> int:
+    """The exported model (fp32 weights, written beside the model it replaces until the swap), plus 10%."""
+    return int(4 * params * 1.1)
+
+
+def same_disk(a: Path, b: Path) -> bool:
+    """Both folders (which exist by now) are on one file system, so one room check covers both."""
+    return os.stat(a).st_dev == os.stat(b).st_dev
+
+
 LOG_EVERY = 50  # optimizer steps between loss points in TensorBoard (each one reads the loss: a GPU sync)
 
 
@@ -180,6 +190,8 @@ def preflight(s: Settings, out: Path, ckpt_dir: Path, main: bool) -> Prepared:
     params = parameter_count(s.model.model, manifest.classes)
     if main:
         check_writable(ckpt_dir, "--checkpoint-dir", bytes_needed(params))
+        if is_first_node() and not same_disk(out, ckpt_dir):  # else the check above counted the model too
+            check_writable(out, "--output", model_bytes(params), "the model")
     fingerprint = {**dm.fingerprint(world_size(s)), "model": redact(s.model.model)}
     targets = {"epochs": s.model.epochs, "max_steps": s.model.max_steps}
     plan = plan_resume(s.run.resume, ckpt_dir, fingerprint, targets, may_modify=main)

@@ -425,6 +425,12 @@ def check_room(dest: Path, todo: list[tuple[str, int, str]]) -> None:
                         "Nothing was downloaded.")
 
 
+def folder_rows(missing: list[str], remote: dict) -> list[str]:
+    """The rows absent from S3 that name a folder there (keys under `row/`), as a file system would see them."""
+    folders = {k.rsplit("/", i)[0] for k in remote for i in range(1, k.count("/") + 1)}
+    return [rel for rel in missing if rel in folders]
+
+
 def sync(uri: str, dest: Path | str, *, workers: int, skip_missing: bool = False, progress: bool = True,
          client=None, rows: bool = False) -> SyncStats:
     """Download s3://bucket/prefix/dataset.tsv and the files it lists into `dest`.
@@ -458,6 +464,12 @@ def sync(uri: str, dest: Path | str, *, workers: int, skip_missing: bool = False
                     stats.skipped += 1
                 else:
                     todo.append((rel, *remote[rel]))
+            folders = folder_rows(missing, remote) if rows or not skip_missing else []  # predict lists them
+            if folders:
+                raise SyncError(f"s3://{bucket}/{base}{MANIFEST_NAME}: " + "; ".join(
+                    f"line {wanted[rel]}: {rel!r} is a folder in s3://{bucket}/{base}, not a file" for rel in folders[:5])
+                    + (f" ... and {len(folders) - 5} more" if len(folders) > 5 else "")
+                    + "; list the image files, one per row. Nothing was downloaded.")
             stats.missing = len(missing)
             if missing and not skip_missing:
                 raise SyncError(f"{len(missing)} file(s) listed in {MANIFEST_NAME} are not in s3://{bucket}/{base}, "

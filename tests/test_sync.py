@@ -363,3 +363,14 @@ def test_training_data_with_a_bad_row_fails_naming_the_s3_manifest_before_any_do
         prepare(data, tmp_path / "out", num_threads=1)
     assert not list((tmp_path / "cache").rglob("*.jpg"))
     assert sync("s3://data/ds", tmp_path / "plain", workers=4, progress=False).downloaded == 48  # plain sync: labels unchecked
+
+
+def test_a_row_naming_a_folder_in_s3_is_named_as_a_folder(s3, photo_root, tmp_path):
+    """A row naming a folder of the prefix (as `aws s3 sync` lays them out) is an error saying so, with its
+    line, before any download (before: 'not in s3://...'); predict's sync (--skip-missing) still fetches the rest."""
+    _upload(photo_root, extra_rows="coffee\n")
+    with pytest.raises(SyncError, match=r"line 50: 'coffee' is a folder in s3://data/ds/, not a file; list the "
+                                        r"image files, one per row. Nothing was downloaded"):
+        sync("s3://data/ds", tmp_path / "L", workers=4, progress=False)
+    assert not list((tmp_path / "L").rglob("*.jpg"))
+    assert sync("s3://data/ds", tmp_path / "P", workers=4, progress=False, skip_missing=True).downloaded == 48

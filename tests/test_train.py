@@ -193,3 +193,18 @@ def test_start_up_summary_says_what_small_data_drops(photo_root, cache_dir):
     assert "--batch-size 24 would drop 0" in text
     s.data.batch_size = 16
     assert "note:" not in fit.summary(s, read(s.data), None, 250_000)
+
+
+def test_our_warnings_print_as_one_plain_line(tmp_path):
+    """A warning of ours (the manifest's dropped duplicate rows) prints as one 'warning:' line, not Python's
+    file:line, category and source line."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    for name in ("a/1.jpg", "a/2.jpg", "b/1.jpg", "b/2.jpg"):
+        (tmp_path / name).write_bytes(b"x")
+    (tmp_path / "dataset.tsv").write_text("image_path\na/1.jpg\na/1.jpg\na/2.jpg\nb/1.jpg\nb/2.jpg\n")
+    code = ("import sys; from dali_pipe.cli import cli; from dali_pipe.manifest import read_manifest; "
+            f"sys.exit(cli(lambda: read_manifest({str(tmp_path)!r}, val_fraction=0.1, seed=0, skip_missing=False)))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stderr == f"warning: {tmp_path / 'dataset.tsv'}: dropped 1 duplicate row(s) (same image_path, label and split).\n"

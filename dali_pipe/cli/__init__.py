@@ -11,6 +11,8 @@ only the settings are loaded until a command runs, so `--help` and a bad flag an
 from __future__ import annotations
 
 import sys
+import warnings
+from pathlib import Path
 
 from ..config import TRAIN_GROUPS, Settings, UsageError, build_parser, parse, resolve, settings_from, validate
 from ..errors import UserError
@@ -87,6 +89,18 @@ def _terminate(signum, frame):
     raise Terminated()
 
 
+_OURS = (str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parents[2] / "model"))
+_python_format = warnings.formatwarning
+
+
+def plain_warning(message, category, filename, lineno, line=None) -> str:
+    """Our own warnings (a UserWarning raised in dali_pipe or model) as one 'warning:' line, the way errors
+    print; others as Python prints them (their file and line help whoever reports them)."""
+    if issubclass(category, UserWarning) and str(Path(filename).resolve()).startswith(_OURS):
+        return f"warning: {message}\n"
+    return _python_format(message, category, filename, lineno, line)
+
+
 def cli(entry=main) -> int:
     """Entry point: secrets never printed, SIGTERM handled from the first line, and user errors (and a
     full disk) as one clear message with exit status 2 instead of a traceback."""
@@ -96,6 +110,7 @@ def cli(entry=main) -> int:
 
     if not isinstance(sys.stdout, RedactingStream):
         sys.stdout, sys.stderr = RedactingStream(sys.stdout), RedactingStream(sys.stderr)
+    warnings.formatwarning = plain_warning
     signal.signal(signal.SIGTERM, _terminate)  # training replaces it with its own (save, then exit 0)
     try:
         entry()

@@ -153,15 +153,18 @@ def read_meta(checkpoint: Path) -> dict | None:
     return load(checkpoint).get("dali_pipe")
 
 
-def differences(saved: dict, current: dict) -> list[str]:
-    names = {"samples": "the data (files, labels or split)", "classes": "the classes", "model": "--model",
-             "image_size": "the model's input size", "batch_size": "--batch-size", "world_size": "the number of "
-             "processes (--devices x --num-nodes)", "seed": "--seed"}
+FINGERPRINT = {"samples": "the data (files, labels or split)", "classes": "the classes", "model": "--model",
+               "image_size": "the model's input size", "batch_size": "--batch-size", "world_size": "the number of "
+               "processes (--devices x --num-nodes)", "seed": "--seed"}  # what each field of a fingerprint is
+
+
+def differences(saved: dict, current: dict, sides: tuple[str, str] = ("in the checkpoint", "now")) -> list[str]:
+    """One line per fingerprint field that differs: 'LABEL: A SIDE0, B SIDE1'."""
     out = []
-    for key, label in names.items():
+    for key, label in FINGERPRINT.items():
         if saved.get(key) != current.get(key):
             a, b = (_show(key, v) for v in (saved.get(key), current.get(key)))
-            out.append(f"{label}: {a} in the checkpoint, {b} now")
+            out.append(f"{label}: {a} {sides[0]}, {b} {sides[1]}")
     return out
 
 

@@ -106,3 +106,24 @@ def test_a_host_whose_heartbeat_stopped_is_named(monkeypatch):
     first, second = _pair()
     first._beat()  # the second host never beats: it is gone
     assert first.silent_hosts() == ["algo-2"]
+
+
+def test_hosts_whose_data_differs_stop_before_training():
+    """Both hosts would start fresh but read different data (another manifest): both stop, naming the difference."""
+    first, second = _pair()
+    mine = {"samples": "aaaa", "classes": ["cat", "dog"], "batch_size": 8, "world_size": 2, "seed": 0}
+    errors = []
+
+    def arrive():
+        try:
+            second.arrive("a fresh start", {**mine, "samples": "bbbb"})
+        except HostsError as e:
+            errors.append(e)
+
+    t = threading.Thread(target=arrive)
+    t.start()
+    with pytest.raises(HostsError, match=r"host algo-2 differs from host algo-1.*the data \(files, labels or "
+                                         r"split\): 'bbbb' on algo-2, 'aaaa' on algo-1"):
+        first.arrive("a fresh start", mine)
+    t.join(10)
+    assert errors and "the data" in str(errors[0])

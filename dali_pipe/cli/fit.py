@@ -214,7 +214,7 @@ def _fit(s: Settings, out: Path, ckpt_dir: Path, main: bool, meeting=None,
     if meeting is not None:  # every host synced and scanned: meet (bounded), then Lightning's rendezvous is quick
         from .hosts import plan_text
 
-        meeting.arrive(plan_text(p.plan))
+        meeting.arrive(plan_text(p.plan), p.fingerprint)
     if p.plan.done_step is not None:
         return finished(s, p, out, ckpt_dir)
     if main:

@@ -119,14 +119,16 @@ class Meeting:
     def _keys(self, prefix: str) -> list[str]:
         return [f"{prefix}/{r}" for r in range(len(self.names))]
 
-    def arrive(self, plan: str = "") -> None:
-        """Wait until every host has arrived; raise HostsError naming a failed, missing or disagreeing host."""
+    def arrive(self, plan: str = "", fingerprint: dict | None = None) -> None:
+        """Wait until every host has arrived; raise HostsError naming a failed, missing or disagreeing host
+        (another resume point, or another run fingerprint: data, classes, batch size, ...)."""
         with _sigterm_means("waiting for the other hosts"):
-            self._arrive(plan)
+            self._arrive(plan, fingerprint or {})
 
-    def _arrive(self, plan: str) -> None:
+    def _arrive(self, plan: str, fingerprint: dict) -> None:
         self._stop_watching()  # from here on this loop, and then the collectives, notice a failed host
-        self.store.set(f"arrived/{self.rank}", json.dumps({"host": self.me, "plan": plan}))
+        self.store.set(f"arrived/{self.rank}", json.dumps({"host": self.me, "plan": plan,
+                                                           "fingerprint": fingerprint}))
         deadline = time.monotonic() + self.timeout
         said = False
         while True:
@@ -151,8 +153,24 @@ class Meeting:
                              "; ".join(f"{a['host']}: {a['plan']}" for a in arrived) +
                              ". Give every host the same checkpoints (SageMaker's checkpoint_s3_uri does), or "
                              "start over with --resume never")
+        self._compare(arrived)
         print(f"hosts: all {len(self.names)} arrived ({', '.join(self.names)})", flush=True)
         self._beat()
+
+    def _compare(self, arrived: list[dict]) -> None:
+        """Every host must train on the same run: each rank takes its share of its own host's list of
+        samples, so hosts with other data (another manifest, a sync that differs, another scan verdict) would
+        train some samples twice and others never, or hang on unequal batch counts."""
+        from model.checkpoint import differences
+
+        first = arrived[0]
+        for other in arrived[1:]:
+            diff = differences(other.get("fingerprint", {}), first.get("fingerprint", {}),
+                               (f"on {other['host']}", f"on {first['host']}"))
+            if diff:
+                raise HostsError(f"host {other['host']} differs from host {first['host']}: " + "; ".join(diff) +
+                                 ". Every host must read the same data with the same settings: give each the same "
+                                 "channel (S3 prefix or manifest) and hyperparameters")
 
     def _beat(self) -> None:
         """A daemon thread counts this host's heartbeats in the store while it trains."""

@@ -12,7 +12,10 @@ same step, and the command exits 0 so the job can be rerun. A SIGTERM during val
 validation finish (Lightning would stop mid-validation and, on resume, skip the rest of it), so
 every epoch's validation runs whole; the save follows the next training step. No checkpoint is taken
 at an epoch's last batch (periodic or for a SIGTERM): Lightning would resume it as a finished epoch,
-skipping its validation; the save follows the next training step instead.
+skipping its validation; the save follows the next training step instead. When --max-steps ends
+training inside an epoch, the final checkpoint is taken after that step, inside the epoch (at the
+end of training Lightning has already counted the epoch as done), so a rerun with a larger
+--max-steps or for whole epochs finishes that epoch first.
 
 Resuming (`--resume auto|never|PATH`): `plan_resume` compares the fingerprint of this run (data,
 classes, model, image size, batch size, world size, seed) with the checkpoint's, and either
@@ -224,6 +227,7 @@ class SpotSafeCheckpoint(pl.Callback):
         self.final_error: CheckpointSaveError | None = None  # the end-of-training save failed (reported after export)
         self._stop_requested = self._installed = False
         self._due = False  # a periodic save is due (deferred from an epoch's last batch)
+        self._saved_final = False  # the final checkpoint was taken inside an epoch (--max-steps)
         self._seen_step = 0  # the global step at the last batch end seen
         self._group = None
 
@@ -273,14 +277,22 @@ class SpotSafeCheckpoint(pl.Callback):
         # rank may skip or add a save on its own flag (a rank that saw the SIGTERM skipping the periodic save
         # its peers make would leave them in the save's barrier and itself in the all-reduce: a deadlock).
         stop = self._agree_to_stop(trainer)
-        if self._due or stop:
-            self.save(trainer)  # one save serves both
+        final = 0 < trainer.max_steps <= step  # --max-steps ends training inside this epoch
+        if final:
+            # the final checkpoint is taken here, inside the epoch: saved in on_train_end, after Lightning has
+            # counted the unfinished epoch as done, a rerun with more steps would skip the rest of it
+            self._finishing = True
+        if self._due or stop or final:
+            self.save(trainer)  # one save serves them all
             self._due = False
+            self._saved_final = final
         if stop:
             self.interrupted = True
             raise SIGTERMException()  # Lightning tears down; the command reports and exits 0
 
     def on_train_end(self, trainer, pl_module) -> None:
+        if self._saved_final:  # taken inside the epoch at --max-steps (on_train_batch_end)
+            return
         self._finishing = True
         try:
             self.save(trainer)

@@ -82,6 +82,19 @@ def test_resume_without_validation_data(photo_root, tmp_path, cache_dir, monkeyp
     assert len(_metric_lines(capsys.readouterr().out)) == EPOCHS
 
 
+def test_max_steps_mid_epoch_then_more_steps_resumes_inside_that_epoch(indexed, tmp_path, cache_dir, monkeypatch,
+                                                                       capsys):
+    """--max-steps 3 stops inside epoch 1; a rerun for whole epochs continues epoch 1 at step 4 (not epoch 2):
+    every epoch trains each sample once, validates each once, and the run reaches all its steps."""
+    trace, out = tmp_path / "trace.jsonl", tmp_path / "out"
+    rt.install(trace, patch=monkeypatch.setattr)
+    assert train.main(_argv(indexed, out, "--epochs", "2", "--max-steps", "3"))["global_step"] == 3
+    assert train.main(_argv(indexed, out, "--epochs", "2"))["global_step"] == 2 * (41 // BATCH)
+    assert "resuming epoch 1, step 3 of 5 (global step 3) from " in capsys.readouterr().out
+    train_set, val_set = _sets(indexed)
+    rt.assert_each_sample_once_per_epoch(rt.read(trace), train=train_set, epochs=2, batch=BATCH, val=val_set)
+
+
 def test_kill_9_resumes_from_the_periodic_checkpoint_and_replays_only_after_it(indexed, tmp_path, cache_dir,
                                                                             monkeypatch):
     """kill -9 at step 8 with a checkpoint every 3 steps: the rerun resumes at step 6 and trains
@@ -117,7 +130,7 @@ def test_ranks_make_the_same_collective_calls_when_only_one_saw_the_sigterm(tmp_
     from model.checkpoint import SpotSafeCheckpoint
 
     class Trainer:
-        num_training_batches, global_step = 4, 0
+        num_training_batches, global_step, max_steps = 4, 0, -1
 
     def calls(signalled: bool) -> list[str]:
         cb, trainer, log = SpotSafeCheckpoint(tmp_path, every_steps=4), Trainer(), []

@@ -18,7 +18,7 @@ end of training Lightning has already counted the epoch as done), so a rerun wit
 --max-steps or for whole epochs finishes that epoch first.
 
 Resuming (`--resume auto|never|PATH`): `plan_resume` compares the fingerprint of this run (data,
-classes, model, image size, batch size, world size, seed) with the checkpoint's, and either
+classes, model, image size, batch size, world size, seed, gradient accumulation) with the checkpoint's, and either
 resumes, starts fresh, finds the run finished (the command then checks the model in OUT), or stops
 with what differs. A checkpoint is checked whole before it is used (every member's CRC: a
 truncated or altered file is named, with the ways out, never a traceback). Each run has an id,
@@ -158,13 +158,17 @@ def read_meta(checkpoint: Path) -> dict | None:
 
 FINGERPRINT = {"samples": "the data (files, labels or split)", "classes": "the classes", "model": "--model",
                "image_size": "the model's input size", "batch_size": "--batch-size", "world_size": "the number of "
-               "processes (--devices x --num-nodes)", "seed": "--seed"}  # what each field of a fingerprint is
+               "processes (--devices x --num-nodes)", "seed": "--seed",
+               "grad_accum": "--grad-accum"}  # what each field of a fingerprint is
+OPTIONAL = {"grad_accum"}  # compared only where both sides hold it (older checkpoints, the library's own Trainer)
 
 
 def differences(saved: dict, current: dict, sides: tuple[str, str] = ("in the checkpoint", "now")) -> list[str]:
     """One line per fingerprint field that differs: 'LABEL: A SIDE0, B SIDE1'."""
     out = []
     for key, label in FINGERPRINT.items():
+        if key in OPTIONAL and (key not in saved or key not in current):
+            continue
         if saved.get(key) != current.get(key):
             a, b = (_show(key, v) for v in (saved.get(key), current.get(key)))
             out.append(f"{label}: {a} {sides[0]}, {b} {sides[1]}")

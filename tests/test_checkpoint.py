@@ -376,3 +376,12 @@ def test_an_output_on_another_disk_without_room_for_the_model_stops_before_train
                         "--epochs", "1", "--output", str(disk / "out"), "--checkpoint-dir", str(tmp_path / "ck"),
                         "--cache-dir", str(cache_dir)])
         assert not (tmp_path / "ck" / "last.ckpt").exists()
+
+
+def test_a_resume_with_another_grad_accum_is_refused_naming_it():
+    """--grad-accum is part of the run (the batch per optimizer step, the steps per epoch): a checkpoint of
+    another value is refused naming the flag; one written before the fingerprint held it is still resumed."""
+    from model.checkpoint import differences
+
+    assert differences({"grad_accum": 2}, {"grad_accum": 1}) == ["--grad-accum: 2 in the checkpoint, 1 now"]
+    assert differences({}, {"grad_accum": 1}) == []

@@ -208,3 +208,35 @@ def test_our_warnings_print_as_one_plain_line(tmp_path):
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert r.returncode == 0, r.stderr
     assert r.stderr == f"warning: {tmp_path / 'dataset.tsv'}: dropped 1 duplicate row(s) (same image_path, label and split).\n"
+
+
+def test_steps_per_epoch_count_the_step_of_an_epochs_last_partial_accumulation(photo_root, cache_dir):
+    """48 images at batch 8 with --grad-accum 4: 6 batches make 2 optimizer steps per epoch (Lightning steps at an
+    epoch's last batch), as a real Trainer counts them; the summary and the resume position say 2, not 1."""
+    import pytorch_lightning as pl
+    import torch
+
+    from dali_pipe.cli import fit, parse_train
+    from dali_pipe.config import resolve
+    from dali_pipe.datamodule import read
+
+    s = resolve(parse_train(["--data", str(photo_root), "--model", "tiny", "--batch-size", "8", "--val-fraction", "0",
+                             "--grad-accum", "4"]))
+
+    class Tiny(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.layer = torch.nn.Linear(1, 1)
+
+        def training_step(self, batch, batch_idx):
+            return self.layer(batch[0]).sum()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.zeros(48, 1)), batch_size=8)
+    trainer = pl.Trainer(max_epochs=1, accumulate_grad_batches=4, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, accelerator="cpu", devices=1)
+    trainer.fit(Tiny(), data)
+    assert fit.steps_per_epoch(s, read(s.data)) == trainer.global_step == 2
+    assert "2 steps per epoch" in fit.summary(s, read(s.data), None, 250_000)

@@ -192,7 +192,7 @@ def preflight(s: Settings, out: Path, ckpt_dir: Path, main: bool) -> Prepared:
         check_writable(ckpt_dir, "--checkpoint-dir", bytes_needed(params))
         if is_first_node() and not same_disk(out, ckpt_dir):  # else the check above counted the model too
             check_writable(out, "--output", model_bytes(params), "the model")
-    fingerprint = {**dm.fingerprint(world_size(s)), "model": redact(s.model.model)}
+    fingerprint = {**dm.fingerprint(world_size(s)), "model": redact(s.model.model), "grad_accum": s.model.grad_accum}
     targets = {"epochs": s.model.epochs, "max_steps": s.model.max_steps}
     plan = plan_resume(s.run.resume, ckpt_dir, fingerprint, targets, may_modify=main)
     return Prepared(processor, spec, dm, manifest, params, fingerprint, targets, plan)
@@ -330,8 +330,9 @@ def resume_line(s: Settings, p: Prepared) -> str | None:
 
 
 def steps_per_epoch(s: Settings, manifest) -> int:
-    """Optimizer steps per epoch: each rank's full batches, over the accumulation."""
-    return len(manifest.train) // world_size(s) // s.data.batch_size // s.model.grad_accum
+    """Optimizer steps per epoch: each rank's full batches, over the accumulation, rounded up (Lightning
+    steps at an epoch's last batch even when it ends a partial accumulation)."""
+    return -(-(len(manifest.train) // world_size(s) // s.data.batch_size) // s.model.grad_accum)
 
 
 def summary(s: Settings, manifest, scan_result, params: int) -> str:

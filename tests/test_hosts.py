@@ -127,3 +127,19 @@ def test_hosts_whose_data_differs_stop_before_training():
         first.arrive("a fresh start", mine)
     t.join(10)
     assert errors and "the data" in str(errors[0])
+
+
+def test_a_first_host_port_that_never_answers_ends_the_wait_in_bounded_time():
+    """Another program holds MASTER_PORT + 1 (it accepts connections, never answers): the second host gives
+    up after the timeout, saying so (before, TCPStore's client waited past any timeout, SIGTERM too)."""
+    import time
+
+    port = free_port() + 1
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", port))
+        silent.listen()
+        start = time.monotonic()
+        with pytest.raises(HostsError, match=r"could not reach host algo-1 .*within 1 s.*never answered: another "
+                                             r"program may hold that port"):
+            open_meeting("127.0.0.1", port, 1, ["algo-1", "algo-2"], 1.0)
+        assert time.monotonic() - start < 10

@@ -336,18 +336,41 @@ def open_meeting(addr: str, port: int, rank: int, names: list[str], timeout: flo
 
 
 def _connect(addr: str, port: int, names: list[str], rank: int, timeout: float):
-    """Connect to the first host's meeting, retrying until `timeout`; SIGTERM ends the wait at once."""
+    """Connect to the first host's meeting, retrying until `timeout`; SIGTERM ends the wait at once.
+
+    Each attempt runs in a daemon thread that this one waits for in POLL slices: TCPStore's client blocks
+    inside C++, past its own timeout, on a peer that accepts the connection but never answers (another
+    program on MASTER_PORT + 1, a frozen first host), and a SIGTERM would wait for it too."""
+    import threading
+
     from torch.distributed import TCPStore
 
     deadline = time.monotonic() + timeout
     said = False
     with _sigterm_means(f"waiting for host {names[0]} (the first host)"):
         while True:
-            try:
-                left = max(0.1, min(CONNECT_TRY, deadline - time.monotonic()))
-                return TCPStore(addr, port, None, False, timedelta(seconds=left))
-            except Exception as e:  # noqa: BLE001  (DistNetworkError, RuntimeError, ... by torch version)
-                error = str(e).splitlines()[0] if str(e) else type(e).__name__
+            left = max(0.1, min(CONNECT_TRY, deadline - time.monotonic()))
+            result: dict = {}
+
+            def attempt(left=left, result=result):
+                try:
+                    result["store"] = TCPStore(addr, port, None, False, timedelta(seconds=left))
+                except Exception as e:  # noqa: BLE001  (DistNetworkError, RuntimeError, ... by torch version)
+                    result["error"] = str(e).splitlines()[0] if str(e) else type(e).__name__
+
+            thread = threading.Thread(target=attempt, daemon=True, name="dali_pipe-hosts-connect")
+            thread.start()
+            while thread.is_alive() and time.monotonic() <= deadline:
+                thread.join(POLL)  # a SIGTERM's handler runs between the slices
+            if "store" in result:
+                return result["store"]
+            if thread.is_alive():  # stuck on a silent peer: end its connection so the thread ends before we exit
+                _shutdown_connections(port)
+                thread.join(2.0)
+                error = ("the connection was accepted but the meeting's store never answered: another program may "
+                         "hold that port, or the first host is frozen")
+            else:
+                error = result.get("error", "no answer")
             if time.monotonic() > deadline:
                 raise HostsError(f"host {names[rank]} could not reach host {names[0]} (the first host) at "
                                  f"{addr}:{port} within {timeout:g} s (--dist-timeout): {error}. Check that it "
@@ -357,3 +380,27 @@ def _connect(addr: str, port: int, names: list[str], rank: int, timeout: float):
                       "--dist-timeout)", flush=True)
                 said = True
             time.sleep(POLL)
+
+
+def _shutdown_connections(port: int) -> None:
+    """Shut down this process's TCP connections to `port` (Linux: found through /proc/self/fd), so that a
+    connection attempt stuck inside TCPStore's C++ returns an error instead of outliving the interpreter
+    (which aborts the process at exit)."""
+    import socket
+
+    try:
+        fds = [int(fd) for fd in os.listdir("/proc/self/fd")]
+    except OSError:
+        return
+    for fd in fds:
+        try:
+            s = socket.socket(fileno=os.dup(fd))
+        except OSError:  # not a socket (or closed meanwhile)
+            continue
+        try:
+            if s.type == socket.SOCK_STREAM and s.getpeername()[1] == port:
+                s.shutdown(socket.SHUT_RDWR)
+        except (OSError, IndexError, TypeError):
+            pass
+        finally:
+            s.close()  # the duplicate only; the shutdown applies to the connection itself

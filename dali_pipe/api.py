@@ -198,6 +198,8 @@ class SpotSafeCheckpoint(_SpotSafeCheckpoint):
     SIGTERM line then names the path to resume from.
     """
 
+    SAVES_FINAL = False  # the final save is the ModelCheckpoint's (save_last=True), also at max_steps
+
     def __init__(self, dirpath: str | os.PathLike | None = None):
         super().__init__(Path(dirpath or "."), every_steps=0)
         self._dirpath = None if dirpath is None else Path(dirpath)

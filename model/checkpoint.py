@@ -219,6 +219,8 @@ def plan_resume(resume: str, checkpoint_dir: Path, fingerprint: dict, targets: d
 
 # -- the callback -------------------------------------------------------------------------------
 class SpotSafeCheckpoint(pl.Callback):
+    SAVES_FINAL = True  # this callback writes the final checkpoint (a subclass may leave it to a ModelCheckpoint)
+
     def __init__(self, checkpoint_dir: Path, every_steps: int = 0, *, fingerprint: dict | None = None,
                  targets: dict | None = None, run_id: str | None = None):
         self.dir = Path(checkpoint_dir)
@@ -281,7 +283,7 @@ class SpotSafeCheckpoint(pl.Callback):
         # rank may skip or add a save on its own flag (a rank that saw the SIGTERM skipping the periodic save
         # its peers make would leave them in the save's barrier and itself in the all-reduce: a deadlock).
         stop = self._agree_to_stop(trainer)
-        final = 0 < trainer.max_steps <= step  # --max-steps ends training inside this epoch
+        final = self.SAVES_FINAL and 0 < trainer.max_steps <= step  # --max-steps ends training inside this epoch
         if final:
             # the final checkpoint is taken here, inside the epoch: saved in on_train_end, after Lightning has
             # counted the unfinished epoch as done, a rerun with more steps would skip the rest of it

@@ -84,15 +84,15 @@ def test_resume_without_validation_data(photo_root, tmp_path, cache_dir, monkeyp
 
 def test_max_steps_mid_epoch_then_more_steps_resumes_inside_that_epoch(indexed, tmp_path, cache_dir, monkeypatch,
                                                                        capsys):
-    """--max-steps 3 stops inside epoch 1; a rerun for whole epochs continues epoch 1 at step 4 (not epoch 2):
-    every epoch trains each sample once, validates each once, and the run reaches all its steps."""
+    """--max-steps 2 stops inside epoch 1; a rerun for the whole epoch continues it at step 3 (before, it began
+    a next epoch part-way): the epoch trains each sample once, validates each once, and reaches all its steps."""
     trace, out = tmp_path / "trace.jsonl", tmp_path / "out"
     rt.install(trace, patch=monkeypatch.setattr)
-    assert train.main(_argv(indexed, out, "--epochs", "2", "--max-steps", "3"))["global_step"] == 3
-    assert train.main(_argv(indexed, out, "--epochs", "2"))["global_step"] == 2 * (41 // BATCH)
-    assert "resuming epoch 1, step 3 of 5 (global step 3) from " in capsys.readouterr().out
+    assert train.main(_argv(indexed, out, "--epochs", "1", "--max-steps", "2"))["global_step"] == 2
+    assert train.main(_argv(indexed, out, "--epochs", "1"))["global_step"] == 41 // BATCH
+    assert "resuming epoch 1, step 2 of 5 (global step 2) from " in capsys.readouterr().out
     train_set, val_set = _sets(indexed)
-    rt.assert_each_sample_once_per_epoch(rt.read(trace), train=train_set, epochs=2, batch=BATCH, val=val_set)
+    rt.assert_each_sample_once_per_epoch(rt.read(trace), train=train_set, epochs=1, batch=BATCH, val=val_set)
 
 
 def test_kill_9_resumes_from_the_periodic_checkpoint_and_replays_only_after_it(indexed, tmp_path, cache_dir,

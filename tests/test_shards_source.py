@@ -20,6 +20,17 @@ def _listing(folder):
     return {p.name: p.stat().st_mtime_ns for p in folder.iterdir()}
 
 
+def _tar(path, samples):
+    """One shard of `samples` (webdataset's sample dicts), written by webdataset's own TarWriter."""
+    import webdataset as wds
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with wds.TarWriter(str(path)) as w:
+        for sample in samples:
+            w.write(sample)
+    return path
+
+
 def test_shards_of_others_classes_split_and_bad_members(peer_dir, tmp_path, monkeypatch):
     """A folder of ShardWriter shards: classes named by the json label, validation from the shards named val,
     every bad member (no cls, a non-integer cls, a broken or missing image, a repeated key; a corrupt one with
@@ -54,22 +65,16 @@ def test_classes_txt_names_sparse_classes_and_a_hash_split_stays_put(photo_root,
     """classes.txt (a BOM and CRLF read as meant) names the cls integers (sparse ones map to contiguous classes);
     a cls it does not name is an error naming shard and key; without val shards the split is a hash of the key,
     unmoved by new shards; a brace pattern selects shards."""
-    import webdataset as wds
-
     photo = next(photo_root.glob("*/*.jpg")).read_bytes()
     d = tmp_path / "d"
-    d.mkdir()
     for n in range(2):
-        with wds.TarWriter(str(d / f"part-{n}.tar")) as w:
-            for i in range(20):
-                w.write({"__key__": f"k{n}_{i}", "jpg": photo, "cls": 5 * (i % 2)})
+        _tar(d / f"part-{n}.tar", ({"__key__": f"k{n}_{i}", "jpg": photo, "cls": 5 * (i % 2)} for i in range(20)))
     (d / "classes.txt").write_bytes("\ufeffcat\r\nx\r\nx\r\nx\r\nx\r\ndog\r\n".encode())  # as Notepad saves it
     s = _open(f"{d}/part-{{0..1}}.tar", tmp_path / "c", val_fraction=0.3)
     assert s.classes == ["cat", "dog"] and s.remap == (0, -1, -1, -1, -1, 1) and s.note == "classes named by classes.txt"
     split = {sh.keys[e]: sh.split[e] for sh in s.shards for e in range(len(sh.keys))}
     assert 0 < list(split.values()).count("val") < 40
-    with wds.TarWriter(str(d / "part-2.tar")) as w:
-        w.write({"__key__": "new", "jpg": photo, "cls": 0})
+    _tar(d / "part-2.tar", [{"__key__": "new", "jpg": photo, "cls": 0}])
     grown = _open(d, tmp_path / "c", val_fraction=0.3)
     assert {k: v for sh in grown.shards for k, v in zip(sh.keys, sh.split) if k != "new"} == split
     (d / "classes.txt").write_text("cat\n")
@@ -194,16 +199,11 @@ def _labels(loader):
 def test_a_sample_with_no_member_we_read_is_listed_not_a_traceback(photo_root, tmp_path):
     """A peer sample whose members are none we read (only a txt; or ShardWriter's dotted key `img.v2`, whose
     members webdataset names `img` + `v2.jpg`) is left out and listed, the dotted one with the reason."""
-    import webdataset as wds
-
     photo = next(photo_root.glob("*/*.jpg")).read_bytes()
     d = tmp_path / "d"
-    d.mkdir()
-    with wds.TarWriter(str(d / "part-0.tar")) as w:
-        for i in range(4):
-            w.write({"__key__": f"k{i}", "jpg": photo, "cls": i % 2})
-        w.write({"__key__": "only", "txt": "no picture, no class"})
-        w.write({"__key__": "img.v2", "jpg": photo, "cls": 0})
+    _tar(d / "part-0.tar", [*({"__key__": f"k{i}", "jpg": photo, "cls": i % 2} for i in range(4)),
+                            {"__key__": "only", "txt": "no picture, no class"},
+                            {"__key__": "img.v2", "jpg": photo, "cls": 0}])
     s = _open(d, tmp_path / "c")
     bad = {sh.keys[e]: r for sh, e, r in s.bad}
     assert set(bad) == {"only", "img"} and "no .cls member" in bad["only"], bad
@@ -214,13 +214,9 @@ def test_a_sample_with_no_member_we_read_is_listed_not_a_traceback(photo_root, t
 def test_a_dangling_shard_link_is_named_not_skipped(photo_root, tmp_path):
     """A `.tar` in the shards folder that is a dangling symbolic link stops the run naming it, instead of the run
     training silently without that shard."""
-    import webdataset as wds
-
     d = tmp_path / "d"
-    d.mkdir()
-    with wds.TarWriter(str(d / "part-0.tar")) as w:
-        for i, photo in enumerate(sorted(photo_root.glob("*/*.jpg"))[:4]):
-            w.write({"__key__": f"k{i}", "jpg": photo.read_bytes(), "cls": i % 2})
+    _tar(d / "part-0.tar", ({"__key__": f"k{i}", "jpg": photo.read_bytes(), "cls": i % 2}
+                            for i, photo in enumerate(sorted(photo_root.glob("*/*.jpg"))[:4])))
     (d / "part-1.tar").symlink_to(tmp_path / "elsewhere" / "part-1.tar")
     with pytest.raises(ShardSourceError, match=r"part-1.tar is a dangling symbolic link"):
         _open(d, tmp_path / "c")
@@ -229,14 +225,9 @@ def test_a_dangling_shard_link_is_named_not_skipped(photo_root, tmp_path):
 def test_classes_txt_naming_two_classes_alike_is_refused(photo_root, tmp_path):
     """classes.txt giving two used classes one name (which would merge them by name in evaluate and the model's
     label2id) is an error naming the name and both lines."""
-    import webdataset as wds
-
     photo = next(photo_root.glob("*/*.jpg")).read_bytes()
     d = tmp_path / "d"
-    d.mkdir()
-    with wds.TarWriter(str(d / "part-0.tar")) as w:
-        for i in range(6):
-            w.write({"__key__": f"k{i}", "jpg": photo, "cls": i % 3})
+    _tar(d / "part-0.tar", ({"__key__": f"k{i}", "jpg": photo, "cls": i % 3} for i in range(6)))
     (d / "classes.txt").write_text("cat\ndog\ncat\n")
     with pytest.raises(ShardSourceError, match=r"classes.txt names class 0 and class 2 alike \('cat', lines 1 and 3\)"):
         _open(d, tmp_path / "c")
@@ -245,15 +236,10 @@ def test_classes_txt_naming_two_classes_alike_is_refused(photo_root, tmp_path):
 def test_a_brace_pattern_over_train_and_val_folders_splits_by_folder(photo_root, tmp_path):
     """`shards/{train,val}/part-0.tar`: the shards in the folder named val are the validation set, as shards named
     val are (the words that tell shards apart count, not the folder that holds them all)."""
-    import webdataset as wds
-
     photo = next(photo_root.glob("*/*.jpg")).read_bytes()
     root = tmp_path / "val" / "shards"  # a folder above all of them may say val too: it tells nothing apart
     for split in ("train", "val"):
-        (root / split).mkdir(parents=True)
-        with wds.TarWriter(str(root / split / "part-0.tar")) as w:
-            for i in range(6):
-                w.write({"__key__": f"{split}{i}", "jpg": photo, "cls": i % 2})
+        _tar(root / split / "part-0.tar", ({"__key__": f"{split}{i}", "jpg": photo, "cls": i % 2} for i in range(6)))
     s = _open(f"{root}/{{train,val}}/part-0.tar", tmp_path / "c")
     assert len(s.train) == 6 and len(s.val) == 6
     assert {sh.split[0] for sh in s.shards if sh.path.endswith("/val/part-0.tar")} == {"val"}
@@ -262,17 +248,13 @@ def test_a_brace_pattern_over_train_and_val_folders_splits_by_folder(photo_root,
 def test_an_s3_brace_pattern_may_span_folders(photo_root, s3, tmp_path):
     """`s3://bucket/shards/{train,val}/part-0.tar` finds the shards in both folders (each folder listed once) and
     the val folder's shard is the validation set; a shard the pattern names and S3 lacks is named."""
-    import webdataset as wds
-
     from dali_pipe.sync import make_client
 
     photo = next(photo_root.glob("*/*.jpg")).read_bytes()
     client = make_client(4)
     client.create_bucket(Bucket="data")
     for split in ("train", "val"):
-        with wds.TarWriter(str(tmp_path / f"{split}.tar")) as w:
-            for i in range(4):
-                w.write({"__key__": f"{split}{i}", "jpg": photo, "cls": i % 2})
+        _tar(tmp_path / f"{split}.tar", ({"__key__": f"{split}{i}", "jpg": photo, "cls": i % 2} for i in range(4)))
         client.upload_file(str(tmp_path / f"{split}.tar"), "data", f"shards/{split}/part-0.tar")
     s = _open("s3://data/shards/{train,val}/part-0.tar", tmp_path / "c")
     assert len(s.train) == 4 and len(s.val) == 4 and s.shards[1].path == "s3://data/shards/val/part-0.tar"
@@ -287,13 +269,9 @@ def test_temporary_files_of_a_killed_indexer_are_removed(photo_root, tmp_path):
     import subprocess
     import sys
 
-    import webdataset as wds
-
     d = tmp_path / "d"
-    d.mkdir()
-    with wds.TarWriter(str(d / "part-0.tar")) as w:
-        for i, photo in enumerate(sorted(photo_root.glob("*/*.jpg"))[:4]):
-            w.write({"__key__": f"k{i}", "jpg": photo.read_bytes(), "cls": i % 2})
+    _tar(d / "part-0.tar", ({"__key__": f"k{i}", "jpg": photo.read_bytes(), "cls": i % 2}
+                            for i, photo in enumerate(sorted(photo_root.glob("*/*.jpg"))[:4])))
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     shards = tmp_path / "c" / "shards"
     shards.mkdir(parents=True)

@@ -414,16 +414,23 @@ FINGERPRINT_NAMES = {"samples": "the data (files, labels or split)", "classes": 
                      "processes (the Trainer's devices x num_nodes)", "seed": "seed"}
 
 
-def differences(saved: dict, current: dict) -> list[str]:
-    """What differs between two fingerprints, one line each, in the library's words."""
+def differences(saved: dict, current: dict, names: dict = FINGERPRINT_NAMES,
+                sides: tuple[str, str] = ("in the checkpoint", "now"), optional=frozenset()) -> list[str]:
+    """What differs between two fingerprints, one line per field: 'LABEL: A SIDE0, B SIDE1'. `names`
+    labels the fields (the library's words; the CLI passes its flags); a field in `optional` is compared
+    only where both hold it (fields that older checkpoints lack)."""
     out = []
-    for key, label in FINGERPRINT_NAMES.items():
+    for key, label in names.items():
+        if key in optional and (key not in saved or key not in current):
+            continue
         a, b = saved.get(key), current.get(key)
         if a != b:
-            if key == "classes" and isinstance(a, list) and isinstance(b, list):
-                a, b = (f"{len(v)} classes ({', '.join(map(str, v[:4]))}{', ...' if len(v) > 4 else ''})"
-                        for v in (a, b))
-            else:
-                a, b = repr(a), repr(b)
-            out.append(f"{label}: {a} in the checkpoint, {b} now")
+            a, b = (_shown(key, v) for v in (a, b))
+            out.append(f"{label}: {a} {sides[0]}, {b} {sides[1]}")
     return out
+
+
+def _shown(key: str, value) -> str:
+    if key == "classes" and isinstance(value, list):
+        return f"{len(value)} classes ({', '.join(map(str, value[:4]))}{', ...' if len(value) > 4 else ''})"
+    return repr(value)

@@ -164,21 +164,10 @@ OPTIONAL = {"grad_accum"}  # compared only where both sides hold it (older check
 
 
 def differences(saved: dict, current: dict, sides: tuple[str, str] = ("in the checkpoint", "now")) -> list[str]:
-    """One line per fingerprint field that differs: 'LABEL: A SIDE0, B SIDE1'."""
-    out = []
-    for key, label in FINGERPRINT.items():
-        if key in OPTIONAL and (key not in saved or key not in current):
-            continue
-        if saved.get(key) != current.get(key):
-            a, b = (_show(key, v) for v in (saved.get(key), current.get(key)))
-            out.append(f"{label}: {a} {sides[0]}, {b} {sides[1]}")
-    return out
+    """One line per fingerprint field that differs, in the CLI's words: 'LABEL: A SIDE0, B SIDE1'."""
+    from dali_pipe.datamodule import differences as fields_differ
 
-
-def _show(key: str, value) -> str:
-    if key == "classes" and isinstance(value, list):
-        return f"{len(value)} classes ({', '.join(value[:4])}{', ...' if len(value) > 4 else ''})"
-    return repr(value)
+    return fields_differ(saved, current, FINGERPRINT, sides, OPTIONAL)
 
 
 def plan_resume(resume: str, checkpoint_dir: Path, fingerprint: dict, targets: dict, *,

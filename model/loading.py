@@ -129,8 +129,12 @@ def _say_unloaded(name: str, info: dict) -> None:
     for keys, what in ((set(info.get("missing_keys", [])) - resized, "are not in the checkpoint and start from "
                         "random values"), (set(info.get("unexpected_keys", [])), "of the checkpoint are not used")):
         if keys:
-            shown = ", ".join(sorted(keys)[:4]) + (", ..." if len(keys) > 4 else "")
-            print(f"note: --model {name}: {len(keys)} weight(s) {what} ({shown})", file=sys.stderr)
+            print(f"note: --model {name}: {len(keys)} weight(s) {what} ({_first_keys(keys)})", file=sys.stderr)
+
+
+def _first_keys(keys) -> str:
+    """The first four of `keys` in sorted order, then '...' if there are more."""
+    return ", ".join(sorted(keys)[:4]) + (", ..." if len(keys) > 4 else "")
 
 
 def parameter_count(name: str, classes: list[str]) -> int:
@@ -189,7 +193,7 @@ def load_checked(name: str, what: str, *, verify_files: bool = True):
         raise ModelLoadError(f"{what}: {reason}; {REEXPORT}.", reason) from None
     missing, unexpected = list(info.get("missing_keys", [])), list(info.get("unexpected_keys", []))
     mismatched = [k[0] if isinstance(k, tuple) else k for k in info.get("mismatched_keys", [])]
-    parts = [f"{len(v)} {label} key(s) ({', '.join(sorted(v)[:4])}{', ...' if len(v) > 4 else ''})"
+    parts = [f"{len(v)} {label} key(s) ({_first_keys(v)})"
              for label, v in (("missing", missing), ("unexpected", unexpected), ("mismatched", mismatched)) if v]
     if unexpected and not (missing or mismatched) and not folder.is_dir():
         # a hub checkpoint with extra weights (every weight of the model was loaded): said, not refused

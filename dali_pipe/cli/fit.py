@@ -256,11 +256,11 @@ def export(s: Settings, module, p: Prepared, best, ckpt, global_step: int, out: 
     from model import export as exporter
 
     problems = [str(ckpt.final_error)] if ckpt.final_error else []
+    select = selection(s, p.manifest)
     try:
-        model, selected = exporter.selected_model(best, selection(s, p.manifest), module.model)
+        model, selected = exporter.selected_model(best, select, module.model)
         exporter.write(model, p.processor, out, {"selected": selected, "epochs": module.epoch_metrics,
-                                                 "global_step": global_step},
-                       run=ckpt.run_id, select=selection(s, p.manifest))
+                                                 "global_step": global_step}, run=ckpt.run_id, select=select)
         print(f"model ({exporter.describe(selected)}), image processor, label map and metrics.json written to {out}")
     except exporter.ExportError as e:
         problems.append(f"{e}; the checkpoint in {ckpt.dir} holds the trained weights: {exporter.RERUN}")

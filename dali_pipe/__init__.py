@@ -32,6 +32,8 @@ Importing the package is cheap: torch, DALI and Lightning load when a public nam
 """
 from __future__ import annotations
 
+import importlib
+
 __all__ = ["DaliDataModule", "SpotSafeCheckpoint", "RunFingerprint", "MonitorCallback", "benchmark", "UserError",
            "UsageError", "RunMismatchError"]
 
@@ -42,8 +44,6 @@ _WHERE = {"DaliDataModule": "api", "SpotSafeCheckpoint": "api", "RunFingerprint"
 def __getattr__(name: str):
     """Import a public name's module on first use (PEP 562), so `import dali_pipe` stays cheap."""
     if name in _WHERE:
-        import importlib
-
         value = getattr(importlib.import_module(f"{__name__}.{_WHERE[name]}"), name)
         globals()[name] = value
         return value

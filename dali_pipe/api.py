@@ -17,15 +17,26 @@ import dataclasses
 import inspect
 import os
 import sys
+import textwrap
 from pathlib import Path
 
 import pytorch_lightning as pl
 
 from model.checkpoint import SpotSafeCheckpoint as _SpotSafeCheckpoint
+from model.loading import load_processor
 
-from .config import (DEFAULT_MODEL, FIELDS, DataSettings, PipelineSettings, flag_of, resolve, settings_from_keywords,
-                     validate)
+from .config import (
+    DEFAULT_MODEL,
+    FIELDS,
+    DataSettings,
+    PipelineSettings,
+    flag_of,
+    resolve,
+    settings_from_keywords,
+    validate,
+)
 from .datamodule import DaliDataModule as _SettingsDataModule
+from .demo import demo_dataset
 from .errors import RunMismatchError
 from .spec import ImageSpec
 
@@ -97,15 +108,11 @@ class DaliDataModule(_SettingsDataModule):
         s = resolve(s)
         s.pipeline.device = device  # "auto" follows the Trainer's accelerator once one is attached
         if s.data.data is None:
-            from .demo import demo_dataset
-
             s.data.data = str(demo_dataset(s.data.cache_dir, seed=s.data.seed))
         if image_size is not None:
             sizes = tuple(image_size) if isinstance(image_size, (tuple, list)) else (image_size,)
             spec = ImageSpec(sizes[0], sizes[-1], _triple(mean), _triple(std), interp=interpolation)
         else:
-            from model.loading import load_processor
-
             spec = ImageSpec.from_processor(load_processor(s.model.model))
         super().__init__(s.data, s.pipeline, spec, None if output is None else Path(output))
         self.model_name = s.model.model if image_size is None else None
@@ -129,8 +136,6 @@ LIBRARY_HELP = {  # where the DataModule reads a setting otherwise than the trai
 
 
 def _keyword_docs() -> str:
-    import textwrap
-
     lines = []
     for k in _KEYWORDS:
         if k == "data":

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import gc
+import importlib
 import json
 import logging
 import os
@@ -29,7 +30,11 @@ from pathlib import Path
 
 import pytorch_lightning as pl
 
-from .monitor import SHARES, SHARE_WORDS, Sampler, StepLog, budget_line, diagnose, time_budget
+from .baseline import classic_loader
+from .config import LOADERS, UsageError, resolve_precision
+from .monitor import SHARE_WORDS, SHARES, MonitorCallback, Sampler, StepLog, budget_line, diagnose, time_budget
+from .pipeline import Shards
+from .workdir import OutputError, remove_dead_temps
 
 NO_MODEL_NOTE = ("synthetic left out: without a model it would only time a tensor that is already there; it is the "
                  "model's ceiling when there is one")
@@ -152,8 +157,6 @@ def ratios(rounds: dict[str, list[float]]) -> dict[str, dict]:
 
 
 def environment(cores, gpu: bool, threads: int) -> dict:
-    import importlib
-
     import torch
 
     def version(mod):
@@ -227,8 +230,6 @@ def measure(name: str, build, *, device, batch_size: int, warmup: int, steps: in
     """One timed run of one loader (`build()` makes it): its metrics, time budget and timelines. With
     `make_module` and `make_trainer(callbacks, max_steps)` each step is the module's training step run by
     that Trainer; without, the loader alone."""
-    from .monitor import MonitorCallback
-
     progress = Progress(label or name, warmup + steps)
     origin = time.perf_counter()
     data = build()
@@ -308,13 +309,9 @@ def ratio_lines(ratio: dict, *, cores: int, model: bool, packed: str | None = No
 
 def finish(report: dict, out: Path) -> dict:
     """Print the summary, then write benchmark.json and benchmark.png into `out` (each whole or not at all)."""
-    from .workdir import OutputError
-
     print(table(report))
     tmp = out / f".benchmark.json.tmp-{os.getpid()}"
     try:
-        from .workdir import remove_dead_temps
-
         out.mkdir(parents=True, exist_ok=True)
         for left in (".benchmark.json.tmp-*", ".benchmark.png.tmp-*"):  # left by a run killed while writing
             remove_dead_temps(out, left)
@@ -350,10 +347,6 @@ def benchmark(module, datamodule, *, loaders: str = "dali,baseline,synthetic", s
     verdicts); returns the report as a dict.
     """
     import torch
-
-    from .baseline import classic_loader
-    from .config import LOADERS, UsageError, resolve_precision
-    from .pipeline import Shards
 
     names = [n for n in loaders.split(",") if n]
     bad = [n for n in names if n not in LOADERS or n == "packed"]

@@ -24,6 +24,7 @@ import argparse
 import dataclasses
 import difflib
 import os
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -88,8 +89,6 @@ def parse_int_or_auto(s: str):
 
 def parse_size(s: str) -> int:
     """'150MB', '1.5GiB', '500k' or a plain number of bytes."""
-    import re
-
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kmgt]?)(i?)b?\s*", str(s), re.I)
     if not m:
         raise ValueError(s)

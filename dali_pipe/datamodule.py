@@ -17,17 +17,23 @@ from __future__ import annotations
 import os
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import pytorch_lightning as pl
 
-from .config import DataSettings, PipelineSettings
+from .config import DataSettings, PipelineSettings, SyncSettings, resolve_device
 from .errors import RunMismatchError, UserError
+from .loader import DaliLoader, ReaderChanged
 from .manifest import Manifest, Sample, read_manifest
-from .pipeline import Augment, Files, PipelineOptions, Shards, build_pipeline, resources_for_rank
+from .pipeline import Augment, Files, PipelineOptions, Shards, build_pipeline, resources_for_rank, shard_reader
 from .scan import ScanResult, scan, write_report
-from .shards.source import ShardSet, source_kind
+from .shards import source
+from .shards.cache import Remote, StreamCache, stream_bound, verify_local
+from .shards.source import ShardSet, open_shards, source_kind
 from .spec import ImageSpec
+from .sync import local_target, sync
+from .workdir import OutputError
 
 
 class ScanError(UserError):
@@ -53,8 +59,6 @@ class DeviceMismatchError(UserError):
 def local_root(data: DataSettings) -> Path:
     """The local dataset root: the directory itself, or the sync target of an s3:// URI."""
     if data.data.startswith("s3://"):
-        from .sync import local_target
-
         return local_target(data.data, Path(data.cache_dir))
     return Path(data.data)
 
@@ -63,8 +67,6 @@ def read(data: DataSettings) -> Manifest | ShardSet:
     """The manifest of the (local) dataset, split as the settings say; or the shards at --data (a pack,
     or shards written by others), checked (shards/source.py; cached verdicts)."""
     if source_kind(data.data, data.cache_dir) != "files":
-        from .shards.source import open_shards
-
         return open_shards(data)
     return read_manifest(local_root(data), val_fraction=data.val_fraction, seed=data.seed,
                          skip_missing=data.skip_missing)
@@ -94,8 +96,6 @@ def report(manifest: Manifest, result: ScanResult, data: DataSettings, output: P
     try:
         path = write_report({**result.bad, **missing}, manifest.root.resolve(), output)
     except OSError as e:
-        from .workdir import OutputError
-
         raise OutputError(f"could not write {Path(output) / 'bad_images.tsv'} ({e.strerror or e}); free space there, "
                           "or pass another output (--output, or output= to DaliDataModule)") from None
     if result.bad or missing:
@@ -117,13 +117,9 @@ def prepare(data: DataSettings, output: Path, *, num_threads: int,
             report_empty: bool = True) -> tuple[Manifest, ScanResult]:
     """Once per node: sync s3:// data, scan, write the report, enforce --max-bad-fraction.
     Returns the manifest without the bad files, and the scan's result."""
-    from .config import SyncSettings
-
     if source_kind(data.data, data.cache_dir) != "files":  # shards: fetch a pack, index others', check members
-        from .shards import source
 
         shards = source.prepare_shards(data, num_threads=num_threads, workers=SyncSettings.workers)
-        from .shards.cache import verify_local
 
         verify_local(shards.everything, data.cache_dir)  # size and sha256 of every local shard, once
         source.report(shards, data.scan, output)
@@ -131,8 +127,6 @@ def prepare(data: DataSettings, output: Path, *, num_threads: int,
         check_bad_fraction(result, data, output)
         return shards, result
     if data.data.startswith("s3://"):
-        from .sync import sync
-
         sync(data.data, local_root(data), workers=SyncSettings.workers, skip_missing=data.skip_missing, rows=True)
     manifest = read(data)
     result = scan_manifest(manifest, data, num_threads=num_threads, progress=True)
@@ -199,8 +193,6 @@ class DaliDataModule(pl.LightningDataModule):
         accelerator: gpu, else cpu), and without one picks the GPU when CUDA is available."""
         want, t = self.pipeline.device, self.trainer
         if t is None:
-            from .config import resolve_device
-
             return resolve_device(want)
         from pytorch_lightning.accelerators import CUDAAccelerator
 
@@ -216,7 +208,7 @@ class DaliDataModule(pl.LightningDataModule):
         so a model can be sized from them before training."""
         return self._read().classes
 
-    def _read(self) -> Manifest | PackedSet:
+    def _read(self) -> Manifest | ShardSet:
         if self.manifest is None:
             raise NotPreparedError("the classes are known once the data is read: call dm.prepare_data() first "
                                    "(trainer.fit calls it too)")
@@ -288,9 +280,6 @@ class DaliDataModule(pl.LightningDataModule):
 
     def loader(self, samples: list[Sample] | Shards, *, training: bool):
         """An epoch-exact DALI loader over `samples` (files, or shards through their epoch plan) for this rank."""
-        from .loader import DaliLoader
-        from .pipeline import shard_reader
-
         rank, world, local_rank, local_world = self._rank()
         device = self.device
         gpu = device == "gpu"
@@ -315,9 +304,6 @@ class DaliDataModule(pl.LightningDataModule):
         if not any(p.startswith("s3://") for p in shards.paths):
             return None
         if getattr(self, "_stream", None) is None:
-            from .shards.cache import Remote, StreamCache, stream_bound
-            from .sync import local_target
-
             rank, _, _, local_world = self._rank()
             folder = local_target(self.data.data, Path(self.data.cache_dir) / "stream") / f"rank-{rank}"
             remotes = [Remote(p, z, h) for split in (self.manifest.train, self.manifest.val, shards)
@@ -368,13 +354,11 @@ class DaliDataModule(pl.LightningDataModule):
             print("resume: the checkpoint has no loader position for this world size; the data order of the "
                   "resumed epoch restarts from its beginning", file=sys.stderr)
             return
-        from .loader import ReaderChanged
 
         try:
             self._train.restore(loaders[rank])
         except ReaderChanged as e:
             print(f"resume: {e}; the data order of the resumed epoch restarts from its beginning", file=sys.stderr)
-        import warnings
 
         # Lightning looks for state_dict on the loader itself; ours is restored through this DataModule
         warnings.filterwarnings("ignore", message=r".*before the epoch ended and your dataloader is not resumable")
@@ -385,7 +369,6 @@ class DaliDataModule(pl.LightningDataModule):
     def val_dataloader(self):
         if self._val is not None:
             return self._val
-        import warnings
 
         # no validation data (--val-fraction 0, or no val rows): Lightning skips the loop on an empty list and
         # warns that its length is zero, which here is meant (the start-up summary said "0 val images")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import numpy as np
+from .workdir import lock, unlock
 
 PHOTOS = ("astronaut", "coffee", "chelsea", "rocket", "hubble_deep_field", "immunohistochemistry", "retina")
 
@@ -43,6 +43,7 @@ def make_photo_dataset(root: Path | str, *, classes: int = 4, per_class: int = 4
     `side` bounds the longer side of each image in pixels (e.g. (1800, 2200) for 2000 px photos).
     Idempotent: an existing complete dataset with the same manifest is left as it is.
     """
+    import numpy as np  # deferred with PIL: train.py imports this module to answer --help
     from PIL import Image, ImageEnhance
 
     if not 2 <= classes <= len(PHOTOS):
@@ -88,8 +89,6 @@ DEMO_CLASSES, DEMO_PER_CLASS = 4, 100
 def demo_dataset(cache_dir: Path | str, *, seed: int = 0) -> Path:
     """The demo set (400 photos in 4 classes) under CACHE_DIR/demo-photos, generated once: what --data
     defaults to, for train.py and for DaliDataModule(data=None). One process generates it at a time."""
-    from .workdir import lock, unlock
-
     root = Path(cache_dir) / "demo-photos"
     if not (root / "dataset.tsv").is_file():
         print(f"demo: generating {DEMO_CLASSES * DEMO_PER_CLASS} photos from scikit-image's photographs in {root} "

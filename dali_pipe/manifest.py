@@ -11,6 +11,8 @@ the seed, stratified per class, that stays put as images are added).
 from __future__ import annotations
 
 import csv
+import difflib
+import hashlib
 import os
 import posixpath
 import warnings
@@ -50,8 +52,6 @@ class Manifest:
 
     def digest(self) -> str:
         """A hash of what a run reads: each sample's path (relative to the root), class and split."""
-        import hashlib
-
         h = hashlib.sha256()
         root = self.root.resolve()
         for split, samples in (("train", self.train), ("val", self.val)):
@@ -128,8 +128,6 @@ COLUMNS = ("image_path", "label", "split")
 def check_columns(df, tsv) -> None:
     """Header names are stripped and case-insensitive (read_table lowers them); a column that
     nearly matches a known one (`lable`, `imagepath`) is a typo, not an extra column."""
-    import difflib
-
     cols = [c for c in df.columns if c != "_line"]
     if "image_path" not in cols:
         raise ManifestError(f"{tsv}: no 'image_path' column (found {cols}). Add a header line whose "
@@ -254,8 +252,6 @@ def absolute_path(root: Path, rel: str) -> str:
 
 def _unit_hash(rel: str, seed: int) -> float:
     """A number in [0, 1) that depends only on the file's relative path and the seed."""
-    import hashlib
-
     digest = hashlib.sha256(f"{seed}:{rel}".encode()).digest()
     return int.from_bytes(digest[:8], "big") / 2**64
 

@@ -23,6 +23,7 @@ Diagnosis rules (also in the README):
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import threading
 import time
@@ -31,6 +32,8 @@ from pathlib import Path
 
 import numpy as np
 import pytorch_lightning as pl
+
+from .workdir import remove_dead_temps
 
 INPUT_BOUND_WAIT = 0.10
 GPU_BUSY = 90.0
@@ -741,12 +744,9 @@ class MonitorCallback(pl.Callback):
             if hasattr(experiment, "add_text"):
                 experiment.add_text("monitor/diagnosis", "\n\n".join(lines), trainer.global_step)
         if self.output is not None:
-            import json
-
             out = Path(self.output)
             tmp = out / f".monitor.json.tmp-{os.getpid()}"
             try:  # the run's own results come first: a full disk here costs the report, never the run
-                from .workdir import remove_dead_temps
 
                 out.mkdir(parents=True, exist_ok=True)
                 remove_dead_temps(out, ".monitor.json.tmp-*")  # left by a run killed while writing

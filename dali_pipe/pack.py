@@ -29,13 +29,33 @@ from __future__ import annotations
 import io
 import json
 import os
+import random
 import sys
 import tarfile
 from dataclasses import dataclass
+from multiprocessing import get_context
 from pathlib import Path
 
 from .errors import UserError
-from .shards.format import FORMAT, PACKED_NAME, IndexEntry, cls_bytes, file_sha256, format_index, json_bytes, sample_keys
+from .manifest import MANIFEST_NAME, read_table
+from .scan import write_report
+from .shards.cache import Verdicts
+from .shards.format import (
+    FORMAT,
+    PACKED_NAME,
+    IndexEntry,
+    TarFormatError,
+    cls_bytes,
+    file_sha256,
+    format_index,
+    image_member,
+    index_tar,
+    json_bytes,
+    read_index,
+    sample_keys,
+)
+from .shards.source import write_member_report
+from .workdir import remove_dead_temps
 
 PROGRESS_NAME = ".pack-progress.json"
 
@@ -112,8 +132,6 @@ def manifest_items(manifest) -> list[Item]:
 
 def _written_paths(root: Path) -> dict[int, str]:
     """{line: image_path as dataset.tsv wrote it (padding trimmed)}, or {} without a readable manifest."""
-    from .manifest import MANIFEST_NAME, read_table
-
     try:
         df = read_table(root / MANIFEST_NAME)
         return dict(zip(df["_line"], df["image_path"]))
@@ -123,8 +141,6 @@ def _written_paths(root: Path) -> dict[int, str]:
 
 def shard_items(shards) -> list[Item]:
     """The usable samples of a ShardSet (local tars), labelled by class position."""
-    from .shards.format import image_member, read_index
-
     items = []
     for s in shards.shards:
         if s.path.startswith("s3://"):
@@ -141,8 +157,6 @@ def shard_items(shards) -> list[Item]:
 
 def order(samples, seed: int, key=lambda s: s.path):
     """Samples in a seeded order that depends on nothing but the sample list and the seed."""
-    import random
-
     ordered = sorted(samples, key=key)
     random.Random(seed).shuffle(ordered)
     return ordered
@@ -246,8 +260,6 @@ def finished(dst: Path, settings: dict, cache_dir: str | Path | None = None) -> 
                         "folder, or delete this one to pack it again")
     verdicts = None
     if cache_dir is not None:
-        from .shards.cache import Verdicts
-
         verdicts = Verdicts(cache_dir)
     for split in meta["splits"].values():
         for s in split["shards"]:
@@ -267,8 +279,6 @@ def _shard_problem(tar: Path, index: Path, s: dict, verdicts) -> str | None:
     """What is wrong with a finished shard and its index, or None: the shard's bytes against packed.json's
     sha256 (a verdict cached by path, size and mtime spares the read), the index against the one the shard's
     own bytes give (checked whenever the shard is read)."""
-    from .shards.format import TarFormatError, index_tar
-
     sha = s.get("sha256")
     if sha is not None and verdicts is not None and verdicts.matches(tar, sha) and verdicts.matches(
             index, file_sha256(index)):
@@ -292,8 +302,6 @@ def pack_manifest(manifest, dst: Path, *, max_side: int, quality: int, shard_siz
                   bad: dict[str, str], progress: bool = True, cache_dir: str | Path | None = None) -> PackStats:
     """Pack the manifest's (good) samples into shards under `dst`; see the module docstring. `bad`:
     {absolute path: reason} of the images left out before packing (for DST/bad_images.tsv)."""
-    from .scan import write_report
-
     root = manifest.root.resolve()
 
     def report(failed: dict[str, str]) -> int:
@@ -309,8 +317,6 @@ def pack_manifest(manifest, dst: Path, *, max_side: int, quality: int, shard_siz
 def pack_shards(shards, dst: Path, *, max_side: int, quality: int, shard_size: int, workers: int, seed: int,
                 progress: bool = True, cache_dir: str | Path | None = None) -> PackStats:
     """Pack the usable samples of a ShardSet (a pack, or shards written by others) into shards under `dst`."""
-    from .shards.source import write_member_report
-
     where = {f"{s.name}\n{k}": (s, e) for s in shards.shards for e, k in enumerate(s.keys)}
 
     def report(failed: dict[str, str]) -> int:
@@ -329,8 +335,6 @@ def pack_items(items: list[Item], classes: list[str], dst: Path, *, settings: di
     """Pack `items` under `dst`; `report(failed)` writes DST/bad_images.tsv (with the images that could
     not be packed, {ident: reason}) and returns how many images were left out in all. `cache_dir` keeps
     the verdicts of the check of a finished pack (see `finished`)."""
-    from multiprocessing import get_context
-
     from tqdm import tqdm
 
     dst.mkdir(parents=True, exist_ok=True)
@@ -408,7 +412,6 @@ def _load_progress(dst: Path, settings: dict) -> dict:
             tar = dst / s["name"]
             if not tar.is_file() or tar.stat().st_size != s["size"]:
                 raise PackError(f"{tar} is missing or changed since it was packed; delete {dst} and pack again")
-    from .workdir import remove_dead_temps
 
     remove_dead_temps(dst, ".*.tmp-*")
     return prog

@@ -13,10 +13,13 @@ cutmix mix whole batches, so they run in the training step (model/mixing.py).
 """
 from __future__ import annotations
 
+import random
+import re
+import warnings
 from dataclasses import dataclass
 
-
 from .config import PipelineSettings, cores
+from .shards.reader import ShardReader
 from .spec import ImageSpec
 
 READER_NAME = "Reader"
@@ -129,8 +132,6 @@ def seeded_order(n: int, seed: int) -> list[int]:
     """A permutation of range(n) that depends only on the seed. DALI's `shuffle_after_epoch`
     permutes with a fixed seed and the epoch number; applying it on top of this base permutation
     makes each epoch's order depend on --seed and the epoch, nothing else."""
-    import random
-
     order = list(range(n))
     random.Random(seed).shuffle(order)
     return order
@@ -138,8 +139,6 @@ def seeded_order(n: int, seed: int) -> list[int]:
 
 def shard_reader(source: Shards, opts: PipelineOptions, *, training: bool, store=None):
     """The external_source callable over `source` for this rank (dali_pipe/shards/reader.py)."""
-    from .shards.reader import ShardReader
-
     return ShardReader(source, batch=opts.batch_size, seed=opts.seed, rank=opts.shard_id, world=opts.num_shards,
                        training=training, store=store)
 
@@ -237,8 +236,6 @@ def _auto_augment(images, aug: Augment, shape: tuple[int, int]):
     """The --auto-augment policy on uint8 HWC images (needs the pipeline's conditionals)."""
     if aug.auto_augment == "none":
         return images
-    import re
-    import warnings
 
     from nvidia.dali.auto_aug import auto_augment, rand_augment, trivial_augment
 

@@ -9,10 +9,17 @@ measured, not guessed.
 """
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import tempfile
 import time
 from pathlib import Path
+
+from .loader import DaliLoader
+from .manifest import Manifest
+from .pack import pack_manifest
+from .pipeline import Augment, Files, PipelineOptions, build_pipeline, resources_for_rank
+from .shards.source import open_packed
 
 LARGE_PIXELS = 1_000_000
 SAMPLE = 64
@@ -34,9 +41,6 @@ def median_pixels(paths: list[str], n: int = SAMPLE) -> float:
 
 
 def _images_per_sec(source, spec, opts, passes: int = 2) -> float:
-    from .loader import DaliLoader
-    from .pipeline import build_pipeline
-
     loader = DaliLoader(lambda ck: build_pipeline(source, spec, opts, training=True, checkpoint=ck), training=True)
     list(loader)  # warm-up: allocations, first decode
     start, n = time.perf_counter(), 0
@@ -48,13 +52,6 @@ def _images_per_sec(source, spec, opts, passes: int = 2) -> float:
 def pack_gain(manifest, spec, pipeline_settings, *, batch_size: int, cores: int) -> tuple[float, float, int]:
     """(raw images/s, packed images/s, sample size): DALI's training pipeline on SAMPLE of the
     manifest's training images, raw and packed at MAX_SIDE, on the same cores."""
-    import dataclasses
-
-    from .manifest import Manifest
-    from .pack import pack_manifest
-    from .shards.source import open_packed
-    from .pipeline import Augment, Files, PipelineOptions, resources_for_rank
-
     train = manifest.train[:SAMPLE]
     sample = Manifest(manifest.root, manifest.classes, train, [])
     batch = max(1, min(batch_size, len(train) // 2))

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import io
 import json
 import os
 import string
@@ -25,6 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .config import SCAN_MODES
+from .redact import redact
+from .workdir import writing
 
 _LEVEL = {"fast": 1, "full": 2}
 DECODABLE = {"JPEG", "PNG", "BMP", "TIFF", "WEBP", "PNM", "JPEG2000"}
@@ -96,8 +99,6 @@ def check_header(path: str, max_pixels: int) -> str | None:
 
 def check_bytes(data: bytes, max_pixels: int) -> str | None:
     """The fast checks on an image held in memory (a shard member). Returns the reason, or None."""
-    import io
-
     from PIL import Image
 
     if not data:
@@ -137,8 +138,6 @@ def _check(head: bytes, tail: bytes, open_image, max_pixels: int) -> str | None:
 def _decode_reason(path: str | bytes) -> str:
     """DALI names neither the file nor the cause; PIL's decoder usually says what is wrong.
     `path` is a file, or the image's bytes."""
-    import io
-
     from PIL import Image
 
     if isinstance(path, bytes):
@@ -157,7 +156,7 @@ def _decode_reason(path: str | bytes) -> str:
     return f"corrupt {fmt} data (DALI's decoder rejects it, although PIL reads it)"
 
 
-class _DaliDecoder:
+class DaliDecoder:
     """Decodes batches of encoded files with DALI's CPU decoder; isolates failures per file."""
 
     def __init__(self, num_threads: int, batch_size: int = 16):
@@ -270,7 +269,7 @@ def scan(paths: list[str], mode: str, *, max_pixels: int, num_threads: int = 1,
 
     bar = tqdm(total=len(todo), desc=f"scan ({mode})", unit="img", disable=not progress or not todo,
                file=sys.stderr, mininterval=1.0)
-    decoder = _DaliDecoder(num_threads) if level == 2 else None
+    decoder = DaliDecoder(num_threads) if level == 2 else None
     batch: list[tuple[str, list]] = []
 
     def flush():
@@ -308,9 +307,6 @@ def scan(paths: list[str], mode: str, *, max_pixels: int, num_threads: int = 1,
 def write_report(bad: dict[str, str], root: Path, out: Path) -> Path:
     """Write OUT/bad_images.tsv: one row per excluded file, its path and the reason. The reason is redacted
     (a link's target may hold a token); the path stays as the manifest wrote it, to join back to it."""
-    from .redact import redact
-    from .workdir import writing
-
     out.mkdir(parents=True, exist_ok=True)
     report = out / "bad_images.tsv"
     tmp = report.with_name(f".bad_images.tsv.tmp-{os.getpid()}")

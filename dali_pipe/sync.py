@@ -26,18 +26,20 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor, as_completed
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import unquote, urlsplit, urlunsplit
 
 from .errors import UserError
-from .manifest import MANIFEST_NAME, ManifestError, read_table, safe_relpath
+from .manifest import MANIFEST_NAME, ManifestError, check_columns, parse_rows, read_table, safe_relpath
 from .redact import redact
-from .workdir import human_bytes, is_disk_full
+from .workdir import human_bytes, is_disk_full, lock, pid_alive, remove_dead_temps, unlock
 
 STATE_NAME = ".sync-state.json"
 CHUNK = 1 << 16  # small enough that a slow but live endpoint shows progress well within STALL_SECONDS
@@ -95,8 +97,6 @@ def make_client(workers: int, max_attempts: int | None = None, connect_timeout: 
 def endpoint_credentials() -> dict:
     """An AWS_ENDPOINT_URL(_S3) of the form http://KEY:SECRET@host:port: the endpoint without them, and
     them as the access key and secret (botocore would send them in the Host header otherwise)."""
-    from urllib.parse import unquote, urlsplit, urlunsplit
-
     url = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
     if not url or "@" not in url:
         return {}
@@ -223,8 +223,6 @@ def download(client, bucket: str, key: str, dest: Path, size: int, stop: threadi
 def clean_after_dead_syncs(dest: Path) -> None:
     """A sync marks its target while it runs (`.sync-running-PID`); when a marker's process is
     dead, that sync did not end cleanly: remove the temporary files it left (a walk of the target)."""
-    from .workdir import pid_alive, remove_dead_temps
-
     dead = [m for m in dest.glob(".sync-running-*") if not pid_alive(int(m.name.rsplit("-", 1)[1]))]
     if dead:
         remove_dead_temps(dest, ".*.part-*", recursive=True)
@@ -237,8 +235,6 @@ def clean_after_dead_syncs(dest: Path) -> None:
 def holding(dest: Path):
     """Hold `dest` for one sync: its lock (a second sync stops at once, naming us), a marker that this
     sync is running (so the next one knows to clean up after a killed one), the clean-up itself."""
-    from .workdir import lock, unlock
-
     lock(dest, "sync", "wait for it to finish")
     running = dest / f".sync-running-{os.getpid()}"
     try:
@@ -255,8 +251,6 @@ def fetch_manifest(client, bucket: str, base: str, dest: Path, rows: bool = Fals
     `rows`, also as training reads them (columns, labels, split, conflicting duplicates), so a manifest that
     training would refuse stops here, named by its S3 URI, before any file is fetched."""
     from botocore.exceptions import BotoCoreError, ClientError
-
-    from .manifest import check_columns, parse_rows
 
     key = base + MANIFEST_NAME
     try:
@@ -290,6 +284,23 @@ def fetch_manifest(client, bucket: str, base: str, dest: Path, rows: bool = Fals
         staged.unlink(missing_ok=True)
         raise
     return staged, wanted
+
+
+def read_object(uri: str, name: str) -> bytes | None:
+    """The bytes of the small object NAME under the s3:// prefix `uri` (a pack's packed.json), or None when
+    there is none; any other failure is a SyncError naming the bucket and key."""
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    bucket, prefix = parse_s3_uri(uri)
+    key = f"{prefix}/{name}" if prefix else name
+    try:
+        return make_client(1).get_object(Bucket=bucket, Key=key)["Body"].read()
+    except ClientError as e:
+        if e.response.get("Error", {}).get("Code") in ("NoSuchKey", "404", "NotFound"):
+            return None
+        raise SyncError(explain(e, bucket, key)) from None
+    except BotoCoreError as e:
+        raise SyncError(explain(e, bucket, key)) from None
 
 
 def list_objects(client, bucket: str, base: str) -> dict[str, tuple[int, str]]:
@@ -373,8 +384,6 @@ def fetch_files(client, bucket: str, base: str, dest: Path, todo: list[tuple[str
 def _collect(futs, watch: Watch, state: _State, stats: SyncStats, bar, failures: list[str], dest: Path, todo: list,
              bucket: str, base: str) -> None:
     """Take the downloads as they finish; raise SyncError for a silent endpoint or a full disk."""
-    from concurrent.futures import FIRST_COMPLETED, wait
-
     from botocore.exceptions import BotoCoreError, ClientError
 
     pending = set(futs)
@@ -405,8 +414,6 @@ def _collect(futs, watch: Watch, state: _State, stats: SyncStats, bar, failures:
 
 
 def disk_full(dest: Path, stats: SyncStats, todo: list) -> SyncError:
-    import shutil
-
     rest = sum(size for _, size, _ in todo) - stats.bytes
     return SyncError(f"the disk under {dest} is full (No space left on device) after {stats.downloaded} of {len(todo)} "
                      f"file(s); the completed files are kept. Free about {human_bytes(rest)} there "
@@ -416,8 +423,6 @@ def disk_full(dest: Path, stats: SyncStats, todo: list) -> SyncError:
 
 def check_room(dest: Path, todo: list[tuple[str, int, str]]) -> None:
     """The files to fetch fit in the free space under `dest`, before the first GET."""
-    import shutil
-
     need, free = sum(size for _, size, _ in todo), shutil.disk_usage(dest).free
     if need > free:
         raise SyncError(f"the {len(todo)} file(s) to download need {human_bytes(need)}, but {dest} has "

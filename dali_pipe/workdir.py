@@ -14,6 +14,7 @@ names no holder; `fcntl.flock` is the whole mechanism in a few lines.
 """
 from __future__ import annotations
 
+import errno
 import fcntl
 import hashlib
 import os
@@ -22,6 +23,7 @@ import shutil
 from contextlib import contextmanager
 from pathlib import Path
 
+from .config import default_cache_dir
 from .errors import UserError
 from .redact import redact
 
@@ -39,8 +41,6 @@ class OutputError(UserError):
 
 def lock_dir() -> Path:
     """The folder of lock files: locks/ under $DALI_PIPE_CACHE, else ~/.cache/dali_pipe."""
-    from .config import default_cache_dir
-
     return default_cache_dir() / "locks"
 
 
@@ -135,8 +135,6 @@ def remove_dead_temps(directory: Path | str, pattern: str, *, recursive: bool = 
     """Remove temporary files and folders matching `pattern` whose writer is dead: their names end
     in -PID. `include_own` also removes those named with this process's PID: at the start of a run
     (which has written nothing yet) they are another container's, restored with the folder."""
-    import shutil
-
     removed = []
     directory = Path(directory)
     for tmp in (directory.rglob(pattern) if recursive else directory.glob(pattern)):
@@ -208,8 +206,6 @@ def human_bytes(n: float) -> str:
 
 def is_disk_full(err: BaseException) -> bool:
     """A write failed for want of space (ENOSPC, or a quota), whichever library raised it."""
-    import errno
-
     if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
         return True
     text = str(err)

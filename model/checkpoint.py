@@ -36,8 +36,10 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 import uuid
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,8 +47,11 @@ import pytorch_lightning as pl
 from lightning_fabric.plugins.io.torch_io import TorchCheckpointIO
 from pytorch_lightning.utilities.exceptions import SIGTERMException
 
+from dali_pipe.datamodule import differences as fields_differ
 from dali_pipe.errors import RunMismatchError, UserError  # noqa: F401 (RunMismatchError: one class for both sides)
 from dali_pipe.workdir import remove_dead_temps, write_failure
+
+from .loading import load_config
 
 LAST = "last.ckpt"
 SIDECAR = "last.json"
@@ -69,8 +74,6 @@ def damaged(path: Path, why: str) -> CheckpointDamagedError:
 
 def verify(path: Path) -> None:
     """The checkpoint is a whole zip archive (torch's format) whose every member matches its CRC."""
-    import zipfile
-
     path = Path(path)
     try:
         with zipfile.ZipFile(path) as z:
@@ -96,8 +99,6 @@ def model_from(state: dict, name: str, classes: list[str]):
     """The classifier whose weights a loaded checkpoint holds (its `model.` entries), built from
     --model's config with the head sized to `classes`."""
     from transformers import AutoModelForImageClassification
-
-    from .loading import load_config
 
     model = AutoModelForImageClassification.from_config(load_config(name, classes))
     weights = {k[len("model."):]: v for k, v in state.get("state_dict", {}).items() if k.startswith("model.")}
@@ -165,8 +166,6 @@ OPTIONAL = {"grad_accum"}  # compared only where both sides hold it (older check
 
 def differences(saved: dict, current: dict, sides: tuple[str, str] = ("in the checkpoint", "now")) -> list[str]:
     """One line per fingerprint field that differs, in the CLI's words: 'LABEL: A SIDE0, B SIDE1'."""
-    from dali_pipe.datamodule import differences as fields_differ
-
     return fields_differ(saved, current, FINGERPRINT, sides, OPTIONAL)
 
 
@@ -318,8 +317,6 @@ class SpotSafeCheckpoint(pl.Callback):
             self._group = dist.new_group(backend="gloo", timeout=timeout)
 
     def _install(self) -> None:
-        import threading
-
         if not self._installed and threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, self._on_sigterm)  # replaces Lightning's (registered just before)
             self._installed = True

@@ -14,6 +14,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from dali_pipe.workdir import writing
+
 READABLE = 50  # up to this many classes the figure is a heatmap; beyond, a table of the top confusions
 
 
@@ -69,8 +71,6 @@ def write(metrics: dict, out: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
-    from dali_pipe.workdir import writing
 
     out.mkdir(parents=True, exist_ok=True)
     tmp = out / f".metrics.json.tmp-{os.getpid()}"

@@ -21,8 +21,12 @@ import shutil
 from pathlib import Path
 
 from dali_pipe.errors import UserError
+from dali_pipe.workdir import remove_dead_temps, write_failure
 
+from . import checkpoint
 from .files import RECORD, damaged_files, file_record, read_record
+from .loading import ModelLoadError, load_checked
+from .selection import BestModel
 
 TEMP = ".model-tmp-"
 RERUN = "fix that (free space there, or make it writable) and rerun the same command: it exports the model from there"
@@ -35,8 +39,6 @@ class ExportError(UserError):
 def write(model, processor, out: Path, metrics: dict, *, run: str | None, select: str) -> None:
     """The model, its processor, label_map.json and metrics.json (with the export record) into OUT,
     atomically as the module docstring says. Raises ExportError (the temporary folder removed)."""
-    from dali_pipe.workdir import write_failure
-
     out = Path(out)
     tmp = out / f"{TEMP}{os.getpid()}"
     try:
@@ -79,7 +81,6 @@ def problem(out: Path, *, run: str | None, global_step: int, select: str) -> str
     damaged = damaged_files(out)
     if damaged:
         return "has files that differ from its record: " + "; ".join(damaged)
-    from .loading import ModelLoadError, load_checked
 
     try:
         load_checked(str(out), "its model", verify_files=False)
@@ -96,8 +97,6 @@ def describe(selected: dict) -> str:
 def selected_model(best, select: str, last):
     """(the weights --select chooses: the best model's folder, checked whole, or `last`; the record for
     metrics.json). Raises BestModelError when the best model is missing or damaged."""
-    from .loading import load_checked
-
     folder, selected = best.choice(select)
     return (load_checked(str(folder), f"the best model in {folder}") if folder else last), selected
 
@@ -106,9 +105,6 @@ def from_checkpoint(path: Path, checkpoint_dir: Path, name: str, classes: list[s
                     run: str | None, global_step: int, select: str) -> dict:
     """Export a finished run again from its final checkpoint (the last weights, its epochs' metrics, its
     best record) or its best model; returns the record of what was selected."""
-    from . import checkpoint
-    from .selection import BestModel
-
     state = checkpoint.load(path)
     best = BestModel(checkpoint_dir, run_id=run)
     best.load_state_dict(state.get("callbacks", {}).get(best.state_key, {}))
@@ -126,7 +122,5 @@ def from_checkpoint(path: Path, checkpoint_dir: Path, name: str, classes: list[s
 
 def remove_dead(out: Path) -> None:
     """The temporary folders of writers that died (kill -9) or of another container (the same PID)."""
-    from dali_pipe.workdir import remove_dead_temps
-
     remove_dead_temps(out, f"{TEMP}*", include_own=True)
     remove_dead_temps(out, ".write-test-*", include_own=True)

@@ -15,9 +15,12 @@ that transformers cannot build as an image classifier is refused, never swapped 
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 from dali_pipe.config import BUILTIN_MODELS, TINY, VIT_B16_RANDOM
 from dali_pipe.errors import UserError
+
+from .files import damaged_files
 
 
 class ModelLoadError(UserError):
@@ -96,9 +99,6 @@ def load_model(name: str, classes: list[str]):
     if name in BUILTIN_MODELS:
         return AutoModelForImageClassification.from_config(load_config(name, classes))
     saved = load_config(name)
-    from pathlib import Path
-
-    from .files import damaged_files
 
     damaged = damaged_files(Path(name)) if Path(name).is_dir() else []
     if damaged:
@@ -171,11 +171,7 @@ def load_checked(name: str, what: str, *, verify_files: bool = True):
     """`name` (a save_pretrained folder or a hub id) loaded with transformers, refused with a
     ModelLoadError naming the file or the keys when it is damaged (`verify_files`: against the
     checksums its export recorded) or its weights do not fit its config."""
-    from pathlib import Path
-
     from transformers import AutoModelForImageClassification
-
-    from .files import damaged_files
 
     folder = Path(name)
     if verify_files and folder.is_dir():

@@ -22,6 +22,10 @@ from pathlib import Path
 import pytorch_lightning as pl
 
 from dali_pipe.errors import UserError
+from dali_pipe.workdir import pid_alive, remove_dead_temps, write_failure
+
+from .files import damaged_files, file_record
+from .loading import ModelLoadError, load_checked
 
 RULE_BEST = "the best validation accuracy (ties: the later epoch)"
 RULE_LAST = "the last epoch"
@@ -66,10 +70,6 @@ class BestModel(pl.Callback):
         self.best = best
 
     def _save(self, model, best: dict) -> None:
-        from dali_pipe.workdir import write_failure
-
-        from .files import file_record
-
         tmp = self.dir.with_name(f".best.tmp-{os.getpid()}")
         old = self.dir.with_name(f".best.old-{os.getpid()}")
         try:
@@ -99,8 +99,6 @@ class BestModel(pl.Callback):
         BestModelError with the ways out."""
         if select != "best" or self.best is None:
             return None, {"rule": RULE_LAST if select == "last" else RULE_NO_VAL}
-        from .files import damaged_files
-        from .loading import ModelLoadError, load_checked
 
         way_out = ("pass --select last to export the last epoch instead, or --resume never to train again "
                    "(the checkpoint is moved aside)")
@@ -134,8 +132,6 @@ def recover(checkpoint_dir: Path | str) -> None:
     """Put a best folder back after a kill between the two renames of a save (the previous one,
     which the last checkpoint describes, else the new one when whole), then remove what dead
     writers left."""
-    from dali_pipe.workdir import pid_alive, remove_dead_temps
-
     root = Path(checkpoint_dir)
     best = root / "best"
     if not best.exists():

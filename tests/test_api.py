@@ -4,8 +4,8 @@ Lightning's ModelCheckpoint, the public callbacks, benchmark() and the README's 
 from __future__ import annotations
 
 import json
-import re
 import os
+import re
 import runpy
 import signal
 import subprocess
@@ -47,9 +47,8 @@ def test_help_is_the_reference():
     import pydoc
 
     import dali_pipe
-    from dali_pipe.config import FIELDS
-
     from dali_pipe.api import LIBRARY_HELP
+    from dali_pipe.config import FIELDS
 
     text = pydoc.render_doc(dali_pipe.DaliDataModule, renderer=pydoc.plaintext)
     assert "DaliDataModule(data=None, *, model=None, image_size=None, mean=None, std=None" in text

@@ -218,9 +218,9 @@ def test_final_checkpoint_failure_still_exports_the_model_and_fails(photo_root, 
     without naming the cause, the error says the disk is full; the model is still exported, whole."""
     from helpers import fill, small_disk
 
+    from dali_pipe.workdir import OutputError
     from model.checkpoint import SpotSafeCheckpoint
     from model.loading import load_trained
-    from dali_pipe.workdir import OutputError
 
     real = SpotSafeCheckpoint.on_train_end
 
@@ -366,8 +366,9 @@ print(cb._group._get_backend(torch.device("cpu")).options._timeout.total_seconds
 def test_an_output_on_another_disk_without_room_for_the_model_stops_before_training(photo_root, tmp_path, cache_dir):
     """--output on a disk of its own (--checkpoint-dir elsewhere) too small for the model: one error before
     training, naming --output and both sizes (before, the run trained to its end, then failed to export)."""
-    from dali_pipe.workdir import OutputError
     from helpers import small_disk
+
+    from dali_pipe.workdir import OutputError
 
     with small_disk(tmp_path / "disk", "256k") as disk:
         with pytest.raises(OutputError, match=r"--output .*disk/out has \d+\.\d KiB free but the run writes about "

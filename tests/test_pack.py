@@ -228,21 +228,21 @@ def test_an_s3_pack_killed_during_its_upload_finishes_on_rerun(photo_root, s3, t
     _pack(photo_root, "s3://data/packed", "--workers", "1")
     assert "nothing to do" not in capsys.readouterr().err
     assert client.get_object(Bucket="data", Key=f"packed/{first['name']}")["Body"].read() == good
-    import dali_pipe.sync as sync_mod
+    import dali_pipe.cli.pack as pack_cli
 
-    real = sync_mod.make_client
+    real = pack_cli.make_client  # the client the pack command uploads with
 
     def dying(*a, **k):  # the replacing upload stops (a kill) once the old packed.json is gone
         c = real(*a, **k)
         c.upload_file = lambda *a, **k: (_ for _ in ()).throw(SystemExit("killed"))
         return c
 
-    sync_mod.make_client = dying
+    pack_cli.make_client = dying
     try:
         with pytest.raises(SystemExit):
             _pack(photo_root, "s3://data/packed", "--workers", "1", "--shard-size", "150kB")
     finally:
-        sync_mod.make_client = real
+        pack_cli.make_client = real
     _pack(photo_root, "s3://data/packed", "--workers", "1", "--shard-size", "150kB")
     meta = json.loads(client.get_object(Bucket="data", Key="packed/packed.json")["Body"].read())
     names = {n for sp in meta["splits"].values() for s in sp["shards"] for n in (s["name"], s["index"])}

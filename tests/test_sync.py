@@ -288,8 +288,9 @@ def test_an_endpoint_silent_for_every_get_stops_the_whole_sync_at_one_deadline(s
     import time
     from concurrent.futures import ThreadPoolExecutor
 
-    import dali_pipe.sync as mod
     from faultproxy import FaultProxy
+
+    import dali_pipe.sync as mod
 
     server, url = s3
     client = make_client(16)
@@ -324,8 +325,9 @@ def test_a_full_disk_gives_one_clear_error_and_keeps_what_was_fetched(s3, photo_
     fills it), one SyncError says so, the fetched files are whole, no partial file or manifest."""
     import json
 
-    import dali_pipe.sync as mod
     from helpers import small_disk
+
+    import dali_pipe.sync as mod
 
     _upload(photo_root)
     with small_disk(tmp_path / "disk", "128k") as disk:

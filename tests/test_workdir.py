@@ -11,8 +11,17 @@ import sys
 import pytest
 from helpers import hold_lock
 
-from dali_pipe.workdir import (LEGACY_LOCK_NAME, BusyError, OutputError, check_writable, human_bytes, lock, lock_path,
-                               remove_dead_temps, unlock)
+from dali_pipe.workdir import (
+    LEGACY_LOCK_NAME,
+    BusyError,
+    OutputError,
+    check_writable,
+    human_bytes,
+    lock,
+    lock_path,
+    remove_dead_temps,
+    unlock,
+)
 
 
 def test_lock_puts_nothing_in_the_directory_and_a_second_holder_is_refused(tmp_path, cache_dir):

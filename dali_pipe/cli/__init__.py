@@ -10,12 +10,16 @@ only the settings are loaded until a command runs, so `--help` and a bad flag an
 """
 from __future__ import annotations
 
+import signal
 import sys
 import warnings
 from pathlib import Path
 
 from ..config import TRAIN_GROUPS, Settings, UsageError, build_parser, parse, resolve, settings_from, validate
+from ..demo import demo_dataset
 from ..errors import UserError
+from ..redact import RedactingStream, redact
+from ..workdir import is_disk_full
 
 TRAIN_DOC = """Train an image classifier from a dataset.tsv of JPEGs (local or S3) with a DALI pipeline.
 
@@ -49,8 +53,6 @@ def prepared(s: Settings) -> Settings:
     demo = s.data.data is None
     s = resolve(s)
     if demo:
-        from ..demo import demo_dataset
-
         s.data.data = str(demo_dataset(s.data.cache_dir, seed=s.data.seed))
         print(f"demo: no --data given; training on generated photos in {s.data.data}")
     return s
@@ -60,7 +62,7 @@ def main(argv: list[str] | None = None) -> dict:
     """train.py as a library: `main([...flags])` trains or benchmarks and returns the result dict."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] in (["train"], ["serve"]) or not argv:  # a first argument only: a flag's value never lands here
-        from . import sagemaker
+        from . import sagemaker  # lazy: a command's module loads Lightning (~10 s); --help must answer at once
 
         if argv[:1] == ["serve"]:
             raise UsageError(sagemaker.SERVE_MESSAGE)
@@ -70,10 +72,10 @@ def main(argv: list[str] | None = None) -> dict:
             return sagemaker.run_sagemaker(argv[1:], main)
     s = prepared(parse_train(argv))
     if s.bench.benchmark:
-        from .bench import run
+        from .bench import run  # lazy: as above, the benchmark command loads Lightning
 
         return run(s)
-    from .fit import run
+    from .fit import run  # lazy: as above, the training command loads Lightning
 
     return run(s)
 
@@ -104,10 +106,6 @@ def plain_warning(message, category, filename, lineno, line=None) -> str:
 def cli(entry=main) -> int:
     """Entry point: secrets never printed, SIGTERM handled from the first line, and user errors (and a
     full disk) as one clear message with exit status 2 instead of a traceback."""
-    import signal
-
-    from ..redact import RedactingStream, redact
-
     if not isinstance(sys.stdout, RedactingStream):
         sys.stdout, sys.stderr = RedactingStream(sys.stdout), RedactingStream(sys.stderr)
     warnings.formatwarning = plain_warning
@@ -121,7 +119,6 @@ def cli(entry=main) -> int:
         print("stopped by SIGTERM", file=sys.stderr)
         return 143
     except OSError as e:  # a full disk wherever it strikes (an output file, a log): one line, not a traceback
-        from ..workdir import is_disk_full
 
         if not is_disk_full(e):
             raise

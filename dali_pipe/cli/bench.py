@@ -15,10 +15,30 @@ import dataclasses
 import sys
 from pathlib import Path
 
-from ..benchmark import (NO_MODEL_NOTE, Synthetic, environment, finish, measure, pin_cpus, quiet_lightning, ratio_lines,
-                         ratios, run_rounds, summarise)
+from model.loading import load_processor
+from model.module import ImageClassifier
+
+from ..baseline import classic_loader
+from ..benchmark import (
+    NO_MODEL_NOTE,
+    Synthetic,
+    environment,
+    finish,
+    measure,
+    pin_cpus,
+    quiet_lightning,
+    ratio_lines,
+    ratios,
+    run_rounds,
+    summarise,
+)
 from ..config import VIT_B16_RANDOM, Settings, UsageError
+from ..datamodule import DaliDataModule
 from ..pipeline import Shards
+from ..prescribe import prescription
+from ..spec import ImageSpec
+from .fit import make_trainer
+from .noise import quiet_known_noise
 
 
 class Bench:
@@ -27,11 +47,6 @@ class Bench:
 
     def __init__(self, s: Settings):
         import torch
-
-        from model.loading import load_processor
-
-        from ..datamodule import DaliDataModule
-        from ..spec import ImageSpec
 
         self.s, self.out = s, Path(s.run.output)
         self.out.mkdir(parents=True, exist_ok=True)
@@ -71,16 +86,12 @@ class Bench:
         if name == "packed":
             return self.packed.loader(self.packed.manifest.train, training=True)
         if name == "baseline":
-            from ..baseline import classic_loader
-
             return classic_loader([x.path for x in self.train], [x.label for x in self.train], self.spec,
                                   batch_size=self.s.data.batch_size, workers=len(self.cores), pin_memory=self.gpu,
                                   seed=self.s.data.seed)
         return Synthetic(self.s.data.batch_size, self.spec, len(self.dm.manifest.classes), self.device)
 
     def module(self):
-        from model.module import ImageClassifier
-
         module = ImageClassifier(self.s.model, seed=self.s.data.seed, classes=self.dm.manifest.classes)
         module.metric_lines = False  # a report, not a training log
         return module
@@ -89,8 +100,6 @@ class Bench:
         """Training's Trainer setup, on one device, without checkpoints, validation or progress bar; its
         logger takes the step's logging (as in training) and writes nothing."""
         from pytorch_lightning.loggers.logger import DummyLogger
-
-        from .fit import make_trainer
 
         return make_trainer(self.s, callbacks, logger=DummyLogger(), devices=1, num_nodes=1, strategy="auto",
                             max_steps=max_steps, max_epochs=-1, limit_val_batches=0, num_sanity_val_steps=0,
@@ -113,8 +122,6 @@ def verdicts(b: Bench, results: dict, ratio: dict) -> list[str]:
     bound = any(results[n]["diagnosis"][0].startswith(f"{n}: input-bound") for n in ("dali", "baseline")
                 if n in results)
     if bound and not isinstance(b.train, Shards):
-        from ..prescribe import prescription
-
         advice = prescription(b.dm.manifest, b.spec, b.pipeline, batch_size=b.s.data.batch_size, cores=cores)
         if advice:
             lines.append(advice)
@@ -122,8 +129,6 @@ def verdicts(b: Bench, results: dict, ratio: dict) -> list[str]:
 
 
 def run(s: Settings) -> dict:
-    from .fit import quiet_known_noise
-
     quiet_known_noise()
     b = Bench(s)
     print(f"benchmark: {', '.join(b.names)}; {s.bench.warmup} warm-up + {s.bench.steps} timed steps each, batch "

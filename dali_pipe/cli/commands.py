@@ -5,6 +5,9 @@ import sys
 from pathlib import Path
 
 from ..config import add_subcommand, new_parser, parse, settings_from, validate
+from ..shards.cache import fetch_to
+from ..shards.source import is_packed
+from ..sync import sync
 
 SYNC_DOC = ("Download s3://bucket/prefix/dataset.tsv and every file it lists into LOCAL_DIR (or, for a pack, its "
             "packed.json, shards and index files, with parallel ranged GETs). Files already present and unchanged "
@@ -76,10 +79,6 @@ def main(argv: list[str] | None = None) -> int:
                         "(see --help)")
     validate(s, COMMANDS[command], problems)
     if command == "sync":
-        from ..shards.cache import fetch_to
-        from ..shards.source import is_packed
-        from ..sync import sync
-
         if is_packed(s.sync.uri):  # a pack: its shards and index files, a few large GETs
             fetch_to(s.sync.uri, Path(s.sync.local_dir), mode="sync", workers=s.sync.workers,
                      progress=not s.sync.no_progress)
@@ -89,15 +88,13 @@ def main(argv: list[str] | None = None) -> int:
         if s.sync.no_progress:
             print(stats.summary())
     elif command == "pack":
-        from .pack import run
+        from .pack import run  # lazy: a command's module loads Lightning (~10 s); --help must answer at once
 
         run(s)
     elif command in ("evaluate", "predict"):
-        from .fit import quiet_known_noise
-
-        quiet_known_noise()  # transformers' "Loading weights" bar, among others
-        from .evaluate import run as evaluate
-        from .predict import run as predict
-
-        (evaluate if command == "evaluate" else predict)(s)
+        if command == "evaluate":
+            from .evaluate import run  # lazy: as above
+        else:
+            from .predict import run  # lazy: as above
+        run(s)
     return 0

@@ -5,8 +5,17 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+from model import evaluation
+from model.loading import load_processor, load_trained
+
 from ..config import Settings
+from ..datamodule import DaliDataModule
 from ..errors import UserError
+from ..manifest import Sample
+from ..pipeline import Shards
+from ..redact import redact
+from ..spec import ImageSpec
+from .infer import prepared, run_model
 
 
 class LabelError(UserError):
@@ -14,16 +23,6 @@ class LabelError(UserError):
 
 
 def run(s: Settings) -> dict:
-    from model import evaluation
-    from model.loading import load_processor, load_trained
-
-    from ..datamodule import DaliDataModule
-    from ..manifest import Sample
-    from ..pipeline import Shards
-    from ..redact import redact
-    from ..spec import ImageSpec
-    from .infer import prepared, run_model
-
     s = prepared(s, s.eval.eval_output)
     out = Path(s.eval.eval_output)
     model = load_trained(s.model.model)

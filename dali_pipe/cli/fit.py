@@ -17,39 +17,32 @@ final checkpoint (or the best model with --select best) and says so.
 """
 from __future__ import annotations
 
-import json
-import logging
 import os
 import sys
-import warnings
+import time
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 
+from model import export as exporter
+from model.checkpoint import SpotSafeCheckpoint, plan_resume, read_meta
+from model.export import remove_dead
+from model.loading import load_processor, parameter_count
+from model.module import ImageClassifier
+from model.progress import PlainProgressBar
+from model.selection import BestModel, recover
+
 from ..config import Settings
+from ..datamodule import DaliDataModule, drop_note
 from ..errors import UserError
-from ..workdir import OutputError
-
-
-class _DropMessages(logging.Filter):
-    def __init__(self, *needles: str):
-        super().__init__()
-        self.needles = needles
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not any(n in record.getMessage() for n in self.needles)
-
-
-def quiet_known_noise() -> None:
-    """Messages a user can do nothing about, silenced where they come from."""
-    warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*")  # Lightning on torch 2.13
-    # our loader is resumable through the DataModule's state, which Lightning does not look at for this warning
-    warnings.filterwarnings("ignore", message=r".*your dataloader is not resumable.*")
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()  # "Loading weights" / "Writing model shards" bars, one per save or load
-    rank_zero = logging.getLogger("pytorch_lightning.utilities.rank_zero")
-    if not any(isinstance(f, _DropMessages) for f in rank_zero.filters):
-        rank_zero.addFilter(_DropMessages("litlogger"))  # an advertisement printed by every Trainer
+from ..manifest import Manifest
+from ..monitor import DaliMemoryLog, MonitorCallback
+from ..prescribe import prescription
+from ..redact import redact
+from ..spec import ImageSpec
+from ..workdir import OutputError, check_writable, lock, unlock
+from .hosts import fail_together, join, plan_text
+from .noise import quiet_known_noise
 
 
 def world_size(s: Settings) -> int:
@@ -80,7 +73,6 @@ def make_trainer(s: Settings, callbacks: list, *, logger=True, **overrides):
     world = world_size(s)
     strategy = "auto"
     if world > 1:  # collectives (and Lightning's own rendezvous) give up after --dist-timeout, naming no hang
-        from datetime import timedelta
 
         from pytorch_lightning.strategies import DDPStrategy
 
@@ -116,10 +108,6 @@ def bytes_needed(params: int) -> int:
 
 def run(s: Settings) -> dict:
     """Fit the model and write it to OUTPUT in save_pretrained form. Returns the last epoch's metrics."""
-    from ..workdir import check_writable, lock, unlock
-
-    import time
-
     started = time.perf_counter()  # the --monitor time budget's origin (its start-up share begins here)
     quiet_known_noise()
     out, ckpt_dir = Path(s.run.output), Path(s.run.checkpoint_dir)
@@ -127,8 +115,6 @@ def run(s: Settings) -> dict:
     writes_out = main and is_first_node()  # the other nodes never touch OUT (it may be one shared folder)
     meeting = None
     if main and s.run.num_nodes > 1:
-        from .hosts import join
-
         meeting = join(s.run.num_nodes, s.run.dist_timeout)
     try:
         if writes_out:
@@ -139,8 +125,6 @@ def run(s: Settings) -> dict:
         return _fit(s, out, ckpt_dir, main, meeting, started)
     except BaseException as e:
         if meeting is not None:
-            from .hosts import fail_together
-
             fail_together(meeting, e)  # tells the others; raises another host's failure when it caused this one
         raise
     finally:
@@ -164,16 +148,6 @@ class Prepared:
 def preflight(s: Settings, out: Path, ckpt_dir: Path, main: bool) -> Prepared:
     """Outputs writable, data synced and scanned (main process), the run fingerprinted, the resume decided."""
     import pytorch_lightning as pl
-
-    from model.checkpoint import plan_resume
-    from model.export import remove_dead
-    from model.loading import load_processor, parameter_count
-    from model.selection import recover
-
-    from ..datamodule import DaliDataModule
-    from ..redact import redact
-    from ..spec import ImageSpec
-    from ..workdir import check_writable
 
     if main and is_first_node():  # the node that writes OUT and the checkpoints (folders other nodes may share)
         remove_dead(out)  # what a killed export left
@@ -203,16 +177,8 @@ def _fit(s: Settings, out: Path, ckpt_dir: Path, main: bool, meeting=None,
     from pytorch_lightning.callbacks import LearningRateMonitor
     from pytorch_lightning.utilities.exceptions import SIGTERMException
 
-    from model.checkpoint import SpotSafeCheckpoint
-    from model.module import ImageClassifier
-    from model.progress import PlainProgressBar
-    from model.selection import BestModel
-
-    from ..monitor import DaliMemoryLog, MonitorCallback
-
     p = preflight(s, out, ckpt_dir, main)
     if meeting is not None:  # every host synced and scanned: meet (bounded), then Lightning's rendezvous is quick
-        from .hosts import plan_text
 
         meeting.arrive(plan_text(p.plan), p.fingerprint)
     if p.plan.done_step is not None:
@@ -253,8 +219,6 @@ def _fit(s: Settings, out: Path, ckpt_dir: Path, main: bool, meeting=None,
 
 def export(s: Settings, module, p: Prepared, best, ckpt, global_step: int, out: Path) -> None:
     """The selected model into OUT, even when the final checkpoint failed; then fail with what went wrong."""
-    from model import export as exporter
-
     problems = [str(ckpt.final_error)] if ckpt.final_error else []
     select = selection(s, p.manifest)
     try:
@@ -280,8 +244,6 @@ def selection(s: Settings, manifest) -> str:
 def finished(s: Settings, p: Prepared, out: Path, ckpt_dir: Path) -> dict:
     """The run already trained to its end: "nothing to do" once OUT is checked to hold its model;
     else the model exported again from the final checkpoint (or the best one, --select best)."""
-    from model import export as exporter
-
     step = p.plan.done_step
     if not (is_main_process() and is_first_node()):  # the export is global rank 0's
         return {"nothing_to_do": True, "global_step": step}
@@ -301,9 +263,6 @@ def finished(s: Settings, p: Prepared, out: Path, ckpt_dir: Path) -> dict:
 
 def advise_packing(s: Settings, report: dict, manifest, spec) -> None:
     """--monitor found the loader input-bound: if the photos are large, measure what packing would give."""
-    from ..manifest import Manifest
-    from ..prescribe import prescription
-
     if isinstance(manifest, Manifest) and report["diagnosis"][0].startswith("training: input-bound"):
         advice = prescription(manifest, spec, s.pipeline, batch_size=s.data.batch_size,
                               cores=len(os.sched_getaffinity(0)))
@@ -315,8 +274,6 @@ def resume_line(s: Settings, p: Prepared) -> str | None:
     """"resuming epoch 2, step 3 of 5 (global step 8) from PATH": where in the data the run continues
     (the steps of finished epochs are whole epochs: every epoch has the same steps). None when not resuming
     a checkpoint that says its step."""
-    from model.checkpoint import read_meta
-
     if not p.plan.ckpt_path:
         return None
     meta = read_meta(Path(p.plan.ckpt_path)) or {}
@@ -344,7 +301,6 @@ def summary(s: Settings, manifest, scan_result, params: int) -> str:
     scan = (f"scan {s.data.scan}: {len(scan_result.bad)} of {scan_result.total} excluded" if scan_result
             else f"scan {s.data.scan}")
     effective = s.data.batch_size * world * s.model.grad_accum
-    from ..datamodule import drop_note
 
     drop = drop_note(len(manifest.train), s.data.batch_size, world)
     return "\n".join([

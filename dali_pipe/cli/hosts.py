@@ -21,11 +21,18 @@ Lightning's, and SageMaker starts one process per host itself); torch's TCPStore
 """
 from __future__ import annotations
 
+import _thread
+import atexit
 import json
 import os
+import socket
+import threading
 import time
 from contextlib import contextmanager
 from datetime import timedelta
+from pathlib import Path
+
+from model.checkpoint import differences, read_meta
 
 from ..errors import UserError
 from ..redact import redact
@@ -84,9 +91,6 @@ class Meeting:
         """Until arrive(): a daemon thread looks for a failed host every WATCH seconds and then interrupts
         the main thread (KeyboardInterrupt, as Ctrl-C: sync and scan stop cleanly), so that no host syncs
         for an hour for a job that has already failed. `interrupted_by` says why."""
-        import _thread
-        import threading
-
         store, stop = self.store.clone(), threading.Event()  # a connection of its own for the thread
 
         def run():
@@ -161,8 +165,6 @@ class Meeting:
         """Every host must train on the same run: each rank takes its share of its own host's list of
         samples, so hosts with other data (another manifest, a sync that differs, another scan verdict) would
         train some samples twice and others never, or hang on unequal batch counts."""
-        from model.checkpoint import differences
-
         first = arrived[0]
         for other in arrived[1:]:
             diff = differences(other.get("fingerprint", {}), first.get("fingerprint", {}),
@@ -174,8 +176,6 @@ class Meeting:
 
     def _beat(self) -> None:
         """A daemon thread counts this host's heartbeats in the store while it trains."""
-        import threading
-
         store, stop = self.store.clone(), threading.Event()
 
         def run():
@@ -284,9 +284,6 @@ def plan_text(plan) -> str:
         return f"nothing to do (finished at step {plan.done_step})"
     if plan.ckpt_path is None:
         return "a fresh start"
-    from pathlib import Path
-
-    from model.checkpoint import read_meta
 
     return f"resume from step {(read_meta(Path(plan.ckpt_path)) or {}).get('global_step', '?')}"
 
@@ -313,7 +310,6 @@ def join(num_nodes: int, timeout: float) -> Meeting:
         names = json.loads(os.environ.get("DALI_PIPE_HOSTS", "[]")) or [f"node {i}" for i in range(num_nodes)]
         _current = open_meeting(os.environ["MASTER_ADDR"], int(os.environ.get("MASTER_PORT", "29500")) + 1,
                                 int(os.environ["NODE_RANK"]), names, timeout)
-        import atexit
 
         atexit.register(_current.close)
         _current.watch()
@@ -341,8 +337,6 @@ def _connect(addr: str, port: int, names: list[str], rank: int, timeout: float):
     Each attempt runs in a daemon thread that this one waits for in POLL slices: TCPStore's client blocks
     inside C++, past its own timeout, on a peer that accepts the connection but never answers (another
     program on MASTER_PORT + 1, a frozen first host), and a SIGTERM would wait for it too."""
-    import threading
-
     from torch.distributed import TCPStore
 
     deadline = time.monotonic() + timeout
@@ -386,8 +380,6 @@ def _shutdown_connections(port: int) -> None:
     """Shut down this process's TCP connections to `port` (Linux: found through /proc/self/fd), so that a
     connection attempt stuck inside TCPStore's C++ returns an error instead of outliving the interpreter
     (which aborts the process at exit)."""
-    import socket
-
     try:
         fds = [int(fd) for fd in os.listdir("/proc/self/fd")]
     except OSError:

@@ -4,10 +4,12 @@ from __future__ import annotations
 from contextlib import nullcontext
 
 from ..config import Settings, resolve
+from .noise import quiet_known_noise
 
 
 def prepared(s: Settings, output: str) -> Settings:
     """Resolved settings for an inference command (commands.py checked that --model is given)."""
+    quiet_known_noise()  # transformers' "Loading weights" bar, among others
     s.run.output = output
     return resolve(s)
 

@@ -14,10 +14,26 @@ import errno
 import json
 import shutil
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from ..config import Settings, cores, resolve
-
+from ..config import Settings, SyncSettings, cores, resolve
+from ..datamodule import missing_reasons, prepare
+from ..pack import PROGRESS_NAME, PackError, finished, pack_manifest, pack_settings, pack_shards, same_pack
+from ..shards.format import PACKED_NAME
+from ..shards.source import ShardSet, source_kind
+from ..sync import (
+    SyncError,
+    atomic_write,
+    explain,
+    list_objects,
+    local_target,
+    make_client,
+    parse_s3_uri,
+    read_object,
+    sync_objects,
+)
+from ..workdir import lock, unlock
 
 REPLACED = ".replaced-packed.json"  # in the staging folder: the packed.json of the pack being replaced in S3
 
@@ -28,9 +44,6 @@ def upload(local: Path, uri: str, *, workers: int, previous: dict | None = None)
     `previous`: the packed.json of another pack at `uri`, which is replaced."""
     from boto3.s3.transfer import TransferConfig
     from botocore.exceptions import BotoCoreError, ClientError
-
-    from ..shards.format import PACKED_NAME
-    from ..sync import SyncError, atomic_write, explain, list_objects, make_client, parse_s3_uri
 
     bucket, prefix = parse_s3_uri(uri)
     base = f"{prefix}/" if prefix else ""
@@ -77,9 +90,7 @@ def upload(local: Path, uri: str, *, workers: int, previous: dict | None = None)
 
 def remote_pack(uri: str) -> dict | None:
     """The packed.json at an s3:// DST, or None."""
-    from ..packed import _remote_packed_json
-
-    raw = _remote_packed_json(uri)
+    raw = read_object(uri, PACKED_NAME)
     try:
         return json.loads(raw) if raw is not None else None
     except ValueError:
@@ -90,11 +101,7 @@ def remote_complete(uri: str, meta: dict) -> bool:
     """Every shard and index that packed.json `meta` names is in S3 with its size, and each shard with the
     sha256 that `upload` recorded in its metadata (one HEAD per shard: an object replaced by other bytes of
     the same size, or put there by another tool, is not this pack's)."""
-    from concurrent.futures import ThreadPoolExecutor
-
     from botocore.exceptions import BotoCoreError, ClientError
-
-    from ..sync import SyncError, explain, list_objects, make_client, parse_s3_uri
 
     bucket, prefix = parse_s3_uri(uri)
     base = f"{prefix}/" if prefix else ""
@@ -130,8 +137,6 @@ def _clear(staging: Path) -> None:
 
 
 def _finished_shards(staging: Path) -> int:
-    from ..pack import PROGRESS_NAME
-
     try:
         return sum(len(v) for v in json.loads((staging / PROGRESS_NAME).read_text())["splits"].values())
     except (OSError, ValueError, KeyError):
@@ -139,8 +144,6 @@ def _finished_shards(staging: Path) -> int:
 
 
 def run(s: Settings) -> dict:
-    from ..pack import PackError
-
     s = resolve(s)
     dst = s.pack.dst
     staging = (Path(s.data.cache_dir) / "pack-staging" / dst[5:].strip("/")) if dst.startswith("s3://") else Path(dst)
@@ -155,11 +158,6 @@ def run(s: Settings) -> dict:
 
 
 def _run(s: Settings, staging: Path) -> dict:
-    from ..datamodule import missing_reasons, prepare
-    from ..pack import PackError, finished, pack_manifest, pack_settings, pack_shards, same_pack
-    from ..shards.source import ShardSet, source_kind
-    from ..workdir import lock, unlock
-
     src, dst = s.pack.src, s.pack.dst
     data = dataclasses.replace(s.data, data=src, packed_s3="sync")  # packing reads every shard from local disk
     kind = source_kind(src, data.cache_dir)
@@ -199,8 +197,6 @@ def _run(s: Settings, staging: Path) -> dict:
             stats = pack_manifest(source, staging, **opts, bad={**result.bad, **missing_reasons(source)},
                                   cache_dir=data.cache_dir)
         if dst.startswith("s3://"):
-            from ..config import SyncSettings
-
             upload(staging, dst, workers=SyncSettings.workers,
                    previous=next((p for p in (previous, replaced) if p is not None and not same_pack(p, settings)),
                                  None))
@@ -224,9 +220,6 @@ def _counts(meta: dict) -> str:
 def _local_tars(source, data) -> None:
     """Shards of others on S3 are read from a copy in the cache dir (CACHE/s3/...), fetched with ranged GETs,
     folder by folder (a brace pattern may span several)."""
-    from ..config import SyncSettings
-    from ..sync import local_target, sync_objects
-
     folders: dict[str, list] = {}
     for s in source.shards:
         if s.path.startswith("s3://"):

@@ -3,11 +3,22 @@ with a trained model, through the same DALI validation pipeline as training. Wri
 one row per readable image; unreadable ones go to PRED/bad_images.tsv instead of stopping the run."""
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 
-from ..config import Settings
+from model.loading import load_processor, load_trained
+
+from .. import sync as s3
+from ..config import Settings, SyncSettings
+from ..datamodule import DaliDataModule
 from ..errors import UserError
+from ..manifest import MANIFEST_NAME, Sample, absolute_path, read_table, safe_relpath
+from ..scan import scan, write_report
+from ..shards.source import source_kind
+from ..spec import ImageSpec
+from ..workdir import writing
+from .infer import prepared, run_model
 
 IMAGE_EXTENSIONS = {".jpg", ".jpeg", ".png", ".bmp", ".tif", ".tiff", ".webp"}
 
@@ -19,12 +30,7 @@ class InputError(UserError):
 def list_images(data: str, cache_dir: str) -> tuple[Path, list[str]]:
     """(root, image paths relative to it): a manifest's image_path rows (a dataset dir, a .tsv file or
     s3://bucket/prefix), or every image file under a folder."""
-    from ..manifest import MANIFEST_NAME, read_table, safe_relpath
-
     if data.startswith("s3://"):
-        from .. import sync as s3
-        from ..config import SyncSettings
-
         root = s3.local_target(data, Path(cache_dir))
         s3.sync(data, root, workers=SyncSettings.workers, skip_missing=True)
         tsv = root / MANIFEST_NAME
@@ -56,19 +62,10 @@ def list_images(data: str, cache_dir: str) -> tuple[Path, list[str]]:
 
 
 def run(s: Settings) -> dict:
-    from model.loading import load_processor, load_trained
-
-    from ..datamodule import DaliDataModule
-    from ..manifest import Sample, absolute_path
-    from ..scan import scan, write_report
-    from ..spec import ImageSpec
-    from .infer import prepared, run_model
-
     s = prepared(s, s.predict.predict_output)
     out = Path(s.predict.predict_output)
     model = load_trained(s.model.model)
     dm = DaliDataModule(s.data, s.pipeline, ImageSpec.from_processor(load_processor(s.model.model)), out)
-    from ..shards.source import source_kind
 
     if source_kind(s.data.data, s.data.cache_dir) != "files":
         return _predict_shards(s, dm, model, out)
@@ -94,10 +91,6 @@ def _predict_shards(s: Settings, dm, model, out: Path) -> dict:
     """Every usable image of the shards (a pack's train and val, or shards written by others), named by
     its image_path in dataset.tsv (a pack) or its key; members the checks left out are listed in
     PRED/bad_images.tsv."""
-    from .infer import run_model
-
-    import dataclasses
-
     dm.data = dataclasses.replace(dm.data, max_bad_fraction=1.0)  # as for files: bad ones are listed, never a stop
     dm.prepare_data()  # fetch, index, check; PRED/bad_images.tsv
     shards = dm.manifest
@@ -126,7 +119,6 @@ def write_predictions(out: Path, names: list[str], logits, model, top_k: int) ->
         rows.append("\t".join(cells))
     out.mkdir(parents=True, exist_ok=True)
     tmp = out / f".predictions.tsv.tmp-{os.getpid()}"
-    from ..workdir import writing
 
     with writing(out / "predictions.tsv", tmp):
         tmp.write_text("\n".join(rows) + "\n")

@@ -27,6 +27,7 @@ The sagemaker-training toolkit's SM_* variables are honoured as defaults.
 """
 from __future__ import annotations
 
+import ast
 import difflib
 import json
 import os
@@ -34,9 +35,10 @@ import sys
 import traceback
 from pathlib import Path
 
-from ..config import FIELDS, TRAIN_GROUPS, flag_of
+from ..config import FIELDS, TRAIN_GROUPS, RunSettings, flag_of
 from ..errors import UserError
 from ..redact import redact, redact_argv
+from .hosts import HostsError, current, join
 
 FAILURE_LIMIT = 1024
 CONTRACT_FLAGS = ("--output", "--log-dir", "--report-dir", "--checkpoint-dir")  # set by the contract, not by users
@@ -74,8 +76,6 @@ def _unwrap(value):
             pass
         text = value.strip()
         if text[:1] in "([" and text[-1:] in ")]":
-            import ast
-
             try:
                 seq = ast.literal_eval(text)
             except (ValueError, SyntaxError, MemoryError, RecursionError):
@@ -184,8 +184,6 @@ def host_env(resources: dict, env: dict) -> dict:
 def _dist_timeout(hp: dict) -> float:
     """--dist-timeout from the hyperparameters when it reads as a number, else its default (for joining
     the other hosts before the hyperparameters are checked; a bad value is reported with the others)."""
-    from ..config import RunSettings
-
     for key, raw in hp.items():
         if _flag(key) == "--dist-timeout":
             try:
@@ -231,8 +229,6 @@ def run_sagemaker(extra: list[str], main) -> dict:
     Outside a job (no input/config under $SAGEMAKER_BASE_DIR or /opt/ml) it stops with one line and
     writes nothing. With several hosts, this host first joins the others (dali_pipe/cli/hosts.py), so
     that a failure at any later point is published to them."""
-    from .hosts import HostsError, current, join
-
     base = base_dir()
     if not (base / "input" / "config").is_dir():
         where = ("SAGEMAKER_BASE_DIR is set to " + str(base)) if "SAGEMAKER_BASE_DIR" in os.environ else \

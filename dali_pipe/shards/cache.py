@@ -37,19 +37,36 @@ from __future__ import annotations
 import errno
 import hashlib
 import json
+import math
 import os
 import shutil
 import sys
 import threading
 import time
 import weakref
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from ..config import default_cache_dir
 from ..errors import UserError
-from .format import file_sha256
+from ..redact import redact
+from ..sync import (
+    SyncError,
+    atomic_write,
+    endpoint,
+    explain,
+    list_objects,
+    local_target,
+    make_client,
+    parse_s3_uri,
+    read_object,
+    temp_name,
+)
+from ..workdir import lock, remove_dead_temps, unlock
+from .format import PACKED_NAME, PackedFormatError, file_sha256, parse_packed
 
 VERDICTS_NAME = "shard-verdicts.json"
 CHUNK = 8 << 20  # ranged GET part size (s3transfer's default), also the multipart threshold
@@ -146,8 +163,6 @@ def check_file(path: str | Path, size: int | None, sha256: str | None, verdicts:
 def verify_local(shards, cache_dir: str | Path, *, progress: bool = True) -> None:
     """Check every local shard of `shards` (a pipeline.Shards) against its size and sha256 before
     training: hashed once, then cached by (path, size, mtime). Raises ShardError naming them."""
-    from concurrent.futures import ThreadPoolExecutor
-
     from tqdm import tqdm
 
     sizes = shards.sizes or (None,) * len(shards.paths)
@@ -184,14 +199,10 @@ def verify_local(shards, cache_dir: str | Path, *, progress: bool = True) -> Non
 
 # -- one object: s3transfer's ranged parallel GETs, bounded, checked ----------------------------
 def _split(url: str) -> tuple[str, str]:
-    from ..sync import parse_s3_uri
-
     return parse_s3_uri(url)
 
 
 def _where(url: str) -> str:
-    from ..sync import endpoint
-
     return f"{url} (endpoint {endpoint()})"
 
 
@@ -201,8 +212,6 @@ class Fetcher:
     def __init__(self, concurrency: int = PART_CONCURRENCY):
         from boto3.s3.transfer import TransferConfig
         from s3transfer.manager import TransferManager
-
-        from ..sync import make_client
 
         self.client = make_client(concurrency + 2, connect_timeout=CONNECT_TIMEOUT, read_timeout=READ_TIMEOUT)
         config = TransferConfig(multipart_threshold=CHUNK, multipart_chunksize=CHUNK, max_concurrency=concurrency,
@@ -230,8 +239,6 @@ class Fetcher:
     def size_of(self, url: str) -> int:
         from botocore.exceptions import BotoCoreError, ClientError
 
-        from ..sync import explain
-
         bucket, key = _split(url)
         try:
             return int(self.client.head_object(Bucket=bucket, Key=key)["ContentLength"])
@@ -244,8 +251,6 @@ class Fetcher:
         rename (a mismatch is fetched once more). Returns the bytes. Raises ShardError / ShardFetchError."""
         from botocore.exceptions import BotoCoreError, ClientError, FlexibleChecksumError
         from s3transfer.exceptions import RetriesExceededError, S3DownloadFailedError
-
-        from ..sync import explain, temp_name
 
         bucket, key = _split(remote.url)
         size = remote.size if remote.size is not None else self.size_of(remote.url)
@@ -282,7 +287,6 @@ class Fetcher:
         if mismatch is not None and failure is None:
             raise ShardError(f"{_where(remote.url)} {mismatch}, twice: the object in S3 is damaged or was replaced "
                              "after packing (or the network damages data); upload the pack again")
-        from ..redact import redact
 
         raise ShardFetchError(redact(f"{_where(remote.url)} could not be fetched in {ATTEMPTS} attempts "
                                      f"({failure or mismatch}); check the endpoint and the network, then rerun "
@@ -341,8 +345,6 @@ class StreamCacheError(ShardError):
 def _mb(n: float, *, up: bool = False) -> str:
     """A size in decimal units, as --stream-cache takes it ('812 bytes', '37.5 kB', '12.0 MB', '1.2 GB'; never
     '0.0 MB'); `up`: rounded up, for a size that must be enough."""
-    import math
-
     if n < 1000:
         return f"{math.ceil(n) if up else int(n)} bytes"
     for unit, scale in (("kB", 1e3), ("MB", 1e6), ("GB", 1e9)):
@@ -419,10 +421,6 @@ class StreamCache:
 
     def __init__(self, folder: Path, remotes: list[Remote], bound: int, *, parallel: int = FETCH_PARALLEL,
                  local_ranks: int = 1):
-        from concurrent.futures import ThreadPoolExecutor
-
-        from ..workdir import lock, remove_dead_temps
-
         self.folder, self.bound, self.local_ranks = Path(folder), bound, local_ranks
         self.folder.mkdir(parents=True, exist_ok=True)
         lock(self.folder, "run streaming these shards", "wait for it to finish, or pass another --cache-dir")
@@ -621,8 +619,6 @@ class StreamCache:
 
     def close(self) -> None:
         """Stop fetching (in-flight transfers are cancelled); landed shards stay for the next run."""
-        from ..workdir import unlock
-
         if self._stop.is_set():
             return
         self._stop.set()
@@ -657,8 +653,6 @@ class CacheView:
 def listed(remotes: list[Remote], client) -> list[Remote]:
     """The shards with their sizes and ETags from one LIST per prefix: no HEAD per shard, and a shard
     whose size in S3 differs from what packed.json says is named before anything is fetched."""
-    from ..sync import SyncError, list_objects
-
     found: dict[str, tuple[int, str]] = {}
     for base in sorted({r.url.rsplit("/", 1)[0] for r in remotes}):
         bucket, prefix = _split(base + "/x")
@@ -701,7 +695,6 @@ def fetch(data: str, cache_dir: str | Path, *, mode: str, workers: int, progress
     shards when `mode` (auto|sync|stream) says so (checked as they land). Returns the local folder."""
     if not data.startswith("s3://"):
         return Path(data)
-    from ..sync import local_target
 
     return fetch_to(data, local_target(data, Path(cache_dir)), mode=mode, workers=workers, progress=progress,
                     cache_dir=cache_dir)
@@ -711,15 +704,11 @@ def fetch_to(data: str, local: Path, *, mode: str, workers: int, progress: bool 
              cache_dir: str | Path | None = None) -> Path:
     """`fetch` into a given folder (`python -m dali_pipe sync` of a pack); verdicts of the shards that
     land go to `cache_dir` (default: the default cache dir)."""
-    from ..config import default_cache_dir
-    from ..packed import PackedError, _parse, _remote_packed_json
-    from .format import PACKED_NAME
-
     local.mkdir(parents=True, exist_ok=True)
-    raw = _remote_packed_json(data)
+    raw = read_object(data, PACKED_NAME)
     if raw is None:
-        raise PackedError(f"{data} has no {PACKED_NAME}; pack it first (python -m dali_pipe pack)")
-    meta = _parse(raw, f"{data}/{PACKED_NAME}")
+        raise PackedFormatError(f"{data} has no {PACKED_NAME}; pack it first (python -m dali_pipe pack)")
+    meta = parse_packed(raw, f"{data}/{PACKED_NAME}")
     shards = [s for split in meta["splits"].values() for s in split["shards"]]
     total = sum(s["size"] for s in shards)
     free = shutil.disk_usage(local).free + sum((local / s["name"]).stat().st_size for s in shards
@@ -744,11 +733,7 @@ INDEX_STATE = ".index-state.json"  # {index file: ETag} of the index files fetch
 def sync_indexes(uri: str, local: Path, names: list[str], *, workers: int) -> int:
     """Fetch the pack's index files (small; many) in parallel, skipping those whose ETag is unchanged;
     returns how many were fetched."""
-    from concurrent.futures import ThreadPoolExecutor
-
     from botocore.exceptions import BotoCoreError, ClientError
-
-    from ..sync import SyncError, atomic_write, explain, list_objects, make_client, parse_s3_uri
 
     bucket, prefix = parse_s3_uri(uri)
     base = f"{prefix}/" if prefix else ""
@@ -784,11 +769,7 @@ def sync_indexes(uri: str, local: Path, names: list[str], *, workers: int) -> in
 def sync_shards(remotes: list[Remote], local: Path, *, cache_dir: str | Path, progress: bool = True) -> int:
     """Fetch every shard into `local` (ranged parallel GETs, FETCH_PARALLEL shards at a time), each
     checked as it lands; shards already there and matching are kept. Returns the bytes fetched."""
-    from concurrent.futures import ThreadPoolExecutor, as_completed
-
     from tqdm import tqdm
-
-    from ..workdir import lock, remove_dead_temps, unlock
 
     verdicts = Verdicts(cache_dir)
     lock(local, "sync", "wait for it to finish")

@@ -38,6 +38,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import unquote
 
+from ..errors import UserError
+
 INDEX_VERSION = "v1.2"
 PACKED_NAME = "packed.json"
 FORMAT = "dali_pipe-packed/2"  # plain-decimal .cls, a json member per sample, image_paths per shard
@@ -57,8 +59,9 @@ class LabelFormatError(ValueError):
     """A `.cls` member that is not a non-negative decimal integer."""
 
 
-class PackedFormatError(ValueError):
-    """A packed.json this version cannot read; the message names it and says what to do."""
+class PackedFormatError(UserError):
+    """A packed.json this version cannot read (or none where a pack was expected); the message names it and
+    says what to do."""
 
 
 # -- keys ------------------------------------------------------------------------------------------

@@ -33,11 +33,18 @@ import os
 import posixpath
 import re
 import sys
+import tarfile
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..config import DataSettings
 from ..errors import UserError
 from ..pipeline import Shards
+from ..scan import DaliDecoder, ScanResult, check_bytes
+from ..sync import SyncError, explain, local_target, make_client, parse_s3_uri, read_object
+from ..workdir import remove_dead_temps
+from .cache import fetch
 from .format import (
     PACKED_NAME,
     IndexEntry,
@@ -113,9 +120,6 @@ def source_kind(data: str, cache_dir: str | None = None) -> str:
 
 
 def _s3_kind(data: str, cache_dir: str | None) -> str:
-    from ..packed import _remote_packed_json
-    from ..sync import local_target, make_client, parse_s3_uri
-
     if is_brace_pattern(data):
         return "shards"
     if cache_dir is not None:
@@ -124,7 +128,7 @@ def _s3_kind(data: str, cache_dir: str | None) -> str:
             return "pack"
         if (local / MANIFEST_NAME).is_file():  # synced as plain files before: no need to ask S3 again
             return "files"
-    if _remote_packed_json(data) is not None:
+    if read_object(data, PACKED_NAME) is not None:
         return "pack"
     bucket, prefix = parse_s3_uri(data)
     base = f"{prefix}/" if prefix else ""
@@ -137,8 +141,6 @@ def _s3_kind(data: str, cache_dir: str | None) -> str:
 def _list_top(client, bucket: str, base: str, pages: int | None = None) -> dict[str, tuple[int, str]]:
     """{name: (size, ETag)} of the objects directly under s3://bucket/base (not in its sub-folders)."""
     from botocore.exceptions import BotoCoreError, ClientError
-
-    from ..sync import SyncError, explain
 
     out: dict[str, tuple[int, str]] = {}
     try:
@@ -242,8 +244,6 @@ class ShardSet:
         return self  # bad members are already left out (excluded)
 
     def scan_result(self):
-        from ..scan import ScanResult
-
         return ScanResult(bad={f"{s.name} {s.keys[e]}": r for s, e, r in self.bad}, total=self.total)
 
 
@@ -251,8 +251,6 @@ class ShardSet:
 def open_packed(data: str, cache_dir: str | Path) -> ShardSet:
     """The pack at --data read from local disk (after `shards.cache.fetch` for s3://), with its structural
     checks but no check of its members (that is `open_shards`)."""
-    from ..config import DataSettings
-
     return _open_pack(DataSettings(data=data, cache_dir=str(cache_dir), scan="off"), members=False)
 
 
@@ -268,16 +266,12 @@ def open_shards(data, *, num_threads: int = 1, progress: bool = False) -> ShardS
 def prepare_shards(data, *, num_threads: int, workers: int) -> ShardSet:
     """Once per node: fetch a pack from S3 (shards.cache.fetch), index shards of others, check every member."""
     if source_kind(data.data, data.cache_dir) == "pack":
-        from .cache import fetch
-
         fetch(data.data, data.cache_dir, mode=data.packed_s3, workers=workers)
     return open_shards(data, num_threads=num_threads, progress=True)
 
 
 def _pack_root(data: str, cache_dir) -> Path:
     if data.startswith("s3://"):
-        from ..sync import local_target
-
         return local_target(data, Path(cache_dir))
     return Path(data)
 
@@ -344,8 +338,6 @@ def _pack_shard(root: Path, s: dict, split: str, packed: Path, prefix: str | Non
 
 def _check_pack_members(shards: list[Shard], classes: list[str], data, *, num_threads: int, progress: bool) -> None:
     """Each local shard's .cls (an error when outside the classes) and, with --scan, its images."""
-    from ..workdir import remove_dead_temps
-
     level = data.scan
     remove_dead_temps(Path(data.cache_dir) / "shards", ".*.tmp-*")  # what a writer killed with -9 left half written
     bar = _bar(len(shards), "check pack", progress)
@@ -395,9 +387,7 @@ class _Collector:
         self._pos, self._key, self._members, self._batch = None, "", {}, {}
         self._decoder = None
         if level == "full":
-            from ..scan import _DaliDecoder
-
-            self._decoder = _DaliDecoder(num_threads)
+            self._decoder = DaliDecoder(num_threads)
 
     def reset(self) -> None:
         """Forget what was collected (the shard is read again from its start)."""
@@ -418,7 +408,6 @@ class _Collector:
     def _finish(self) -> None:
         if self._pos is None:
             return
-        from ..scan import check_bytes
 
         pos, m = self._pos, self._members
         ext = label_member(m)
@@ -470,8 +459,6 @@ class _Collector:
 def _read_members(path: str, entries: list[IndexEntry], collector: _Collector, images: bool) -> None:
     """Feed each entry's label, json and (when `images`) image member from a local tar, after checking
     that the tar header before each names that member (an index of another shard points elsewhere)."""
-    import tarfile
-
     with open(path, "rb") as f:
         for pos, e in enumerate(entries):
             collector.member(pos, e.key, "", b"")  # the entry, even with none of the members below
@@ -584,8 +571,6 @@ def _list_peer(data: str) -> tuple[list[_Listed], str | None]:
 def _list_s3(data: str) -> tuple[list[_Listed], str | None]:
     from botocore.exceptions import BotoCoreError, ClientError
 
-    from ..sync import SyncError, explain, make_client, parse_s3_uri
-
     client = make_client(4)
     if is_brace_pattern(data):  # its shards may lie in several folders (`{train,val}/part-0.tar`): each listed once
         urls = expand_braces(data)
@@ -656,8 +641,6 @@ def _index_s3(item: _Listed, collector: _Collector):
     """One streaming GET of the shard, indexed and checked as it passes; nothing of it is stored."""
     from botocore.exceptions import BotoCoreError, ClientError
 
-    from ..sync import SyncError, explain, make_client, parse_s3_uri
-
     bucket, key = parse_s3_uri(item.path)
     client = make_client(1)
     for attempt in range(S3_ATTEMPTS):  # a cut connection or a short body: read it again from the start
@@ -680,14 +663,11 @@ def _open_peer(data, *, num_threads: int, progress: bool) -> ShardSet:
         raise ShardSourceError(f"--data {data.data!r} holds no .tar shards, no dataset.tsv and no packed.json; pass a "
                                "dataset folder, a pack, or a folder / brace pattern / s3:// prefix of WebDataset shards")
     cache_dir = Path(data.cache_dir)
-    from ..workdir import remove_dead_temps
 
     remove_dead_temps(cache_dir / "shards", ".*.tmp-*")  # what a writer killed with -9 left half written
     bar = _bar(len(listed), "index shards", progress)
     metas = []
     if listed[0].path.startswith("s3://") and len(listed) > 1:
-        from concurrent.futures import ThreadPoolExecutor
-
         with ThreadPoolExecutor(min(4, len(listed))) as pool:
             for meta in pool.map(lambda it: _index_peer(it, cache_dir, data.scan, data.max_pixels, 1), listed):
                 metas.append(meta)

@@ -10,7 +10,7 @@ from host timestamps of the actions Lightning already profiles (`trainer.profile
 callback wraps and forwards to), so no step waits for the GPU. Every share of 10% or more gets a
 verdict, its fix and the gain computed from the measured numbers.
 
-Diagnosis rules (also in the README):
+Diagnosis rules (also in docs/benchmark.md):
 - input-bound: data-wait >= 10% of the time. Says whether the CPU is saturated (>= 80%: decoding
   cannot keep up) or not (I/O or too few workers/threads).
 - compute-bound: data-wait < 10% and, on a GPU, utilization >= 90% (on the CPU: the step dominates).

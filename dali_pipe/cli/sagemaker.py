@@ -235,7 +235,7 @@ def run_sagemaker(extra: list[str], main) -> dict:
             "SAGEMAKER_BASE_DIR is unset"
         raise SageMakerError(f"`train` runs the SageMaker training contract, but there is no job here: "
                              f"{base / 'input' / 'config'} does not exist ({where}). To run the contract without "
-                             "Docker, lay out a folder as /opt/ml is laid out (README, SageMaker section) and set "
+                             "Docker, lay out a folder as /opt/ml is laid out (docs/sagemaker.md) and set "
                              "SAGEMAKER_BASE_DIR to it; to train directly: python train.py --data DIR")
     failure_dir = base / "output"
     try:

@@ -16,7 +16,7 @@ fetches shards ahead in plan order and blocks a read until its shard has landed 
 The source runs in the training process (DALI's serial mode): per sample it costs one `pread`
 of the image and label members (adjacent in our tars), measured at about 10 us; DALI's parallel
 mode (worker processes) was measured slower on the 2-core CPU path and would need the cache's
-position across processes (see the README's packing section for the numbers).
+position across processes (see docs/s3-and-packs.md for the numbers).
 """
 from __future__ import annotations
 

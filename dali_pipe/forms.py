@@ -59,7 +59,15 @@ def is_image_name(name: str) -> bool:
 def find_classes(directory: Path | str) -> list[str]:
     """torchvision's `find_classes`: the folders directly in `directory` (links to folders too, hidden ones
     too), sorted as strings; their positions are the class indices."""
-    return sorted(e.name for e in os.scandir(directory) if e.is_dir())
+    return sorted(e.name for e in os.scandir(directory) if _is_dir(e))
+
+
+def _is_dir(entry: os.DirEntry) -> bool:
+    """A folder, or a link to one (a link loop or a dangling link is not: predict's scan lists it)."""
+    try:
+        return entry.is_dir()
+    except OSError:
+        return False
 
 
 def split_of(rel: str) -> str | None:
@@ -78,7 +86,7 @@ def pair_folders(root: Path) -> dict[str, Path] | None:
     """{"train": root/train, "val": root/val} when root holds ImageNet's layout: folders train/ and val/ (or
     validation/), and beside them at most a test/ (and hidden entries), each holding class folders; else None."""
     try:
-        dirs = {e.name for e in os.scandir(root) if e.is_dir() and not e.name.startswith(".")}
+        dirs = {e.name for e in os.scandir(root) if _is_dir(e) and not e.name.startswith(".")}
     except OSError:
         return None
     val = next((d for d in ("val", "validation") if d in dirs), None)
@@ -101,9 +109,9 @@ def parquet_files(root: Path) -> list[str]:
         for e in entries:
             if e.name.startswith("."):
                 continue
-            if e.name.endswith(".parquet") and e.is_file():
+            if e.name.endswith(".parquet") and os.path.isfile(e.path):
                 found.append(os.path.relpath(e.path, root))
-            elif depth and e.is_dir() and (e.name == "data" or split_of(e.name) is not None):
+            elif depth and _is_dir(e) and (e.name == "data" or split_of(e.name) is not None):
                 add(Path(e.path), depth - 1)
 
     add(root, 2)

@@ -242,6 +242,26 @@ def check_file(f: TableFile, root: Path, data, files: TableFiles, decoder) -> di
     if (checked and checked.get("version") == CHECK_VERSION and checked.get("columns") == [image, label]
             and LEVELS[checked["level"]] >= LEVELS[level] and checked["max_pixels"] == data.max_pixels):
         return checked
+    try:
+        checked = _check_groups(f, files, decoder, data, image, label)
+    except (OSError, pa_errors()) as e:
+        raise TableSourceError(f"{f.rel} (a Hugging Face dataset's {'Parquet' if f.fmt == 'parquet' else 'Arrow'} "
+                               f"file) cannot be read: {str(e).strip()[:200]}; it is damaged: download or write it "
+                               "again, or leave it out of --data") from None
+    checked.update(version=CHECK_VERSION, columns=[image, label], class_names=class_names, level=level,
+                   max_pixels=data.max_pixels, sha256=file_sha256(f.path), size=st.st_size)
+    write_atomic(cache, json.dumps(checked))
+    return checked
+
+
+def pa_errors():
+    import pyarrow as pa
+
+    return pa.ArrowException
+
+
+def _check_groups(f: TableFile, files: TableFiles, decoder, data, image: str, label: str) -> dict:
+    """Each group's rows, raw labels, image path fields and problems."""
     rows, labels, paths, problems = [], [], [], {}
     for g in range(_groups(f, files)):
         values, names = _labels_and_paths(f, files, g, image, label)
@@ -265,11 +285,7 @@ def check_file(f: TableFile, root: Path, data, files: TableFiles, decoder) -> di
         rows.append(len(values))
         labels += values
         paths += names
-    checked = {"version": CHECK_VERSION, "columns": [image, label], "class_names": class_names, "groups": rows,
-               "labels": labels, "paths": paths, "problems": {str(k): v for k, v in problems.items()},
-               "level": level, "max_pixels": data.max_pixels, "sha256": file_sha256(f.path), "size": st.st_size}
-    write_atomic(cache, json.dumps(checked))
-    return checked
+    return {"groups": rows, "labels": labels, "paths": paths, "problems": {str(k): v for k, v in problems.items()}}
 
 
 # -- opening ---------------------------------------------------------------------------------------

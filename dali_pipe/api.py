@@ -147,7 +147,8 @@ def _keyword_docs() -> str:
 
 
 DaliDataModule.__init__.__signature__ = _signature()
-DaliDataModule.__doc__ = f"""Feed your own LightningModule from dataset.tsv + JPEGs, a pack or S3, through DALI.
+DaliDataModule.__doc__ = f"""Feed your own LightningModule from class folders, a dataset.tsv, a pack, shards, a Hugging Face
+dataset or S3, through DALI.
 
     from dali_pipe import DaliDataModule
     dm = DaliDataModule(data="s3://bucket/prefix", model="google/vit-base-patch16-224", batch_size=64)
@@ -172,8 +173,11 @@ rerun's `trainer.fit(..., ckpt_path="last")` continues mid-epoch at the same sam
 Arguments (the CLI's flags with underscores; defaults and checks are the CLI's, from
 dali_pipe/config.py; a bad value raises UsageError listing every problem):
 
-    data=None (--data): a folder holding dataset.tsv, a pack (python -m dali_pipe pack), or
-        s3://bucket/prefix of either; None: a generated demo set of real photographs
+    data=None (--data): the images, a folder or s3://bucket/prefix of the same (docs/data.md has the table):
+        class subfolders (ImageFolder, as torchvision reads it; train/ + val/ of them is ImageNet's split),
+        a dataset.tsv folder, a pack (python -m dali_pipe pack), WebDataset .tar shards (or a brace
+        pattern), a Hugging Face dataset's Parquet files or save_to_disk folder; None: a generated demo set
+        of real photographs
     model=None (--model): the transformers model whose image processor gives the input size, mean,
         std and resize rule: a hub id, a save_pretrained folder, or 'tiny' / 'vit-b16-random'
         (built in); None: as the CLI ({DEFAULT_MODEL}, or tiny for the demo set)

@@ -9,8 +9,8 @@ From these fields:
 - `validate()` checks them all at once and lists every problem, each naming the flag, the bad
   value and what is allowed.
 
-This module is a leaf: it imports nothing from the project and nothing heavy, so `--help` and a
-bad flag answer in well under a second.
+This module is a leaf: it imports nothing heavy, and of the project only errors.py and forms.py (the
+input forms told from names alone, itself a leaf), so `--help` and a bad flag answer in well under a second.
 
 Why a small generator and not a library: transformers' `HfArgumentParser` (the closest fit) costs
 about 1.4 s to import, stops at the first bad value (argparse `type=` errors exit at once, while
@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import UserError
+from .forms import form_problem, forms_text
 
 # -- choices and built-in names (each defined here once) -------------------------------------
 PRECISIONS = ("auto", "32-true", "16-mixed", "bf16-mixed")
@@ -39,7 +40,7 @@ SCAN_MODES = ("off", "fast", "full")
 LOADERS = ("dali", "packed", "baseline", "synthetic")
 AUTO_AUGMENTS = ("none", "rand", "trivial", "auto")  # RandAugment, TrivialAugmentWide, AutoAugment (ImageNet policy)
 SELECT = ("best", "last")
-SPLIT_CHOICES = ("val", "train", "all")
+SPLIT_CHOICES = ("val", "train", "test", "all")
 DEFAULT_MODEL = "google/vit-base-patch16-224"
 TINY = "tiny"  # small random-init ViT for CPU demos and tests
 VIT_B16_RANDOM = "vit-b16-random"  # ViT-B/16 shape with random weights, for offline benchmarks
@@ -113,9 +114,11 @@ def cores() -> int:
 @dataclass
 class DataSettings:
     """What to read, how to split it and how to check it."""
-    data: str | None = setting(None, "dataset root holding dataset.tsv, a pack, WebDataset shards (a folder of "
-                                     ".tar, a pattern such as shards/train-{000000..000099}.tar), or the same on "
-                                     "s3://bucket/prefix; default: a generated demo set of real photos")
+    data: str | None = setting(None, "the images, local or s3://bucket/prefix: a folder of class subfolders "
+                                     "(ImageFolder; train/ + val/ of them), a folder with dataset.tsv, a pack, "
+                                     "WebDataset .tar shards (or a pattern such as shards/train-{000000..000099}.tar), "
+                                     "Parquet files or a save_to_disk folder of a Hugging Face dataset (docs/data.md); "
+                                     "default: a generated demo set of real photos")
     cache_dir: str | None = setting(None, "where s3:// data is synced and scan verdicts are cached; default "
                                           "$DALI_PIPE_CACHE or ~/.cache/dali_pipe (SageMaker: /opt/ml/input/"
                                           "data/dali_pipe_cache, on the instance volume)")
@@ -128,6 +131,10 @@ class DataSettings:
     scan: str = setting("fast", "pre-flight image scan", choices=SCAN_MODES)
     max_pixels: int = setting(89_478_485, "reject images with more pixels (decompression bombs)", check=AT_LEAST_1)
     max_bad_fraction: float = setting(0.05, "abort when a larger share of images is bad", check=UNIT_INTERVAL)
+    image_column: str | None = setting(None, "Hugging Face datasets (Parquet, save_to_disk): the image column; "
+                                             "default: the one column of the datasets Image type ({bytes, path})")
+    label_column: str | None = setting(None, "Hugging Face datasets: the label column; default: the one ClassLabel "
+                                             "column, else the one named label or labels")
     skip_missing: bool = setting(False, "go on without the files dataset.tsv lists but the data lacks (reported)")
     packed_s3: str = setting("auto", "s3:// packed data: sync the shards to the cache dir when they fit on its disk "
                                      "(auto), always (sync), or stream them ahead of the reader through a bounded "
@@ -264,7 +271,8 @@ class SyncSettings:
 @dataclass
 class PackSettings:
     """`python -m dali_pipe pack`."""
-    src: str = setting(None, "dataset root holding dataset.tsv, or s3://bucket/prefix", positional=True)
+    src: str = setting(None, "the dataset, local or s3://bucket/prefix: class subfolders (ImageFolder), a dataset.tsv "
+                             "folder, shards, or a Hugging Face dataset (docs/data.md)", positional=True)
     dst: str = setting(None, "where the shards go: a directory or s3://bucket/prefix", positional=True)
     max_side: int = setting(384, "downscale images whose longer side exceeds this many pixels (aspect kept); "
                                  "smaller RGB JPEGs are copied byte for byte", check=AT_LEAST_1)
@@ -278,10 +286,19 @@ class PackSettings:
 
 
 @dataclass
+class ManifestSettings:
+    """`python -m dali_pipe manifest`."""
+    folder: str = setting(None, "the ImageFolder: a folder of class subfolders of images (or train/ and val/ of "
+                                "them)", positional=True)
+    force: bool = setting(False, "replace an existing dataset.tsv")
+
+
+@dataclass
 class EvalSettings:
     """`python -m dali_pipe evaluate`."""
     split: str = setting("val", "which images to evaluate: the validation split (as training made it: same "
-                                "--val-fraction and --seed, or the split column), the training split, or all",
+                                "--val-fraction and --seed, or the split column), the training split, the test files "
+                                "of a Hugging Face dataset (test-*), or all",
                          choices=SPLIT_CHOICES)
     eval_output: str = setting("runs/eval", "output dir: metrics.json, confusion.png, bad_images.tsv",
                                flag="--output", metavar="DIR")
@@ -297,7 +314,7 @@ class PredictSettings:
 
 GROUPS = {"data": DataSettings, "pipeline": PipelineSettings, "model": ModelSettings, "run": RunSettings,
           "bench": BenchmarkSettings, "sync": SyncSettings, "eval": EvalSettings, "predict": PredictSettings,
-          "pack": PackSettings}
+          "pack": PackSettings, "manifest": ManifestSettings}
 
 
 @dataclass
@@ -312,6 +329,7 @@ class Settings:
     eval: EvalSettings = field(default_factory=EvalSettings)
     predict: PredictSettings = field(default_factory=PredictSettings)
     pack: PackSettings = field(default_factory=PackSettings)
+    manifest: ManifestSettings = field(default_factory=ManifestSettings)
 
 
 TRAIN_GROUPS = ("data", "pipeline", "model", "run", "bench")
@@ -560,16 +578,15 @@ def validate(s: Settings, groups=TRAIN_GROUPS, problems: list[str] = ()) -> None
         data = s.data.data
         shards_pattern = isinstance(data, str) and "{" in data and data.endswith(".tar")  # train-{000..099}.tar
         if isinstance(data, str) and not data.strip():
-            problems.append(f"--data: {data!r} is empty; pass the folder that holds dataset.tsv (or a pack, or "
-                            "shards), or s3://bucket/prefix, or leave --data out for the demo set")
+            problems.append(f"--data: {data!r} is empty; pass a dataset folder or s3://bucket/prefix, or leave "
+                            "--data out for the demo set")
         if isinstance(data, str) and data and not data.startswith("s3://") and not shards_pattern:
             if not Path(data).is_dir():
-                problems.append(f"--data: {data!r} is not a directory; pass the folder that holds dataset.tsv, "
-                                "or s3://bucket/prefix")
-            elif not any((Path(data) / name).is_file() for name in ("dataset.tsv", "packed.json")) and not any(
-                    Path(data).glob("*.tar")):
-                problems.append(f"--data: {data!r} has no dataset.tsv, packed.json or .tar shards; put the manifest "
-                                "(an image_path column) at the dataset root, or pass a folder of WebDataset shards")
+                problems.append(f"--data: {data!r} is not a directory; --data may be:" + forms_text("\n    "))
+            else:
+                problem = form_problem(data)
+                if problem:
+                    problems.append(f"--data: {problem}")
     if "pipeline" in groups and s.pipeline.device == "gpu" and not _cuda_available():
         problems.append("--device: 'gpu' but no CUDA GPU is visible; use --device cpu (or auto)")
     if problems:

@@ -24,13 +24,15 @@ import pytorch_lightning as pl
 
 from .config import DataSettings, PipelineSettings, SyncSettings, resolve_device
 from .errors import RunMismatchError, UserError
+from .imagefolder import read_image_folder, sync_image_folder
 from .loader import DaliLoader, ReaderChanged
 from .manifest import Manifest, Sample, read_manifest
 from .pipeline import Augment, Files, PipelineOptions, Shards, build_pipeline, resources_for_rank, shard_reader
 from .scan import ScanResult, scan, write_report
 from .shards import source
 from .shards.cache import Remote, StreamCache, stream_bound, verify_local
-from .shards.source import ShardSet, open_shards, source_kind
+from .shards.source import SHARD_KINDS, ShardSet, open_shards, source_kind
+from .shards.tables import TABLE_KINDS, open_tables, prepare_tables
 from .spec import ImageSpec
 from .sync import local_target, sync
 from .workdir import OutputError
@@ -64,10 +66,16 @@ def local_root(data: DataSettings) -> Path:
 
 
 def read(data: DataSettings) -> Manifest | ShardSet:
-    """The manifest of the (local) dataset, split as the settings say; or the shards at --data (a pack,
-    or shards written by others), checked (shards/source.py; cached verdicts)."""
-    if source_kind(data.data, data.cache_dir) != "files":
+    """The manifest of the (local) dataset (dataset.tsv, or an ImageFolder's class folders), split as the
+    settings say; or the shards at --data (a pack, shards written by others, a Hugging Face dataset's
+    tables), checked (shards/source.py, shards/tables.py; cached verdicts)."""
+    kind = source_kind(data.data, data.cache_dir)
+    if kind in TABLE_KINDS:
+        return open_tables(data)
+    if kind in SHARD_KINDS:
         return open_shards(data)
+    if kind == "imagefolder":
+        return read_image_folder(local_root(data), val_fraction=data.val_fraction, seed=data.seed)
     return read_manifest(local_root(data), val_fraction=data.val_fraction, seed=data.seed,
                          skip_missing=data.skip_missing)
 
@@ -117,16 +125,21 @@ def prepare(data: DataSettings, output: Path, *, num_threads: int,
             report_empty: bool = True) -> tuple[Manifest, ScanResult]:
     """Once per node: sync s3:// data, scan, write the report, enforce --max-bad-fraction.
     Returns the manifest without the bad files, and the scan's result."""
-    if source_kind(data.data, data.cache_dir) != "files":  # shards: fetch a pack, index others', check members
-
-        shards = source.prepare_shards(data, num_threads=num_threads, workers=SyncSettings.workers)
+    kind = source_kind(data.data, data.cache_dir)
+    if kind in SHARD_KINDS:  # shards: fetch a pack, index others', sync and check a Hugging Face dataset
+        if kind in TABLE_KINDS:
+            shards = prepare_tables(data, num_threads=num_threads, workers=SyncSettings.workers)
+        else:
+            shards = source.prepare_shards(data, num_threads=num_threads, workers=SyncSettings.workers)
 
         verify_local(shards.everything, data.cache_dir)  # size and sha256 of every local shard, once
         source.report(shards, data.scan, output)
         result = shards.scan_result()
         check_bad_fraction(result, data, output)
         return shards, result
-    if data.data.startswith("s3://"):
+    if data.data.startswith("s3://") and kind == "imagefolder":
+        sync_image_folder(data.data, local_root(data), workers=SyncSettings.workers)
+    elif data.data.startswith("s3://"):
         sync(data.data, local_root(data), workers=SyncSettings.workers, skip_missing=data.skip_missing, rows=True)
     manifest = read(data)
     result = scan_manifest(manifest, data, num_threads=num_threads, progress=True)

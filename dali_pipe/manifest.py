@@ -45,6 +45,7 @@ class Manifest:
     val: list[Sample]
     missing: list[str] = field(default_factory=list)  # image_path values skipped (--skip-missing)
     duplicates: int = 0  # duplicate rows dropped
+    note: str = ""  # how the split was made, when the start-up summary should say it (an ImageFolder's)
 
     @property
     def id2label(self) -> dict[int, str]:
@@ -62,7 +63,7 @@ class Manifest:
     def without(self, bad: set[str]) -> "Manifest":
         """The same manifest with the files in `bad` (absolute paths) left out."""
         return Manifest(self.root, self.classes, [s for s in self.train if s.path not in bad],
-                        [s for s in self.val if s.path not in bad], self.missing, self.duplicates)
+                        [s for s in self.val if s.path not in bad], self.missing, self.duplicates, self.note)
 
 
 def _preview(items: list[str], n: int = 5) -> str:

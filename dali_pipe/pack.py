@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from multiprocessing import get_context
 from pathlib import Path
 
+from .config import default_cache_dir
 from .errors import UserError
 from .manifest import MANIFEST_NAME, read_table
 from .scan import write_report
@@ -55,6 +56,7 @@ from .shards.format import (
     sample_keys,
 )
 from .shards.source import write_member_report
+from .shards.tables import TABLE_KINDS, extract
 from .workdir import remove_dead_temps
 
 PROGRESS_NAME = ".pack-progress.json"
@@ -139,9 +141,14 @@ def _written_paths(root: Path) -> dict[int, str]:
         return {}
 
 
-def shard_items(shards) -> list[Item]:
-    """The usable samples of a ShardSet (local tars), labelled by class position."""
+def shard_items(shards, cache_dir: str | Path | None = None) -> list[Item]:
+    """The usable samples of a ShardSet (local tars; or a Hugging Face dataset's tables, whose images are first
+    unpacked into the cache dir, tables.extract), labelled by class position."""
     items = []
+    if shards.kind in TABLE_KINDS:
+        spans = extract(shards, cache_dir or default_cache_dir())
+        return [Item(f"{s.name}\n{s.keys[e]}", s.keys[e], s.image_paths[e], s.cls[e], s.split[e], spans[(i, e)])
+                for i, s in enumerate(shards.shards) for e in range(len(s.keys)) if e not in s.bad]
     for s in shards.shards:
         if s.path.startswith("s3://"):
             raise PackError(f"{s.name} is not on local disk; pack reads shards from local disk (sync them first)")
@@ -326,7 +333,7 @@ def pack_shards(shards, dst: Path, *, max_side: int, quality: int, shard_size: i
 
     settings = pack_settings(digest=shards.digest(), max_side=max_side, quality=quality, shard_size=shard_size,
                              seed=seed)
-    return pack_items(shard_items(shards), shards.classes, dst, settings=settings, workers=workers, report=report,
+    return pack_items(shard_items(shards, cache_dir), shards.classes, dst, settings=settings, workers=workers, report=report,
                       progress=progress, cache_dir=cache_dir)
 
 

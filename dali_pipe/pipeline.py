@@ -68,11 +68,23 @@ class Files:
 
 
 @dataclass(frozen=True)
+class TableGroup:
+    """A shard of table rows (a Hugging Face dataset): one row group of a Parquet file, or one record batch
+    of a save_to_disk Arrow file; the image column holds each row's encoded bytes, `labels` its class index."""
+    fmt: str  # "parquet" or "arrow"
+    group: int  # the row group's (record batch's) position in its file
+    column: str  # the image column (datasets' Image: a struct of bytes and path; or plain binary)
+    labels: tuple[int, ...]  # per row; -1 where the row has no usable label (it is excluded)
+
+
+@dataclass(frozen=True)
 class Shards:
-    """Images in WebDataset tars (a pack, or shards written by others): tar paths (local or s3://),
-    their local DALI index files, the usable samples, and a lookup from the shards' class indices to the
-    model's (evaluate; sparse `cls` integers). Per shard, its size and sha256 where known; `excluded`
-    holds (shard position, entry position in its index) of the members every reader skips."""
+    """Images in shards: WebDataset tars (a pack, or shards written by others), or row groups of a Hugging
+    Face dataset's tables. Per shard its path (a tar, local or s3://; a local Parquet or Arrow file), its
+    local DALI index file (tables: a name for the group), the usable samples, and a lookup from the shards'
+    class indices to the model's (evaluate; sparse `cls` integers). Per shard, its size and sha256 where
+    known; `excluded` holds (shard position, entry position in its index) of the members every reader
+    skips; `groups` (tables) the TableGroup of each shard, None for a tar."""
     paths: tuple[str, ...]
     index_paths: tuple[str, ...]
     samples: int
@@ -80,6 +92,7 @@ class Shards:
     sizes: tuple[int | None, ...] | None = None
     sha256: tuple[str | None, ...] | None = None
     excluded: frozenset[tuple[int, int]] = frozenset()
+    groups: tuple[TableGroup | None, ...] | None = None
 
     def __len__(self) -> int:
         return self.samples
@@ -93,7 +106,8 @@ class Shards:
         return Shards(self.paths + other.paths, self.index_paths + other.index_paths, self.samples + other.samples,
                       self.remap, sizes=per_shard(self.sizes, other.sizes, n, len(other.paths)),
                       sha256=per_shard(self.sha256, other.sha256, n, len(other.paths)),
-                      excluded=self.excluded | frozenset((i + n, e) for i, e in other.excluded))
+                      excluded=self.excluded | frozenset((i + n, e) for i, e in other.excluded),
+                      groups=per_shard(self.groups, other.groups, n, len(other.paths)))
 
 
 

@@ -550,3 +550,45 @@ def sync_objects(uri: str, dest: Path | str, names: list[str], *, workers: int, 
     if progress:
         print(stats.summary(), file=sys.stderr)
     return stats
+
+
+def sync_files(uri: str, dest: Path | str, *, keep, workers: int, progress: bool = True,
+               client=None) -> tuple[SyncStats, list[str]]:
+    """Download the objects under s3://bucket/prefix whose key (relative to the prefix) `keep` accepts into
+    `dest`, in parallel, as `sync` does the files of a manifest (an ImageFolder's images, which no manifest
+    lists): one LIST, unchanged files (size + ETag) skipped, each file landed atomically, the same lock,
+    room check, bounds and SIGTERM behaviour. Returns the stats and the kept keys, sorted. A key that would
+    land outside `dest` is refused before any download."""
+    start = time.perf_counter()
+    bucket, prefix = parse_s3_uri(uri)
+    dest = Path(dest)
+    base = f"{prefix}/" if prefix else ""
+    with holding(dest):
+        client = client or make_client(workers)
+        if progress:
+            print(f"sync: listing s3://{bucket}/{base} from {endpoint()}", file=sys.stderr, flush=True)
+        remote = list_objects(client, bucket, base)
+        names = sorted(k for k in remote if keep(k))
+        refused = []
+        for rel in names:
+            try:
+                if safe_relpath(rel, dest) != rel:
+                    refused.append(rel)
+            except ValueError:
+                refused.append(rel)
+        if refused:
+            raise SyncError(f"s3://{bucket}/{base}: {len(refused)} key(s) would land outside {dest} or under another "
+                            f"name, e.g. {refused[0]!r}; rename them. Nothing was downloaded.")
+        state = _State(dest)
+        stats = SyncStats(listed=len(names))
+        todo = [(rel, *remote[rel]) for rel in names if not state.unchanged(rel, *remote[rel], dest / rel)]
+        stats.skipped = len(names) - len(todo)
+        check_room(dest, todo)
+        failures = fetch_files(client, bucket, base, dest, todo, state, stats, workers=workers, progress=progress)
+        stats.seconds = time.perf_counter() - start
+        if failures:
+            raise SyncError(f"{len(failures)} of {len(todo)} download(s) failed (completed files are kept; rerun to "
+                            "finish):\n  " + "\n  ".join(failures[:5]))
+    if progress:
+        print(stats.summary(), file=sys.stderr)
+    return stats, names

@@ -5,6 +5,7 @@ import sys
 from pathlib import Path
 
 from ..config import add_subcommand, new_parser, parse, settings_from, validate
+from ..imagefolder import write_manifest
 from ..shards.cache import fetch_to
 from ..shards.source import is_packed
 from ..sync import sync
@@ -18,14 +19,21 @@ SYNC_DOC = ("Download s3://bucket/prefix/dataset.tsv and every file it lists int
 
 COMMANDS = {  # the settings each command exposes: groups by name, single settings by flag
     "sync": ("sync", "--skip-missing"),
+    "manifest": ("manifest",),
     "evaluate": ("eval", "--model", "--precision", "--data", "--cache-dir", "--batch-size", "--val-fraction", "--seed",
-                 "--scan", "--max-pixels", "--max-bad-fraction", "--skip-missing", "--device", "--num-threads"),
+                 "--scan", "--max-pixels", "--max-bad-fraction", "--skip-missing", "--image-column", "--label-column", "--device",
+                 "--num-threads"),
     "pack": ("pack", "--val-fraction", "--seed", "--scan", "--max-pixels", "--max-bad-fraction", "--skip-missing",
-             "--cache-dir"),
+             "--image-column", "--label-column", "--cache-dir"),
     "predict": ("predict", "--model", "--precision", "--data", "--cache-dir", "--batch-size", "--scan", "--max-pixels",
-                "--device", "--num-threads"),
+                "--image-column", "--label-column", "--device", "--num-threads"),
 }
-PACK_DOC = ("Pack a dataset (SRC: a folder with dataset.tsv, or s3://bucket/prefix) into WebDataset tar shards "
+MANIFEST_DOC = ("Write FOLDER/dataset.tsv as the ImageFolder at FOLDER implies it (the images of each class folder, "
+                "as torchvision's ImageFolder lists them; a split column for train/ + val/ folders), for you to edit; "
+                "training reads the folder the same way without it. Written atomically; an existing dataset.tsv is "
+                "kept unless --force.")
+PACK_DOC = ("Pack a dataset (SRC: any --data form, docs/data.md: class subfolders, a dataset.tsv folder, shards, a "
+            "Hugging Face dataset; or s3://bucket/prefix of one) into WebDataset tar shards "
             "with DALI index files and a packed.json at DST (a folder or s3://bucket/prefix): bad images are "
             "left out (DST/bad_images.tsv), images larger than --max-side are downscaled, the train/val split is "
             "fixed. Deterministic and resumable (rerun after an interruption). Train with --data DST.")
@@ -38,14 +46,16 @@ PREDICT_DOC = ("Label images with a trained model: a folder of images, a dataset
                "label, score and the next --top-k); unreadable images are listed in OUTPUT/bad_images.tsv.")
 TRAINED = "the trained model: the folder train.py wrote (its --output), or a hub id of an image classifier; required"
 HELPS = {  # where a command reads a setting otherwise than training does, its own help text
-    "evaluate": {"data": "the labelled images: a dataset root holding dataset.tsv, a pack, or s3://bucket/prefix of "
-                         "either; required",
+    "evaluate": {"data": "the labelled images, local or s3://bucket/prefix: class subfolders (ImageFolder), a "
+                         "dataset.tsv folder, a pack, WebDataset shards, Parquet files or a save_to_disk folder of a "
+                         "Hugging Face dataset (docs/data.md); required",
                  "model": TRAINED,
                  "val_fraction": "the --val-fraction of training: with no split column it decides which images are "
                                  "the val split",
                  "seed": "the --seed of training: with no split column it decides which images are the val split"},
-    "predict": {"data": "what to label: a folder of images, a dataset folder or .tsv manifest, a pack, or "
-                        "s3://bucket/prefix holding a dataset.tsv or a pack; required",
+    "predict": {"data": "what to label, local or s3://bucket/prefix: a folder of images (class subfolders too), a "
+                        "dataset.tsv folder or .tsv manifest, a pack, WebDataset shards, Parquet files or a "
+                        "save_to_disk folder of a Hugging Face dataset (docs/data.md); required",
                 "model": TRAINED,
                 "scan": "pre-flight image scan; predict always checks the headers (off reads as fast), and lists "
                         "unreadable images instead of stopping"},
@@ -58,6 +68,8 @@ def parser():
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     add_subcommand(sub, "sync", "download dataset.tsv and only the files it lists, in parallel, resumably",
                    SYNC_DOC, COMMANDS["sync"])
+    add_subcommand(sub, "manifest", "write the dataset.tsv an ImageFolder (class subfolders) implies, to edit it",
+                   MANIFEST_DOC, COMMANDS["manifest"])
     add_subcommand(sub, "pack", "pre-resized WebDataset shards that DALI reads from disk or S3", PACK_DOC,
                    COMMANDS["pack"], HELPS["pack"])
     add_subcommand(sub, "evaluate", "metrics and a confusion matrix of a trained model on labelled data", EVALUATE_DOC,
@@ -87,6 +99,11 @@ def main(argv: list[str] | None = None) -> int:
                      progress=not s.sync.no_progress)
         if s.sync.no_progress:
             print(stats.summary())
+    elif command == "manifest":
+        path, rows, notes = write_manifest(s.manifest.folder, force=s.manifest.force)
+        for note in notes:
+            print(f"manifest: {note}", file=sys.stderr)
+        print(f"manifest: wrote {path} ({rows} images); training now reads it instead of the folders")
     elif command == "pack":
         from .pack import run  # lazy: a command's module loads Lightning (~10 s); --help must answer at once
 

@@ -29,7 +29,12 @@ def run(s: Settings) -> dict:
     dm = DaliDataModule(s.data, s.pipeline, ImageSpec.from_processor(load_processor(s.model.model)), out)
     dm.prepare_data()  # sync, scan, EVAL/bad_images.tsv
     manifest = dm.manifest
-    samples = {"val": manifest.val, "train": manifest.train, "all": manifest.train + manifest.val}[s.eval.split]
+    test = getattr(manifest, "test", None)  # a Hugging Face dataset's test files (shards/tables.py)
+    if s.eval.split == "test" and not test:
+        raise UserError("--split test: --data has no test split (only a Hugging Face dataset's test-* files make "
+                        "one); pass --split val, train or all")
+    everything = getattr(manifest, "everything", None) or manifest.train + manifest.val  # shards: test files too
+    samples = {"val": manifest.val, "train": manifest.train, "test": test, "all": everything}[s.eval.split]
     if not samples:
         raise UserError(f"--split {s.eval.split}: no images in it (no split column, and --val-fraction "
                         f"{s.data.val_fraction}); pass --split all, or the --val-fraction and --seed of training")

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from ..config import Settings, SyncSettings, cores, resolve
 from ..datamodule import missing_reasons, prepare
+from ..forms import form_problem, forms_text
 from ..pack import PROGRESS_NAME, PackError, finished, pack_manifest, pack_settings, pack_shards, same_pack
 from ..shards.format import PACKED_NAME
 from ..shards.source import ShardSet, source_kind
@@ -162,8 +163,8 @@ def _run(s: Settings, staging: Path) -> dict:
     data = dataclasses.replace(s.data, data=src, packed_s3="sync")  # packing reads every shard from local disk
     kind = source_kind(src, data.cache_dir)
     if kind == "files" and not src.startswith("s3://") and not (Path(src) / "dataset.tsv").is_file():
-        raise PackError(f"SRC {src!r} holds no dataset.tsv and no WebDataset shards; pass the dataset root (or "
-                        "s3://bucket/prefix), a pack, or a folder / brace pattern / s3:// prefix of .tar shards")
+        raise PackError(f"SRC {src!r} " + (form_problem(src) or "is not a folder").split(" ", 1)[1]
+                        if Path(src).is_dir() else f"SRC {src!r} is not a folder; SRC may be:" + forms_text("\n    "))
     if not dst.startswith("s3://") and not src.startswith("s3://") and Path(dst).resolve() == Path(src).resolve():
         raise PackError(f"DST {dst!r} is SRC; pack into another folder")
     workers = s.pack.pack_workers or cores()

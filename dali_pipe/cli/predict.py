@@ -13,14 +13,16 @@ from .. import sync as s3
 from ..config import Settings, SyncSettings
 from ..datamodule import DaliDataModule
 from ..errors import UserError
+from ..forms import IMG_EXTENSIONS
+from ..imagefolder import sync_image_folder
 from ..manifest import MANIFEST_NAME, Sample, absolute_path, read_table, safe_relpath
 from ..scan import scan, write_report
-from ..shards.source import source_kind
+from ..shards.source import SHARD_KINDS, source_kind
 from ..spec import ImageSpec
 from ..workdir import writing
 from .infer import prepared, run_model
 
-IMAGE_EXTENSIONS = {".jpg", ".jpeg", ".png", ".bmp", ".tif", ".tiff", ".webp"}
+IMAGE_EXTENSIONS = set(IMG_EXTENSIONS)  # torchvision's, as an ImageFolder lists them
 
 
 class InputError(UserError):
@@ -32,6 +34,8 @@ def list_images(data: str, cache_dir: str) -> tuple[Path, list[str]]:
     s3://bucket/prefix), or every image file under a folder."""
     if data.startswith("s3://"):
         root = s3.local_target(data, Path(cache_dir))
+        if source_kind(data, cache_dir) == "imagefolder":  # class folders of images, no dataset.tsv
+            return root, sync_image_folder(data, root, workers=SyncSettings.workers)
         s3.sync(data, root, workers=SyncSettings.workers, skip_missing=True)
         tsv = root / MANIFEST_NAME
     else:
@@ -67,7 +71,7 @@ def run(s: Settings) -> dict:
     model = load_trained(s.model.model)
     dm = DaliDataModule(s.data, s.pipeline, ImageSpec.from_processor(load_processor(s.model.model)), out)
 
-    if source_kind(s.data.data, s.data.cache_dir) != "files":
+    if source_kind(s.data.data, s.data.cache_dir) in SHARD_KINDS:
         return _predict_shards(s, dm, model, out)
     root, rels = list_images(s.data.data, s.data.cache_dir)
     paths = [absolute_path(root, r) for r in rels]

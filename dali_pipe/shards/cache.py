@@ -167,7 +167,8 @@ def verify_local(shards, cache_dir: str | Path, *, progress: bool = True) -> Non
 
     sizes = shards.sizes or (None,) * len(shards.paths)
     sums = shards.sha256 or (None,) * len(shards.paths)
-    todo = [(p, z, h) for p, z, h in zip(shards.paths, sizes, sums) if not p.startswith("s3://")]
+    todo = list(dict.fromkeys((p, z, h) for p, z, h in zip(shards.paths, sizes, sums) if not p.startswith("s3://")))
+    # (once per file: the row groups of one Parquet file are shards of one path)
     if not todo:
         return
     verdicts = Verdicts(cache_dir)

@@ -32,6 +32,7 @@ from .format import IndexFormatError, LabelFormatError, image_member, label_memb
 from .plan import Plan, epoch_plan
 
 OPEN_FILES = 32  # shard files kept open at once (a window's worth and more)
+OPEN_GROUPS = 24  # table groups kept in memory at once (the plan has at most plan.WINDOW of a rank in progress)
 
 
 class ShardReadError(UserError):
@@ -40,21 +41,29 @@ class ShardReadError(UserError):
 
 @dataclass(frozen=True)
 class ShardEntries:
-    """One shard's samples as arrays (entry positions in its index file)."""
+    """One shard's samples as arrays (entry positions in its index file, or rows of its table group)."""
     keys: list[str]
-    image: np.ndarray  # (entries, 2) int64: the image member's (offset, size)
-    label: np.ndarray  # (entries, 2) int64: the cls member's (offset, size)
+    image: np.ndarray  # (entries, 2) int64: the image member's (offset, size); tables: unused
+    label: np.ndarray  # (entries, 2) int64: the cls member's (offset, size); tables: unused
     usable: np.ndarray  # entry positions not excluded, in index order
+    group: object = None  # tables: the shard's pipeline.TableGroup (labels known, bytes read per group)
 
 
 def read_entries(shards) -> list[ShardEntries]:
-    """Each shard's image and label members from its DALI index file, minus `shards.excluded`.
-    A sample without an image or a cls member stops here, naming its shard and key."""
+    """Each shard's image and label members from its DALI index file (a table group: its rows), minus
+    `shards.excluded`. A sample without an image or a cls member stops here, naming its shard and key."""
     out = []
     excluded_by_shard: dict[int, set[int]] = {}
     for sh, entry in shards.excluded:
         excluded_by_shard.setdefault(sh, set()).add(entry)
-    for s, (path, idx) in enumerate(zip(shards.paths, shards.index_paths)):
+    groups = shards.groups or (None,) * len(shards.paths)
+    for s, (path, idx, group) in enumerate(zip(shards.paths, shards.index_paths, groups)):
+        if group is not None:
+            n, excluded = len(group.labels), excluded_by_shard.get(s, set())
+            none = np.zeros((0, 2), np.int64)
+            out.append(ShardEntries([str(i) for i in range(n)], none, none,
+                                    np.array([i for i in range(n) if i not in excluded], np.int64), group))
+            continue
         try:
             entries = read_index(idx)
         except (OSError, IndexFormatError) as e:
@@ -105,6 +114,8 @@ class ShardReader:
         self._plans: OrderedDict[int, Plan] = OrderedDict()
         self._lock = threading.Lock()  # plans are also asked for by the streaming cache's thread
         self._files: OrderedDict[int, int] = OrderedDict()
+        self._groups: OrderedDict[int, tuple[np.ndarray, np.ndarray]] = OrderedDict()  # tables: (bytes, offsets)
+        self._tables = TableFiles()
         self.batches = self.plan(0).batches  # the same every epoch
 
     def plan(self, epoch: int) -> Plan:
@@ -165,9 +176,34 @@ class ShardReader:
         spans = plan.spans
         for shard in [s for s in self._files if s not in spans or spans[s][1] < position]:
             os.close(self._files.pop(shard))
+        for shard in [s for s in self._groups if s not in spans or spans[s][1] < position]:
+            del self._groups[shard]
+
+    def _row(self, shard: int, entry: int) -> tuple[np.ndarray, int]:
+        """A table row's image bytes (a view into its group, read whole on first use) and class index."""
+        e = self.entries[shard]
+        got = self._groups.get(shard)
+        if got is None:
+            path = self.store.path(shard, self)
+            try:
+                got = self._tables.read(path, e.group.fmt, e.group.group, e.group.column)
+            except OSError as err:
+                raise ShardReadError(f"{self.shards.paths[shard]} cannot be read ({err}); it was there when "
+                                     "training started: restore it") from None
+            self._groups[shard] = got
+            while len(self._groups) > OPEN_GROUPS:
+                self._groups.popitem(last=False)
+        else:
+            self._groups.move_to_end(shard)
+        data, offsets = got
+        label = e.group.labels[entry]
+        remap = self.shards.remap
+        return data[offsets[entry]:offsets[entry + 1]], (label if remap is None else remap[label])
 
     def _sample(self, shard: int, entry: int) -> tuple[np.ndarray, int]:
         e = self.entries[shard]
+        if e.group is not None:
+            return self._row(shard, entry)
         (ioff, isize), (coff, csize) = e.image[entry], e.label[entry]
         fd = self._fd(shard)
         start, end = min(ioff, coff), max(ioff + isize, coff + csize)
@@ -201,9 +237,94 @@ class ShardReader:
     def close(self) -> None:
         while self._files:
             os.close(self._files.popitem()[1])
+        self._groups.clear()
+        self._tables.close()
 
     def __del__(self):
         try:
             self.close()
         except Exception:
             pass
+
+
+# -- table groups (Hugging Face datasets) ---------------------------------------------------------------
+class TableFiles:
+    """Open Parquet and Arrow files, a few at a time: a group is read whole (Parquet: its image column
+    chunk, decompressed by pyarrow; Arrow: memory-mapped, no copy) and handed out as one byte array with
+    per-row offsets, so a row is a view, not a copy."""
+
+    def __init__(self, keep: int = 8):
+        self.keep = keep
+        self._open: OrderedDict[str, object] = OrderedDict()
+
+    def handle(self, path: str, fmt: str):
+        """The open file: a pyarrow ParquetFile, or an Arrow file's record batches (memory-mapped)."""
+        f = self._open.get(path)
+        if f is None:
+            import pyarrow as pa
+            import pyarrow.parquet as pq
+
+            if fmt == "parquet":
+                f = pq.ParquetFile(path, memory_map=True)
+            else:  # save_to_disk writes Arrow IPC streams: their record batches, mapped
+                f = list(pa.ipc.open_stream(pa.memory_map(path)))
+            self._open[path] = f
+            while len(self._open) > self.keep:
+                self._open.popitem(last=False)
+        else:
+            self._open.move_to_end(path)
+        return f
+
+    def read(self, path: str, fmt: str, group: int, column: str) -> tuple[np.ndarray, np.ndarray]:
+        """(the group's image bytes, int64 offsets: row i is bytes[offsets[i]:offsets[i + 1]])."""
+        import pyarrow as pa
+
+        try:
+            f = self.handle(path, fmt)
+            col = f.read_row_group(group, columns=[column]).column(0) if fmt == "parquet" else \
+                f[group].column(column)
+        except pa.ArrowException as e:
+            raise OSError(f"pyarrow: {e}") from None
+        return image_bytes(col, os.path.dirname(path))
+
+    def close(self) -> None:
+        self._open.clear()
+
+
+def image_bytes(col, base: str) -> tuple[np.ndarray, np.ndarray]:
+    """(bytes, offsets) of an image column: datasets' Image struct ({bytes, path}) or a binary column. A row
+    whose bytes are null but whose path names a file (`Dataset.to_parquet` of images loaded from files keeps
+    their paths; relative ones are taken from `base`, the data file's folder) gets that file's bytes; else it
+    is an empty row."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    arr = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
+    if pa.types.is_struct(arr.type):
+        paths = pc.struct_field(arr, "path") if arr.type.get_field_index("path") >= 0 else None
+        arr = pc.struct_field(arr, "bytes")
+        if paths is not None and arr.null_count:
+            arr = _from_paths(arr, paths.to_pylist(), base)
+    if not (pa.types.is_binary(arr.type) or pa.types.is_large_binary(arr.type)):
+        arr = arr.cast(pa.large_binary())
+    if arr.null_count:
+        arr = pc.if_else(arr.is_valid(), arr, pa.scalar(b"", arr.type))
+    wide = pa.types.is_large_binary(arr.type)
+    _, off, data = arr.buffers()
+    offsets = np.frombuffer(off, np.int64 if wide else np.int32)[arr.offset:arr.offset + len(arr) + 1].astype(np.int64)
+    return (np.frombuffer(data, np.uint8) if data is not None else np.zeros(0, np.uint8)), offsets
+
+
+def _from_paths(arr, paths: list, base: str):
+    """The bytes column with each null row that has a readable file at its path filled from that file."""
+    import pyarrow as pa
+
+    values = arr.to_pylist()
+    for i, v in enumerate(values):
+        if v is None and paths[i]:
+            try:
+                with open(os.path.join(base, paths[i]), "rb") as f:
+                    values[i] = f.read()
+            except OSError:
+                pass
+    return pa.array(values, pa.large_binary())

@@ -40,6 +40,7 @@ from pathlib import Path
 
 from ..config import DataSettings
 from ..errors import UserError
+from ..forms import is_image_name, local_form, split_of
 from ..pipeline import Shards
 from ..scan import DaliDecoder, ScanResult, check_bytes
 from ..sync import SyncError, explain, local_target, make_client, parse_s3_uri, read_object
@@ -103,20 +104,24 @@ def expand_braces(pattern: str) -> list[str]:
     return [head + item + t for item in items for t in expand_braces(tail)]
 
 
+SHARD_KINDS = ("pack", "shards", "parquet", "arrow")  # read as encoded bytes through the shard reader
+
+
 def source_kind(data: str, cache_dir: str | None = None) -> str:
-    """'pack', 'shards' (written by others) or 'files' (a dataset.tsv and image files, or a folder of
-    images for predict). An s3:// prefix is asked once per process; a pack already fetched is known
-    from the cache dir."""
+    """What --data is, as the readers split it: 'pack', 'shards' (written by others), 'parquet' or 'arrow' (a
+    Hugging Face dataset: Parquet files, or a save_to_disk folder), all read through the shard reader; or
+    'imagefolder' (class subfolders) or 'files' (a dataset.tsv and image files, or anything else: a folder of
+    images for predict), both read as files. An s3:// prefix is asked once per process; a pack already
+    fetched is known from the cache dir."""
     if data.startswith("s3://"):
         return _s3_kind(data, cache_dir)
     if is_brace_pattern(data):
         return "shards"
     p = Path(data)
-    if (p / PACKED_NAME).is_file():
-        return "pack"
-    if (p / MANIFEST_NAME).is_file() or not p.is_dir():
+    if not p.is_dir():
         return "files"
-    return "shards" if any(f.is_file() for f in p.glob("*.tar")) else "files"
+    form = local_form(p)
+    return "files" if form in (None, "manifest") else form
 
 
 def _s3_kind(data: str, cache_dir: str | None) -> str:
@@ -132,10 +137,40 @@ def _s3_kind(data: str, cache_dir: str | None) -> str:
         return "pack"
     bucket, prefix = parse_s3_uri(data)
     base = f"{prefix}/" if prefix else ""
-    names = _list_top(make_client(4), bucket, base, pages=1)  # one page: enough to tell, whatever the prefix holds
+    client = make_client(4)
+    names = _list_top(client, bucket, base, pages=1)  # one page: enough to tell, whatever the prefix holds
     if MANIFEST_NAME in names:
         return "files"
-    return "shards" if any(n.endswith(".tar") for n in names) else "files"
+    if any(n.endswith(".tar") for n in names):
+        return "shards"
+    keys = list_first(client, bucket, base)  # the folders too: data/*.parquet, CLASS/IMAGE
+    if "dataset_dict.json" in keys or {"state.json", "dataset_info.json"} <= set(keys):
+        return "arrow"
+    if parquet_keys(keys):
+        return "parquet"
+    return "imagefolder" if any("/" in k and is_image_name(k) for k in keys) else "files"
+
+
+def list_first(client, bucket: str, base: str) -> list[str]:
+    """The first page (1000) of the keys below s3://bucket/base, relative to it, sub-folders included."""
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    try:
+        page = client.list_objects_v2(Bucket=bucket, Prefix=base)
+    except (BotoCoreError, ClientError) as e:
+        raise SyncError(explain(e, bucket, base)) from None
+    return [obj["Key"][len(base):] for obj in page.get("Contents", [])]
+
+
+def parquet_keys(keys) -> list[str]:
+    """The .parquet files among object keys (relative to the prefix), where `forms.parquet_files` finds them
+    in a folder: at the top, in data/, or in split folders."""
+    def found(k: str) -> bool:
+        parts = k.split("/")
+        return k.endswith(".parquet") and not any(p.startswith(".") for p in parts) and len(parts) <= 3 and all(
+            p == "data" or split_of(p) is not None for p in parts[:-1])
+
+    return sorted(k for k in keys if found(k))
 
 
 def _list_top(client, bucket: str, base: str, pages: int | None = None) -> dict[str, tuple[int, str]]:
@@ -175,13 +210,14 @@ class Shard:
     bad: dict[int, str] = field(default_factory=dict)  # entry -> reason it is left out
     split: list[str] = field(default_factory=list)  # "train" or "val" per entry
     label_names: list[str | None] = field(default_factory=list)  # json labels (shards of others)
+    group: object = None  # a table shard's pipeline.TableGroup (Hugging Face datasets, shards/tables.py)
 
 
 @dataclass
 class ShardSet:
     """What a run reads from shards (the questions a Manifest answers, for shards)."""
     data: str
-    kind: str  # "pack" or "shards"
+    kind: str  # "pack", "shards", or "parquet" / "arrow" (shards/tables.py)
     classes: list[str]
     shards: list[Shard]
     remap: tuple[int, ...] | None = None  # cls integer -> class position (shards of others, sparse cls)
@@ -192,10 +228,12 @@ class ShardSet:
     unscanned: int = 0  # shards read from S3 as needed, whose members could not be checked beforehand
     train: Shards = field(init=False)
     val: Shards = field(init=False)
+    test: Shards = field(init=False)
     everything: Shards = field(init=False)  # every shard once, the bad members left out (predict)
 
     def __post_init__(self):
         self.train, self.val = self._select("train"), self._select("val")
+        self.test = self._select("test")  # held out: a Hugging Face dataset's test files (evaluate --split test)
         self.everything = self._select(None)
 
     def _select(self, split: str | None) -> Shards:
@@ -204,9 +242,11 @@ class ShardSet:
 
         chosen = [s for s in self.shards if not all(left_out(s, e) for e in range(len(s.keys)))]
         excluded = frozenset((i, e) for i, s in enumerate(chosen) for e in range(len(s.keys)) if left_out(s, e))
+        groups = tuple(s.group for s in chosen) if any(s.group is not None for s in chosen) else None
         return Shards(paths=tuple(s.path for s in chosen), index_paths=tuple(s.index_path for s in chosen),
                       samples=sum(len(s.keys) for s in chosen) - len(excluded), remap=self.remap,
-                      sizes=tuple(s.size for s in chosen), sha256=tuple(s.sha256 for s in chosen), excluded=excluded)
+                      sizes=tuple(s.size for s in chosen), sha256=tuple(s.sha256 for s in chosen), excluded=excluded,
+                      groups=groups)
 
     @property
     def total(self) -> int:
@@ -238,6 +278,8 @@ class ShardSet:
         for s in self.shards:
             h.update(f"{s.name}\t{s.size}\t{s.sha256}\t{len(s.keys)}\n".encode())
             h.update(json.dumps([s.split, sorted(s.bad)]).encode())
+            if s.group is not None:  # a table's labels come from a column the settings choose
+                h.update(json.dumps(s.cls).encode())
         return h.hexdigest()[:16]
 
     def without(self, bad) -> "ShardSet":
@@ -340,7 +382,7 @@ def _check_pack_members(shards: list[Shard], classes: list[str], data, *, num_th
     """Each local shard's .cls (an error when outside the classes) and, with --scan, its images."""
     level = data.scan
     remove_dead_temps(Path(data.cache_dir) / "shards", ".*.tmp-*")  # what a writer killed with -9 left half written
-    bar = _bar(len(shards), "check pack", progress)
+    bar = progress_bar(len(shards), "check pack", progress)
     for s in shards:
         if s.path.startswith("s3://"):
             bar.update(1)
@@ -483,12 +525,12 @@ def _read_members(path: str, entries: list[IndexEntry], collector: _Collector, i
                     collector.member(pos, e.key, ext, f.read(size) if images or ext != img else b"")
 
 
-def _cache_file(cache_dir: Path, identity: str, suffix: str) -> Path:
+def cache_file(cache_dir: Path, identity: str, suffix: str) -> Path:
     return cache_dir / "shards" / (hashlib.sha256(identity.encode("utf-8", "surrogatepass")).hexdigest()[:32]
                                    + suffix)
 
 
-def _write_atomic(path: Path, text: str) -> None:
+def write_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -505,7 +547,7 @@ def _write_atomic(path: Path, text: str) -> None:
         raise
 
 
-def _load(path: Path) -> dict | None:
+def load_json(path: Path) -> dict | None:
     try:
         return json.loads(path.read_text(encoding="utf-8", errors="surrogateescape"))
     except (OSError, ValueError):
@@ -521,14 +563,14 @@ def _cached_check(s: Shard, cache_dir: Path, level: str, max_pixels: int, num_th
     """A local pack shard's member check, cached by (shard, index) path, size and mtime."""
     st, ist = os.stat(s.path), os.stat(s.index_path)
     identity = f"pack\0{s.path}\0{st.st_size}\0{st.st_mtime_ns}\0{s.index_path}\0{ist.st_size}\0{ist.st_mtime_ns}"
-    cache = _cache_file(cache_dir, identity, ".json")
-    checked = _load(cache)
+    cache = cache_file(cache_dir, identity, ".json")
+    checked = load_json(cache)
     if not _covers(checked, level, max_pixels, len(s.keys)) or "paths" not in checked:  # no paths: an older check
         entries = read_index(s.index_path)
         collector = _Collector(level, max_pixels, num_threads)
         _read_members(s.path, entries, collector, images=level != "off")
         checked = collector.close(len(entries))
-        _write_atomic(cache, json.dumps(checked))
+        write_atomic(cache, json.dumps(checked))
     return checked
 
 
@@ -609,9 +651,9 @@ def _list_s3(data: str) -> tuple[list[_Listed], str | None]:
 def _index_peer(item: _Listed, cache_dir: Path, level: str, max_pixels: int, num_threads: int) -> dict:
     """Index one shard written by others (once: cached by its identity) and check its members at
     `level` (at least the fast header checks, which cost nothing while its bytes pass)."""
-    idx = _cache_file(cache_dir, item.identity, ".idx")
-    meta_path = _cache_file(cache_dir, item.identity, ".json")
-    meta = _load(meta_path)
+    idx = cache_file(cache_dir, item.identity, ".idx")
+    meta_path = cache_file(cache_dir, item.identity, ".json")
+    meta = load_json(meta_path)
     if meta and idx.is_file() and _covers(meta.get("checked"), level, max_pixels, meta["entries"]):
         return {**meta, "index": str(idx)}
     level = "fast" if level == "off" else level
@@ -630,10 +672,10 @@ def _index_peer(item: _Listed, cache_dir: Path, level: str, max_pixels: int, num
     checked = collector.close(len(indexed.entries))
     for e, ext in indexed.duplicates.items():
         checked["problems"].setdefault(str(e), f"holds two {ext} members (a key that repeats)")
-    _write_atomic(idx, format_index(indexed.entries))
+    write_atomic(idx, format_index(indexed.entries))
     meta = {"source": item.name, "entries": len(indexed.entries), "size": indexed.size, "sha256": indexed.sha256,
             "keys": [e.key for e in indexed.entries], "checked": checked}
-    _write_atomic(meta_path, json.dumps(meta))
+    write_atomic(meta_path, json.dumps(meta))
     return {**meta, "index": str(idx)}
 
 
@@ -665,7 +707,7 @@ def _open_peer(data, *, num_threads: int, progress: bool) -> ShardSet:
     cache_dir = Path(data.cache_dir)
 
     remove_dead_temps(cache_dir / "shards", ".*.tmp-*")  # what a writer killed with -9 left half written
-    bar = _bar(len(listed), "index shards", progress)
+    bar = progress_bar(len(listed), "index shards", progress)
     metas = []
     if listed[0].path.startswith("s3://") and len(listed) > 1:
         with ThreadPoolExecutor(min(4, len(listed))) as pool:
@@ -739,7 +781,7 @@ def _peer_classes(shards: list[Shard], classes_txt: str | None, data: str):
     return classes, remap, note
 
 
-def _unit_hash(key: str, seed: int) -> float:
+def unit_hash(key: str, seed: int) -> float:
     digest = hashlib.sha256(f"{seed}:{key}".encode("utf-8", "surrogatepass")).digest()
     return int.from_bytes(digest[:8], "big") / 2**64
 
@@ -759,7 +801,7 @@ def _peer_split(shards: list[Shard], val_fraction: float, seed: int) -> None:
         if any(named):
             s.split = ["val" if is_val else "train"] * len(s.keys)
         else:
-            s.split = ["val" if _unit_hash(k, seed) < val_fraction else "train" for k in s.keys]
+            s.split = ["val" if unit_hash(k, seed) < val_fraction else "train" for k in s.keys]
 
 
 # -- reporting ------------------------------------------------------------------------------------
@@ -778,7 +820,7 @@ def write_member_report(shards: ShardSet, out: Path, extra: list = ()) -> Path:
     report = out / "bad_images.tsv"
     rows = ["image_path\treason\tshard\tkey"] + [
         "\t".join(cell(x) for x in (s.image_paths[e], reason, s.name, s.keys[e])) for s, e, reason in shards.bad + list(extra)]
-    _write_atomic(report, "\n".join(rows) + "\n")
+    write_atomic(report, "\n".join(rows) + "\n")
     return report
 
 
@@ -794,7 +836,7 @@ def report(shards: ShardSet, scan: str, out: Path) -> None:
               "beforehand (pass --packed-s3 sync to check them)", file=sys.stderr)
 
 
-def _bar(total: int, desc: str, progress: bool):
+def progress_bar(total: int, desc: str, progress: bool):
     from tqdm import tqdm
 
     return tqdm(total=total, desc=desc, unit="shard", disable=not progress or total < 2, file=sys.stderr,

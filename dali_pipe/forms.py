@@ -1,0 +1,164 @@
+"""What `--data` is: the input form a local folder holds, told from names alone (no image opened, no heavy
+library imported, so a data mistake is reported at once), and the ecosystem's own rules that the forms follow.
+
+    manifest     dataset.tsv at the root (image_path, optional label and split columns)
+    pack         packed.json (python -m dali_pipe pack)
+    shards       .tar files written by WebDataset tools, or a brace pattern of them
+    parquet      .parquet files of a Hugging Face dataset (`Dataset.to_parquet`, the Hub's
+                 data/train-00000-of-00004.parquet), in the folder, its data/ or its split folders
+    arrow        a `save_to_disk` folder (state.json + data-*.arrow; or dataset_dict.json + one folder per split)
+    imagefolder  class subfolders of images, as torchvision's ImageFolder reads them; or train/ + val/ of those
+                 (ImageNet's layout)
+
+The rules are the peers' own: torchvision's `find_classes` (class folders sorted as strings), its
+IMG_EXTENSIONS (case-insensitive) and its recursive walk; and the split keywords of Hugging Face
+datasets' data_files.py (`train-*`, `validation-*`/`val-*`/`dev-*`, `test-*`, words of a file or folder
+name). tests/test_forms.py checks both against the libraries themselves.
+"""
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+MANIFEST_NAME = "dataset.tsv"
+PACKED_NAME = "packed.json"
+# torchvision.datasets.folder.IMG_EXTENSIONS: what ImageFolder lists (matched case-insensitively). DALI decodes each
+# of these formats; a file that does not hold what its name says is left to the scan.
+IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
+# Hugging Face datasets (data_files.SPLIT_KEYWORDS): the words that name a split in a file or folder name
+SPLIT_KEYWORDS = {"train": ("train", "training"), "val": ("validation", "valid", "dev", "val"),
+                  "test": ("test", "testing", "eval", "evaluation")}
+_SPLIT_OF = {w: split for split, words in SPLIT_KEYWORDS.items() for w in words}
+PAIR = {"train": "train", "val": "val", "validation": "val"}  # an ImageFolder pair: train/ and val/ (or validation/)
+PAIR_ALSO = {"test"}  # a test/ beside them is left out (training reads train/ and val/)
+
+FORMS = (
+    ("dataset.tsv folder", "DIR/dataset.tsv with an image_path column (label, split optional)"),
+    ("ImageFolder", "DIR/CLASS/*.jpg (torchvision's layout; train/ + val/ of them is ImageNet's)"),
+    ("pack", "DIR/packed.json and its shards (python -m dali_pipe pack)"),
+    ("WebDataset shards", "DIR/*.tar, or a pattern such as DIR/train-{000000..000099}.tar"),
+    ("Parquet (Hugging Face)", "DIR/*.parquet or DIR/data/train-00000-of-00001.parquet (Dataset.to_parquet)"),
+    ("save_to_disk (Hugging Face)", "DIR/state.json + data-*.arrow, or DIR/dataset_dict.json (Dataset.save_to_disk)"),
+)
+NAMES = {"manifest": "a dataset.tsv folder", "pack": "a pack", "shards": "WebDataset shards",
+         "parquet": "a Parquet dataset (Hugging Face)", "arrow": "a save_to_disk dataset (Hugging Face)",
+         "imagefolder": "an ImageFolder (class subfolders)"}
+
+
+def forms_text(indent: str = "\n  ") -> str:
+    """Every input form, one per line: what --data may be."""
+    return "".join(f"{indent}{name}: {example}" for name, example in FORMS) + f"{indent}or s3://bucket/prefix of any"
+
+
+def is_image_name(name: str) -> bool:
+    """torchvision's `has_file_allowed_extension(name, IMG_EXTENSIONS)`."""
+    return name.lower().endswith(IMG_EXTENSIONS)
+
+
+def find_classes(directory: Path | str) -> list[str]:
+    """torchvision's `find_classes`: the folders directly in `directory` (links to folders too, hidden ones
+    too), sorted as strings; their positions are the class indices."""
+    return sorted(e.name for e in os.scandir(directory) if _is_dir(e))
+
+
+def _is_dir(entry: os.DirEntry) -> bool:
+    """A folder, or a link to one (a link loop or a dangling link is not: predict's scan lists it)."""
+    try:
+        return entry.is_dir()
+    except OSError:
+        return False
+
+
+def split_of(rel: str) -> str | None:
+    """The split a Hugging Face data file's path names ("train", "val" or "test"), as datasets reads it: a
+    keyword among the words of its file name (words are split at `-._ ` and digits), else of its folders
+    (the nearest first); None when none names one."""
+    parts = rel.replace("\\", "/").split("/")
+    for part in [parts[-1].rsplit(".", 1)[0]] + parts[-2::-1]:
+        for word in re.split(r"[-._ 0-9]+", part):
+            if word in _SPLIT_OF:
+                return _SPLIT_OF[word]
+    return None
+
+
+def pair_folders(root: Path) -> dict[str, Path] | None:
+    """{"train": root/train, "val": root/val} when root holds ImageNet's layout: folders train/ and val/ (or
+    validation/), and beside them at most a test/ (and hidden entries), each holding class folders; else None."""
+    try:
+        dirs = {e.name for e in os.scandir(root) if _is_dir(e) and not e.name.startswith(".")}
+    except OSError:
+        return None
+    val = next((d for d in ("val", "validation") if d in dirs), None)
+    if "train" not in dirs or val is None or dirs - set(PAIR) - PAIR_ALSO or {"val", "validation"} <= dirs:
+        return None
+    folders = {"train": root / "train", "val": root / val}
+    return folders if all(find_classes(p) for p in folders.values()) else None
+
+
+def parquet_files(root: Path) -> list[str]:
+    """The .parquet files of a Hugging Face dataset under `root` (paths relative to it, sorted): in the folder
+    itself, in its data/ (the Hub's layout), or in split folders (train/, data/validation/, ...)."""
+    found = []
+
+    def add(folder: Path, depth: int) -> None:
+        try:
+            entries = sorted(os.scandir(folder), key=lambda e: e.name)
+        except OSError:
+            return
+        for e in entries:
+            if e.name.startswith("."):
+                continue
+            if e.name.endswith(".parquet") and os.path.isfile(e.path):
+                found.append(os.path.relpath(e.path, root))
+            elif depth and _is_dir(e) and (e.name == "data" or split_of(e.name) is not None):
+                add(Path(e.path), depth - 1)
+
+    add(root, 2)
+    return found
+
+
+def is_save_to_disk(root: Path) -> bool:
+    return (root / "dataset_dict.json").is_file() or ((root / "state.json").is_file() and
+                                                       (root / "dataset_info.json").is_file())
+
+
+def local_form(path: Path) -> str | None:
+    """The form of the local folder `path`: manifest, pack, shards, arrow, parquet or imagefolder; None
+    when it matches none (see forms_text)."""
+    if (path / MANIFEST_NAME).is_file():
+        return "manifest"
+    if (path / PACKED_NAME).is_file():
+        return "pack"
+    if any(f.is_file() for f in path.glob("*.tar")):
+        return "shards"
+    if is_save_to_disk(path):
+        return "arrow"
+    if parquet_files(path):
+        return "parquet"
+    if pair_folders(path) or _has_class_with_image(path):
+        return "imagefolder"
+    return None
+
+
+def _has_class_with_image(root: Path) -> bool:
+    """Whether a class folder of root holds an image at any depth (a quick look: it stops at the first)."""
+    for c in find_classes(root):
+        for _, _, files in os.walk(root / c, followlinks=True):
+            if any(is_image_name(f) for f in files):
+                return True
+    return False
+
+
+def form_problem(data: str) -> str | None:
+    """What is wrong with a local --data folder (None when it holds a form), for `config.validate`."""
+    p = Path(data)
+    if not p.is_dir():
+        return None
+    try:
+        if local_form(p) is not None:
+            return None
+    except OSError as e:
+        return f"{data!r} cannot be read ({e.strerror}); check its permissions"
+    return (f"{data!r} holds none of the input forms: no dataset.tsv, packed.json, .tar shards, .parquet files, "
+            "save_to_disk files, nor class folders of images. --data may be:" + forms_text("\n    "))

@@ -1,0 +1,197 @@
+"""A folder of class subfolders (no dataset.tsv) as a dataset, exactly as torchvision's ImageFolder reads it.
+
+- Classes: the folders directly under the root, sorted as strings (`find_classes`: hidden folders too,
+  links to folders too); a class's index is its position, so the indices are torchvision's `class_to_idx`.
+- Samples: every file at any depth below a class folder whose name ends in one of torchvision's
+  IMG_EXTENSIONS, in any case (hidden files too, as torchvision lists them), in torchvision's order
+  (`sorted(os.walk(class_dir, followlinks=True))`, then the names sorted). Other files are ignored; a
+  file that does not hold the image its name says (or that DALI cannot decode) is the scan's to list.
+- A class folder without images is refused, naming it, as torchvision refuses it (`allow_empty=False`):
+  a class the data cannot teach would still be a class of the model.
+- Split: ImageNet's layout, `train/` and `val/` (or `validation/`) folders of class folders (a `test/`
+  beside them is left out), uses val/ for validation, with train/'s classes; otherwise --val-fraction of
+  each class goes to validation by a hash of its path and --seed, as for a dataset.tsv without a split
+  column (manifest.stratified_split). The start-up summary says which rule it used.
+
+On S3 (s3://bucket/prefix of the same layout) the image objects are listed once, synced to the cache dir
+(`sync.sync_files`), and the listing is kept beside them (LISTING_NAME), so that objects removed from the
+bucket since an earlier sync are not read.
+
+`implied_manifest` is the dataset.tsv the folder implies (`python -m dali_pipe manifest DIR`), for users
+who want to edit it.
+"""
+from __future__ import annotations
+
+import json
+import os
+import posixpath
+from pathlib import Path
+
+from .forms import IMG_EXTENSIONS, PAIR, PAIR_ALSO, find_classes, is_image_name, pair_folders
+from .manifest import MANIFEST_NAME, Manifest, ManifestError, Sample, absolute_path, sort_classes, stratified_split
+from .sync import SyncError, atomic_write, sync_files
+
+LISTING_NAME = ".imagefolder-files.json"  # in the local copy of an s3:// ImageFolder: the keys its last sync listed
+PAIR_NOTE = "split: the train/ and val/ folders (ImageNet's layout)"
+
+
+class ImageFolderError(ManifestError):
+    """An ImageFolder that cannot be read as it is; the message names the folder and the fix."""
+
+
+# -- the listing, torchvision's ------------------------------------------------------------------
+def class_files(root: Path, cls: str) -> list[str]:
+    """torchvision's `make_dataset` for one class: the image files below root/cls, relative to root, in its order."""
+    out = []
+    for dirpath, _, files in sorted(os.walk(root / cls, followlinks=True)):
+        out += [os.path.relpath(os.path.join(dirpath, f), root) for f in sorted(files) if is_image_name(f)]
+    return out
+
+
+def tree(root: Path, listing: list[str] | None = None) -> dict[str, list[str]]:
+    """{class: its image files relative to root}, classes in index order. `listing`: the object keys of an S3
+    copy (relative to root), read as the same folders would be on disk."""
+    if listing is None:
+        return {c: class_files(root, c) for c in find_classes(root)}
+    out: dict[str, list[tuple[str, str]]] = {}
+    for key in listing:
+        head, _, rest = key.partition("/")
+        if rest:
+            out.setdefault(head, [])
+            if is_image_name(posixpath.basename(key)):
+                out[head].append((posixpath.dirname(key), posixpath.basename(key)))
+    return {c: [posixpath.join(d, f) for d, f in sorted(out[c])] for c in sorted(out)}
+
+
+def _pair(root: Path, listing: list[str] | None) -> dict[str, str] | None:
+    """{"train": "train", "val": "val" or "validation"} for ImageNet's layout, else None."""
+    if listing is None:
+        found = pair_folders(root)
+        return None if found is None else {k: v.name for k, v in found.items()}
+    tops = {k.split("/", 1)[0] for k in listing if k.count("/") >= 2 and not k.startswith(".")}
+    val = next((d for d in ("val", "validation") if d in tops), None)
+    if "train" not in tops or val is None or tops - set(PAIR) - PAIR_ALSO or {"val", "validation"} <= tops:
+        return None
+    return {"train": "train", "val": val}
+
+
+def _sub(listing: list[str] | None, folder: str) -> list[str] | None:
+    if listing is None:
+        return None
+    return [k[len(folder) + 1:] for k in listing if k.startswith(folder + "/")]
+
+
+def _refuse_empty(root: Path, classes: dict[str, list[str]]) -> None:
+    empty = [c for c, files in classes.items() if not files]
+    if empty:
+        shown = ", ".join(repr(c) for c in empty[:5]) + (f" ... and {len(empty) - 5} more" if len(empty) > 5 else "")
+        raise ImageFolderError(
+            f"{root} (an ImageFolder): {len(empty)} class folder(s) hold no image ({shown}; images end in "
+            f"{', '.join(IMG_EXTENSIONS)}), which torchvision's ImageFolder refuses too. Remove them, or write the "
+            f"dataset.tsv the folder implies without them (python -m dali_pipe manifest {root}) and edit it")
+
+
+def read_image_folder(root: Path | str, *, val_fraction: float, seed: int,
+                      listing: list[str] | None = None) -> Manifest:
+    """The ImageFolder at `root` as a Manifest (classes and indices torchvision's; the split as the module
+    docstring says). `listing`: the keys of an S3 copy (default: those its sync recorded, else the disk)."""
+    root = Path(root)
+    if listing is None and (root / LISTING_NAME).is_file():
+        listing = json.loads((root / LISTING_NAME).read_text())["files"]
+    pair = _pair(root, listing)
+    if pair:
+        train_tree = tree(root / pair["train"], _sub(listing, pair["train"]))
+        val_tree = tree(root / pair["val"], _sub(listing, pair["val"]))
+        _refuse_empty(root / pair["train"], train_tree)
+        _refuse_empty(root / pair["val"], val_tree)
+        extra = sorted(set(val_tree) - set(train_tree))
+        if extra:
+            raise ImageFolderError(f"{root / pair['val']}: class folder(s) {extra[:5]} are not in "
+                                   f"{root / pair['train']}; the classes are train/'s: add them there, or remove them")
+        classes = list(train_tree)
+        index = {c: i for i, c in enumerate(classes)}
+        split = {name: [Sample(absolute_path(root, posixpath.join(pair[name], rel)), index[c], 0)
+                        for c, files in t.items() for rel in files]
+                 for name, t in (("train", train_tree), ("val", val_tree))}
+        train, val, note = split["train"], split["val"], PAIR_NOTE
+    else:
+        t = tree(root, listing)
+        _refuse_empty(root, t)
+        classes = list(t)
+        samples = {rel: Sample(absolute_path(root, rel), i, 0) for i, (c, files) in enumerate(t.items())
+                   for rel in files}
+        train, val = stratified_split(samples, val_fraction, seed)
+        note = (f"split: {val_fraction:g} of each class for validation by a hash of its path and --seed (no train/ "
+                "and val/ folders)")
+    if len(classes) < 2:
+        raise ImageFolderError(f"{root} (an ImageFolder): found {len(classes)} class folder(s) {classes}; a "
+                               "classifier needs at least two: put each class's images in a folder of its own")
+    if not train:
+        raise ImageFolderError(f"{root} (an ImageFolder): no training images after the split; lower --val-fraction")
+    return Manifest(root, classes, train, val, note=note)
+
+
+# -- S3 --------------------------------------------------------------------------------------------
+def sync_image_folder(uri: str, dest: Path, *, workers: int, progress: bool = True) -> list[str]:
+    """Sync the images of the ImageFolder at an s3:// prefix into `dest` (only image files below a folder)
+    and record the listing beside them; returns it (keys relative to the prefix)."""
+    stats, names = sync_files(uri, dest, keep=lambda k: "/" in k and is_image_name(k), workers=workers,
+                              progress=progress)
+    if not names:
+        raise SyncError(f"{uri} holds no images in class folders (an ImageFolder needs PREFIX/CLASS/IMAGE, images "
+                        f"ending in {', '.join(IMG_EXTENSIONS)})")
+    atomic_write(dest / LISTING_NAME, json.dumps({"files": names}).encode())
+    return names
+
+
+# -- the dataset.tsv the folder implies -----------------------------------------------------------
+def implied_manifest(root: Path | str) -> tuple[str, list[str]]:
+    """(the text of the dataset.tsv the ImageFolder at `root` implies, notes for the user). Columns image_path
+    and label (the class folder), and split for ImageNet's layout; empty class folders are left out (noted)."""
+    root = Path(root)
+    pair = _pair(root, None)
+    notes, rows = [], []
+    parts = [(pair[name], name) for name in ("train", "val")] if pair else [("", None)]
+    for folder, split in parts:
+        t = tree(root / folder if folder else root)
+        empty = [c for c, files in t.items() if not files]
+        if empty:
+            notes.append(f"left out {len(empty)} class folder(s) without images: {', '.join(empty[:5])}")
+        for c, files in t.items():
+            for rel in files:
+                path = posixpath.join(folder, rel) if folder else rel
+                rows.append((path, c) if split is None else (path, c, split))
+    bad = [r[0] for r in rows if any(ch in r[0] or ch in r[1] for ch in "\t\r\n")]
+    if bad:
+        raise ImageFolderError(f"{root}: {len(bad)} path(s) hold a tab or a line break, which a dataset.tsv cannot "
+                               f"hold, e.g. {bad[0]!r}; rename them")
+    labels = {r[1] for r in rows}
+    if len(labels) >= 2 and sort_classes(labels) != sorted(labels):
+        notes.append("the class names are numbers: dataset.tsv orders them as numbers (2 before 10), the ImageFolder "
+                     "(as torchvision) as text (10 before 2), so the class indices differ between the two")
+    if pair:
+        notes.append(PAIR_NOTE.replace("split: ", "the split column keeps "))
+    header = ["image_path", "label"] + (["split"] if pair else [])
+    return "\n".join(["\t".join(header)] + ["\t".join(r) for r in rows]) + "\n", notes
+
+
+def write_manifest(root: Path | str, *, force: bool) -> tuple[Path, int, list[str]]:
+    """Write root/dataset.tsv as the ImageFolder implies it (atomically); an existing one only with `force`.
+    Returns (its path, rows, notes)."""
+    root = Path(root)
+    target = root / MANIFEST_NAME
+    if not root.is_dir():
+        raise ImageFolderError(f"{root} is not a folder; pass the ImageFolder's root (its class folders inside)")
+    if target.exists() and not force:
+        raise ImageFolderError(f"{target} exists already; pass --force to replace it with what the folders imply")
+    text, notes = implied_manifest(root)
+    rows = text.count("\n") - 1
+    if not rows:
+        raise ImageFolderError(f"{root} holds no class folders of images (CLASS/IMAGE, images ending in "
+                               f"{', '.join(IMG_EXTENSIONS)}); nothing to write")
+    try:
+        atomic_write(target, text.encode("utf-8"))
+    except OSError as e:
+        raise ImageFolderError(f"cannot write {target} ({e.strerror}); make the folder writable or free space "
+                               "there") from None
+    return target, rows, notes

@@ -1,0 +1,137 @@
+"""Hugging Face datasets as a source, written by the `datasets` library itself: Parquet in the Hub's layout and
+save_to_disk folders; classes from the ClassLabel, the split from the file names, each sample once per epoch
+and an exact resume through the shard reader, bad rows listed in bad_images.tsv, ambiguous columns named."""
+from __future__ import annotations
+
+import io
+from collections import Counter
+
+import pytest
+from helpers import cpu_options
+
+from dali_pipe.config import DataSettings
+from dali_pipe.loader import DaliLoader
+from dali_pipe.pipeline import build_pipeline
+from dali_pipe.shards.tables import TableSourceError, open_tables
+from dali_pipe.spec import ImageSpec
+
+SPEC = ImageSpec(16, 16, (0.5,) * 3, (0.5,) * 3)
+
+
+@pytest.fixture(scope="module")
+def hf(photo_root, tmp_path_factory):
+    """photo_root's 48 photos, each its own ClassLabel class ('s007': a batch's labels say which photos it holds),
+    written by `datasets`: the Hub's Parquet layout (data/train-*, data/validation-*, 5 rows per row group), a
+    save_to_disk DatasetDict (train, validation, test), and a Parquet file with bad rows and two label columns."""
+    import datasets
+    from PIL import Image
+
+    root = tmp_path_factory.mktemp("hf")
+    photos = sorted(photo_root.glob("*/*.jpg"))
+    names = [f"s{i:03d}" for i in range(len(photos))]
+    features = datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(names=names)})
+    ds = datasets.Dataset.from_dict({"image": [{"bytes": p.read_bytes(), "path": p.name} for p in photos],
+                                     "label": list(range(len(photos)))}, features=features)
+    val = [i for i in range(48) if i % 6 == 0]
+    (root / "hub" / "data").mkdir(parents=True)
+    ds.select([i for i in range(48) if i not in val]).to_parquet(root / "hub/data/train-00000-of-00002.parquet",
+                                                                  batch_size=5)
+    ds.select(val).to_parquet(root / "hub/data/validation-00000-of-00001.parquet", batch_size=5)
+    datasets.DatasetDict({"train": ds.select(range(30)), "validation": ds.select(range(30, 40)),
+                          "test": ds.select(range(40, 48))}).save_to_disk(root / "dict")
+    good = photos[0].read_bytes()
+    buf = io.BytesIO()
+    Image.open(photos[1]).save(buf, format="GIF")
+    rows = [good, good[: len(good) // 2], buf.getvalue(), None, good, good]
+    bad_features = datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(names=["a", "b"]),
+                                      "coarse": datasets.ClassLabel(names=["x", "y"])})
+    (root / "bad").mkdir()
+    datasets.Dataset.from_dict({"image": [None if b is None else {"bytes": b, "path": None} for b in rows],
+                                "label": [0, 1, 0, 1, -1, 1], "coarse": [0] * 6},
+                               features=bad_features).to_parquet(root / "bad/part.parquet")
+    return root
+
+
+def _open(data, cache, **kw):
+    return open_tables(DataSettings(data=str(data), cache_dir=str(cache), **kw))
+
+
+def _loader(source, batch, training, seed=3):
+    opts = cpu_options(batch, threads=1, training=training, seed=seed)
+    return DaliLoader(lambda ck: build_pipeline(source, SPEC, opts, training=training, checkpoint=ck),
+                      training=training)
+
+
+def _labels(loader):
+    return [i for _, y in loader for i in y.tolist()]
+
+
+def test_parquet_each_sample_once_per_epoch_and_an_exact_resume(hf, tmp_path):
+    """The Hub's layout: classes are the ClassLabel's names, validation the validation-* file; each row group is a
+    shard, so each training sample comes once per epoch, in a new order each epoch, and a loader restored
+    mid-epoch continues with the very batches of the uninterrupted run."""
+    s = _open(hf / "hub", tmp_path)
+    assert s.kind == "parquet" and s.classes == [f"s{i:03d}" for i in range(48)] and len(s.shards) == 10
+    assert "split: the files' names" in s.note and "ClassLabel" in s.note
+    val = {i for i in range(48) if i % 6 == 0}
+    assert sorted(_labels(_loader(s.val, 3, False))) == sorted(val)
+    loader = _loader(s.train, 5, True)
+    epochs = [_labels(loader) for _ in range(2)]
+    for seen in epochs:
+        assert len(seen) == 40 and max(Counter(seen).values()) == 1 and not set(seen) & val
+    assert epochs[0] != epochs[1]
+    first = _loader(s.train, 5, True)
+    it = iter(first)
+    head = [y.tolist() for _, (_, y) in zip(range(3), it)]
+    second = _loader(s.train, 5, True)
+    second.restore(first.state())
+    assert [i for b in head for i in b] + _labels(second) == epochs[0], "the uninterrupted run's first epoch"
+
+
+def test_save_to_disk_dataset_dict_holds_out_its_test_split(hf, tmp_path):
+    """A DatasetDict saved to disk: its split folders give train, validation and test (held out of training)."""
+    from dali_pipe.shards.source import source_kind
+
+    assert source_kind(str(hf / "dict")) == "arrow"
+    s = _open(hf / "dict", tmp_path)
+    assert (len(s.train), len(s.val), len(s.test), len(s.everything)) == (30, 10, 8, 48)
+    assert sorted(_labels(_loader(s.test, 4, False))) == list(range(40, 48))
+
+
+def test_bad_rows_are_listed_and_ambiguous_columns_named(hf, tmp_path):
+    """A truncated JPEG, a GIF (which DALI cannot decode), a row without bytes and a label of -1 are left out and
+    listed in bad_images.tsv with file and row; two ClassLabel columns are an error naming --label-column."""
+    from dali_pipe.datamodule import prepare
+
+    with pytest.raises(TableSourceError, match=r"several label columns \(label, coarse\); pass --label-column"):
+        _open(hf / "bad", tmp_path)
+    data = DataSettings(data=str(hf / "bad"), cache_dir=str(tmp_path), label_column="label", max_bad_fraction=1.0,
+                        val_fraction=0.0)
+    shards, result = prepare(data, tmp_path / "out", num_threads=1)
+    rows = [r.split("\t") for r in (tmp_path / "out" / "bad_images.tsv").read_text().splitlines()[1:]]
+    reasons = {r[3]: r[1] for r in rows}
+    assert set(reasons) == {f"part.parquet:{i}" for i in (1, 2, 3, 4)}, rows
+    assert ("truncated JPEG" in reasons["part.parquet:1"] and "unsupported format GIF" in reasons["part.parquet:2"]
+            and "no image bytes" in reasons["part.parquet:3"] and "-1" in reasons["part.parquet:4"])
+    assert len(shards.train) == 2 and result.total == 6
+    assert _open(hf / "bad", tmp_path, label_column="coarse", max_bad_fraction=1.0).classes == ["x", "y"]
+    whole = (hf / "bad" / "part.parquet").read_bytes()
+    (tmp_path / "damaged").mkdir()
+    (tmp_path / "damaged" / "part.parquet").write_bytes(whole[: len(whole) // 2])  # a download cut short
+    with pytest.raises(TableSourceError, match=r"part.parquet: not a readable Parquet file"):
+        _open(tmp_path / "damaged", tmp_path, label_column="label")
+
+
+def test_parquet_on_s3_is_synced_then_read(hf, s3, tmp_path):
+    """An s3:// prefix of the Hub's layout (moto's server): synced to the cache dir, then read as the local copy."""
+    from dali_pipe.datamodule import prepare
+    from dali_pipe.sync import make_client
+
+    client = make_client(4)
+    client.create_bucket(Bucket="hub")
+    for p in sorted((hf / "hub" / "data").iterdir()):
+        client.upload_file(str(p), "hub", f"ds/data/{p.name}")
+    data = DataSettings(data="s3://hub/ds", cache_dir=str(tmp_path / "cache"))
+    shards, _ = prepare(data, tmp_path / "out", num_threads=1)
+    assert shards.kind == "parquet" and (len(shards.train), len(shards.val)) == (40, 8)
+    assert all(not p.startswith("s3://") for p in shards.train.paths)

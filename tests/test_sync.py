@@ -1,10 +1,8 @@
 """S3 sync against a real S3 endpoint: moto's server on 127.0.0.1, boto3 over HTTP, no mocks."""
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import pytest
@@ -54,37 +52,37 @@ def test_rerun_transfers_nothing_and_changed_file_is_refetched(s3, photo_root, t
     assert third.downloaded == 1 and (dest / "coffee/coffee_0000.jpg").read_bytes() == b"\xff\xd8\xff changed"
 
 
-def test_interrupted_sync_leaves_no_partial_file_and_rerun_completes(s3, photo_root, tmp_path, monkeypatch):
-    """The server stops mid-sync: completed files stay, no partial file exists, the rerun finishes."""
+def test_faults_are_retried_and_a_failed_sync_leaves_no_partial_file_and_the_rerun_completes(s3, photo_root,
+                                                                                          tmp_path, monkeypatch):
+    """Through a fault proxy: a 503 SlowDown and a cut body (once each) are retried and land whole; every GET of
+    one class cut: those fail after their tries, naming the key, the completed files stay, no partial file
+    nor manifest exists; the rerun (faults gone) fetches only the rest."""
+    from faultproxy import FaultProxy
+
     server, url = s3
     _upload(photo_root)
+    proxy = FaultProxy(url).start()
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+    proxy.arm("503", "coffee_0000.jpg")
+    proxy.arm("cut", "coffee_0001.jpg")
+    proxy.arm("cut", "/chelsea/", times=10**6)
     dest = tmp_path / "local"
-    import dali_pipe.sync as mod
-
-    real = mod.download
-    count = {"n": 0}
-    lock = threading.Lock()
-
-    def flaky(client, bucket, key, path, size, stop=None, watch=None):
-        with lock:
-            count["n"] += 1
-            if count["n"] == 20:
-                server.stop()
-        return real(client, bucket, key, path, size, stop, watch)
-
-    monkeypatch.setattr(mod, "download", flaky)
-    with pytest.raises(SyncError, match="rerun"):
-        sync("s3://data/ds", dest, workers=4, progress=False, client=make_client(4, max_attempts=2,
-                                                                                   connect_timeout=1))
-    assert not [p for p in dest.rglob("*") if ".part-" in p.name]
-    assert not (dest / "dataset.tsv").exists()  # the manifest lands only when the set is complete
-    partial = len([p for p in dest.rglob("*.jpg")])
-    assert 0 < partial < 48
-    monkeypatch.setattr(mod, "download", real)
-    server.start()  # a fresh port: point boto3 at it
-    os.environ["AWS_ENDPOINT_URL"] = "http://%s:%d" % server.get_host_and_port()
-    done = sync("s3://data/ds", dest, workers=4, progress=False)
-    assert done.downloaded + done.skipped == 48 and done.downloaded <= 48 - done.skipped
+    try:
+        with pytest.raises(SyncError, match=r"(?s)\d+ of 48 download\(s\) failed.*rerun the sync.*chelsea/chelsea_"):
+            sync("s3://data/ds", dest, workers=4, progress=False)
+        assert proxy.applied("503") == 1 and (dest / "coffee/coffee_0000.jpg").read_bytes() == (
+            photo_root / "coffee/coffee_0000.jpg").read_bytes()
+        assert (dest / "coffee/coffee_0001.jpg").read_bytes() == (photo_root / "coffee/coffee_0001.jpg").read_bytes()
+        assert not [p for p in dest.rglob("*") if ".part-" in p.name]
+        assert not (dest / "dataset.tsv").exists()  # the manifest lands only when the set is complete
+        assert not list(dest.rglob("chelsea_*.jpg"))
+        partial = len(list(dest.rglob("*.jpg")))
+        assert 0 < partial < 48
+        proxy.faults.clear()
+        done = sync("s3://data/ds", dest, workers=4, progress=False)
+    finally:
+        proxy.stop()
+    assert done.downloaded == 48 - partial and done.skipped == partial
     assert _tree(dest) == _tree(photo_root)
 
 

@@ -52,6 +52,10 @@ class SyncError(UserError):
     """The sync cannot proceed; the message names the bucket/key/row and what to do."""
 
 
+class ManifestMissing(SyncError):
+    """The prefix holds no dataset.tsv (it may be a pack: the sync command then fetches that)."""
+
+
 @dataclass
 class SyncStats:
     listed: int = 0  # files the manifest lists
@@ -220,7 +224,7 @@ def fetch_manifest(engine: Engine, bucket: str, base: str, dest: Path, rows: boo
     try:
         text = engine.run(engine.read(bucket, key))
     except TransferError as e:
-        raise SyncError(explain(e, bucket, key)) from None
+        raise (ManifestMissing if e.code in ("NoSuchKey", "404") else SyncError)(explain(e, bucket, key)) from None
     staged = dest / f".{MANIFEST_NAME}.incoming-{os.getpid()}"
     atomic_write(staged, text)
     try:

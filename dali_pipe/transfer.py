@@ -127,10 +127,10 @@ class Engine:
             return self._stores[bucket]
 
     def _make_store(self, bucket: str):
-        import boto3
+        import botocore.session
         from obstore.store import S3Store
 
-        session = boto3.session.Session()
+        session = botocore.session.get_session()  # botocore alone: boto3 would import s3transfer too
         given = endpoint_credentials()
         url = given.get("endpoint_url") or endpoint_url()
         if given:
@@ -148,7 +148,7 @@ class Engine:
                 frozen = creds.get_frozen_credentials()  # refreshed by botocore before it expires
                 return {"access_key_id": frozen.access_key, "secret_access_key": frozen.secret_key,
                         "token": frozen.token, "expires_at": datetime.now(timezone.utc) + CREDENTIALS_TTL}
-        region = session.region_name or "us-east-1"
+        region = session.get_config_variable("region") or "us-east-1"
         if url is None:
             region = bucket_region(session, bucket) or region
         return S3Store(
@@ -349,7 +349,7 @@ def bucket_region(session, bucket: str) -> str | None:
     from botocore.exceptions import BotoCoreError, ClientError
 
     try:
-        client = session.client("s3", config=Config(connect_timeout=5, read_timeout=20, retries={"max_attempts": 2}))
+        client = session.create_client("s3", config=Config(connect_timeout=5, read_timeout=20, retries={"max_attempts": 2}))
         head = client.head_bucket(Bucket=bucket)
         return head.get("BucketRegion") or head["ResponseMetadata"]["HTTPHeaders"].get("x-amz-bucket-region")
     except ClientError as e:

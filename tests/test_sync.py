@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -165,9 +166,10 @@ def test_missing_objects_fail_unless_skip_missing(s3, photo_root, tmp_path):
     assert stats.missing == 2 and stats.downloaded == 48 and (tmp_path / "c" / "dataset.tsv").is_file()
 
 
-def test_sigterm_mid_sync_exits_cleanly_and_the_rerun_finishes(photo_root, tmp_path, monkeypatch):
-    """SIGTERM while downloading (every request takes 0.1 s): exit 143 without a traceback and without
-    a temporary file; the next sync completes the set."""
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
+def test_a_signal_mid_sync_exits_cleanly_and_the_rerun_finishes(photo_root, tmp_path, monkeypatch, sig):
+    """SIGTERM (or Ctrl-C's SIGINT) while downloading (every request takes 0.1 s): exit 143 (130) without a
+    traceback and without a temporary file; the next sync completes the set."""
     import signal
     import time
 
@@ -186,16 +188,74 @@ def test_sigterm_mid_sync_exits_cleanly_and_the_rerun_finishes(photo_root, tmp_p
         deadline = time.time() + 60
         while time.time() < deadline and len(list(dest.rglob("*.jpg"))) < 2:
             time.sleep(0.05)
-        p.send_signal(signal.SIGTERM)
+        p.send_signal(getattr(signal, sig))
         _, err = p.communicate(timeout=60)
-        assert p.returncode == 143 and "Traceback" not in err and "stopped by SIGTERM" in err
+        want = (143, "stopped by SIGTERM") if sig == "SIGTERM" else (130, "stopped by Ctrl-C")
+        assert (p.returncode, want[1] in err, "Traceback" in err) == (want[0], True, False), err
         assert not [q for q in dest.rglob("*") if ".part-" in q.name or ".incoming-" in q.name]
         assert not (dest / "dataset.tsv").exists() and 0 < len(list(dest.rglob("*.jpg"))) < 48
-        server.delay = 0
-        done = sync("s3://data/ds", dest, workers=4, progress=False)
-        assert done.downloaded + done.skipped == 48 and _tree(dest) == _tree(photo_root)
+        if sig == "SIGTERM":
+            server.delay = 0
+            done = sync("s3://data/ds", dest, workers=4, progress=False)
+            assert done.downloaded + done.skipped == 48 and _tree(dest) == _tree(photo_root)
     finally:
         server.stop()
+
+
+def test_the_instance_role_of_a_container_signs_the_requests(s3, photo_root, tmp_path, monkeypatch):
+    """No keys in the environment, only the container credentials endpoint that SageMaker (and ECS) set
+    (AWS_CONTAINER_CREDENTIALS_FULL_URI here, on 127.0.0.1): botocore's chain fetches the role's keys
+    and token, and they sign every request of the sync."""
+    import http.server
+    import json
+
+    from faultproxy import FaultProxy
+
+    server, url = s3
+    _upload(photo_root)
+    role = {"AccessKeyId": "ASIAROLEKEY000000001", "SecretAccessKey": "role-secret", "Token": "role-token-xyz",
+            "Expiration": "2099-01-01T00:00:00Z"}
+    asked = []
+
+    class Creds(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            asked.append(self.path)
+            body = json.dumps(role).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    creds = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Creds)
+    threading.Thread(target=creds.serve_forever, daemon=True).start()
+    proxy = FaultProxy(url).start()
+    for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_CONTAINER_CREDENTIALS_FULL_URI", f"http://127.0.0.1:{creds.server_address[1]}/role")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+    try:
+        stats = sync("s3://data/ds", tmp_path / "L", workers=4, progress=False)
+    finally:
+        proxy.stop()
+        creds.shutdown()
+    assert stats.downloaded == 48 and asked == ["/role"]
+    headers = [{k.lower(): v for k, v in r[3].items()} for r in proxy.requests]
+    assert headers and all("Credential=ASIAROLEKEY000000001/" in h["authorization"]
+                           and h.get("x-amz-security-token") == "role-token-xyz" for h in headers)
+
+
+def test_a_key_the_engine_cannot_name_elsewhere_in_the_prefix_does_not_stop_the_sync(s3, photo_root, tmp_path):
+    """object_store refuses keys with an empty path segment (`ds/odd//x.bin`): such a prefix is listed by
+    boto3 instead, and the manifest's files arrive."""
+    client = _upload(photo_root)
+    client.put_object(Bucket="data", Key="ds/odd//x.bin", Body=b"odd")
+    assert sync("s3://data/ds", tmp_path / "L", workers=4, progress=False).downloaded == 48
+    assert _tree(tmp_path / "L") == _tree(photo_root)
 
 
 def test_temp_files_of_dead_syncs_are_removed_and_live_ones_kept(s3, photo_root, tmp_path):

@@ -41,7 +41,7 @@ from .errors import UserError
 from .manifest import MANIFEST_NAME, ManifestError, check_columns, parse_rows, read_table, safe_relpath
 from .redact import redact
 from .transfer import Engine, TransferError, endpoint, endpoint_credentials, temp_path
-from .workdir import human_bytes, is_disk_full, lock, pid_alive, remove_dead_temps, unlock
+from .workdir import human_bytes, is_disk_full, lock, pid_alive, remove_dead_temps, unlock, write_failure
 
 STATE_NAME = ".sync-state.json"
 CONNECT_TIMEOUT, READ_TIMEOUT, MAX_ATTEMPTS = 5.0, 20.0, 3  # one request: at most ~5 + 3 x 20 s
@@ -207,12 +207,26 @@ def holding(dest: Path):
     lock(dest, "sync", "wait for it to finish")
     running = dest / f".sync-running-{os.getpid()}"
     try:
-        clean_after_dead_syncs(dest)
-        running.touch()
+        try:
+            clean_after_dead_syncs(dest)
+            running.touch()
+        except OSError as e:
+            raise unwritable(dest, e) from None
         yield
     finally:  # a clean end, even a failed one: our temporary files are gone (a kill -9 never gets here)
-        running.unlink(missing_ok=True)
+        try:
+            running.unlink(missing_ok=True)
+        except OSError:  # a folder that never took it (read-only): nothing to remove
+            pass
         unlock(dest)
+
+
+def unwritable(dest: Path, err: OSError) -> SyncError:
+    """The message for a target that does not take our files (read-only, full, not a folder)."""
+    if is_disk_full(err):
+        return disk_full(dest, SyncStats(), [])
+    return SyncError(f"cannot write into {dest} ({write_failure(err)}); make it writable, or sync to another "
+                     "folder (--cache-dir for training). Nothing was downloaded.")
 
 
 def fetch_manifest(engine: Engine, bucket: str, base: str, dest: Path, rows: bool = False
@@ -336,8 +350,11 @@ def fetch_files(engine: Engine, bucket: str, base: str, dest: Path, todo: list[t
     failures: list[str] = []
     watch, results, finished = Watch(), queue.SimpleQueue(), threading.Event()
     jobs = [(base + rel, temp_path(dest / rel), dest / rel, size) for rel, size, _ in todo]
-    for folder in {d.parent for _, _, d, _ in jobs}:
-        folder.mkdir(parents=True, exist_ok=True)
+    try:
+        for folder in {d.parent for _, _, d, _ in jobs}:
+            folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise unwritable(dest, e) from None
 
     def done(i, n, etag, error=None):  # on the engine's loop
         watch.tick()

@@ -406,6 +406,23 @@ def test_a_full_disk_gives_one_clear_error_and_keeps_what_was_fetched(s3, photo_
         assert not state.exists() or isinstance(json.loads(state.read_text()), dict)
 
 
+def test_a_read_only_target_is_one_clear_error(s3, photo_root, tmp_path):
+    """A target on a read-only file system: one SyncError naming it, no traceback (before: an OSError from
+    the sync's running marker, then another from its removal)."""
+    _upload(photo_root)
+    disk = tmp_path / "ro"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(disk)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:
+        (disk / "L").mkdir()
+        subprocess.run(["mount", "-o", "remount,ro", str(disk)], check=True)
+        with pytest.raises(SyncError, match=r"cannot write into .*/ro/L \(Read-only file system\); make it writable"):
+            sync("s3://data/ds", disk / "L", workers=4, progress=False)
+    finally:
+        subprocess.run(["umount", str(disk)], capture_output=True)
+
+
 def test_training_data_with_a_bad_row_fails_naming_the_s3_manifest_before_any_download(s3, photo_root, tmp_path):
     """--data s3://...: a row training would refuse (an empty label beside labelled rows) stops the sync
     before any GET, naming the manifest in S3 (the copy in the cache dir is overwritten by every sync)."""

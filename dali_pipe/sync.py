@@ -28,11 +28,11 @@ from __future__ import annotations
 
 import json
 import os
-import queue
 import shutil
 import sys
 import threading
 import time
+from collections import deque
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,11 +40,12 @@ from pathlib import Path
 from .errors import UserError
 from .manifest import MANIFEST_NAME, ManifestError, check_columns, parse_rows, read_table, safe_relpath
 from .redact import redact
-from .transfer import Engine, TransferError, endpoint, endpoint_credentials, temp_path
+from .transfer import Engine, TransferError, endpoint, endpoint_credentials, part_name
 from .workdir import human_bytes, is_disk_full, lock, pid_alive, remove_dead_temps, unlock, write_failure
 
 STATE_NAME = ".sync-state.json"
 CONNECT_TIMEOUT, READ_TIMEOUT, MAX_ATTEMPTS = 5.0, 20.0, 3  # one request: at most ~5 + 3 x 20 s
+POLL = 0.05  # seconds between looks at the downloads that finished
 STALL_SECONDS = 40.0  # the whole sync stops after this long without a byte; in-flight reads end within READ_TIMEOUT
 
 
@@ -348,17 +349,18 @@ def fetch_files(engine: Engine, bucket: str, base: str, dest: Path, todo: list[t
     from tqdm import tqdm
 
     failures: list[str] = []
-    watch, results, finished = Watch(), queue.SimpleQueue(), threading.Event()
-    jobs = [(base + rel, temp_path(dest / rel), dest / rel, size) for rel, size, _ in todo]
+    watch, results, finished = Watch(), deque(), threading.Event()
+    root = str(dest)
+    jobs = [(base + rel, part_name(os.path.join(root, rel)), os.path.join(root, rel), size) for rel, size, _ in todo]
     try:
-        for folder in {d.parent for _, _, d, _ in jobs}:
-            folder.mkdir(parents=True, exist_ok=True)
+        for folder in {os.path.dirname(d) for _, _, d, _ in jobs}:
+            os.makedirs(folder, exist_ok=True)
     except OSError as e:
         raise unwritable(dest, e) from None
 
-    def done(i, n, etag, error=None):  # on the engine's loop
+    def done(i, n, etag, error=None):  # on the engine's loop; taken in batches here (no wake-up per file)
         watch.tick()
-        results.put((i, n, etag, error))
+        results.append((i, n, etag, error))
 
     async def run():
         try:
@@ -372,9 +374,7 @@ def fetch_files(engine: Engine, bucket: str, base: str, dest: Path, todo: list[t
     try:
         pending = len(jobs)
         while pending:
-            try:
-                i, n, etag, error = results.get(timeout=min(0.5, STALL_SECONDS / 4))
-            except queue.Empty:
+            if not results:
                 if future.done() and future.exception() is not None:
                     raise future.exception()
                 if watch.silent_for() > STALL_SECONDS:
@@ -382,7 +382,9 @@ def fetch_files(engine: Engine, bucket: str, base: str, dest: Path, todo: list[t
                         f"{endpoint()} sent no data for {STALL_SECONDS:.0f} s, so the sync stops: {stats.downloaded} "
                         f"of {len(todo)} file(s) fetched (completed files are kept; rerun the sync to finish). Check "
                         "AWS_ENDPOINT_URL, the region and the network.") from None
+                time.sleep(POLL)
                 continue
+            i, n, etag, error = results.popleft()
             pending -= 1
             rel, size, listed_etag = todo[i]
             if error is not None:

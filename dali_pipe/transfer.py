@@ -267,7 +267,7 @@ class Engine:
                 raise TransferError("size", f"got {n} bytes of {key}, {size} expected")
         except BaseException:
             os.close(fd)
-            Path(tmp).unlink(missing_ok=True)
+            _remove(tmp)
             raise
         os.close(fd)
         return n, (got_etag or "").strip('"') or None
@@ -298,7 +298,7 @@ class Engine:
         return offset - start
 
     async def download_all(self, bucket: str, jobs: list, done, on_bytes=None) -> None:
-        """Each job (key, tmp, dest, size) downloaded into tmp, then renamed to dest (its folder must
+        """Each job (key, tmp, dest, size; paths as str) downloaded into tmp, then renamed to dest (its folder must
         exist); `done(i, bytes, etag, error)` is called on the loop for job i, with the TransferError or
         OSError that ended it. `concurrency` workers take the jobs in order, so memory does not grow with
         their number. Cancelling stops them all; no temporary file stays."""
@@ -310,7 +310,7 @@ class Engine:
                     n, etag = await self.download(bucket, key, tmp, size, on_bytes=on_bytes)
                     os.replace(tmp, dest)
                 except (TransferError, OSError) as e:
-                    Path(tmp).unlink(missing_ok=True)
+                    _remove(tmp)
                     done(i, 0, None, e)
                 else:
                     done(i, n, etag)
@@ -329,6 +329,13 @@ async def _whole(store, key: str):
         raise classify(e) from None
 
 
+def _remove(path) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
 def _write_all(fd: int, data: memoryview, offset: int) -> int:
     """Write `data` at `offset` (pwrite: parts of one file land in any order); returns its length."""
     done = 0
@@ -340,7 +347,13 @@ def _write_all(fd: int, data: memoryview, offset: int) -> int:
 def temp_path(dest: Path) -> Path:
     """A download's temporary name: hidden, in the final folder, unique, ending in our PID (so that a
     later run can tell a dead writer's leftovers: workdir.remove_dead_temps)."""
-    return dest.with_name(f".{dest.name}.part-{next(_serial)}-{os.getpid()}")
+    return Path(part_name(str(dest)))
+
+
+def part_name(dest: str) -> str:
+    """`temp_path` for a str path (the sync makes one per file: pathlib's cost shows at a million)."""
+    folder, name = os.path.split(dest)
+    return os.path.join(folder, f".{name}.part-{next(_serial)}-{os.getpid()}")
 
 
 def bucket_region(session, bucket: str) -> str | None:

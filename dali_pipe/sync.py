@@ -544,7 +544,7 @@ def sync_objects(uri: str, dest: Path | str, names: list[str], *, workers: int, 
 
 
 def sync_files(uri: str, dest: Path | str, *, keep, workers: int, progress: bool = True,
-               client=None) -> tuple[SyncStats, list[str]]:
+               engine: Engine | None = None) -> tuple[SyncStats, list[str]]:
     """Download the objects under s3://bucket/prefix whose key (relative to the prefix) `keep` accepts into
     `dest`, in parallel, as `sync` does the files of a manifest (an ImageFolder's images, which no manifest
     lists): one LIST, unchanged files (size + ETag) skipped, each file landed atomically, the same lock,
@@ -554,11 +554,10 @@ def sync_files(uri: str, dest: Path | str, *, keep, workers: int, progress: bool
     bucket, prefix = parse_s3_uri(uri)
     dest = Path(dest)
     base = f"{prefix}/" if prefix else ""
-    with holding(dest):
-        client = client or make_client(workers)
+    with holding(dest), _engine(engine, workers) as engine:
         if progress:
             print(f"sync: listing s3://{bucket}/{base} from {endpoint()}", file=sys.stderr, flush=True)
-        remote = list_objects(client, bucket, base)
+        remote = listing(engine, bucket, base)
         names = sorted(k for k in remote if keep(k))
         refused = []
         for rel in names:
@@ -575,7 +574,7 @@ def sync_files(uri: str, dest: Path | str, *, keep, workers: int, progress: bool
         todo = [(rel, *remote[rel]) for rel in names if not state.unchanged(rel, *remote[rel], dest / rel)]
         stats.skipped = len(names) - len(todo)
         check_room(dest, todo)
-        failures = fetch_files(client, bucket, base, dest, todo, state, stats, workers=workers, progress=progress)
+        failures = fetch_files(engine, bucket, base, dest, todo, state, stats, progress=progress)
         stats.seconds = time.perf_counter() - start
         if failures:
             raise SyncError(f"{len(failures)} of {len(todo)} download(s) failed (completed files are kept; rerun to "

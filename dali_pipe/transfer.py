@@ -2,7 +2,8 @@
 through obstore (Python bindings of Rust's `object_store`) on one event loop thread.
 
 - One path: every object is one GET (objects above PART bytes: ranged GETs of PART bytes, up to
-  the engine's concurrency at once, each written at its offset) into a temporary file that the
+  the engine's concurrency at once, each written at its offset, each answer's ETag checked against
+  the listed one) into a temporary file that the
   caller names; a failed or cancelled download removes it. The requests of a whole sync share one
   bound (`concurrency`): a dataset of 1.2 M JPEGs and a pack of 150 MB shards take the same road.
 - Bounded: connect and read timeouts and `attempts` tries per request (obstore retries 5xx answers
@@ -246,8 +247,8 @@ class Engine:
     async def download(self, bucket: str, key: str, tmp: Path, size: int | None, *, etag: str | None = None,
                        on_bytes=None) -> tuple[int, str | None]:
         """Fetch the object into `tmp` (created, or truncated); returns (bytes, ETag). Objects above PART
-        bytes come in ranged GETs (each asking for the listed ETag, so a replaced object fails instead of
-        mixing two). `on_bytes(n)` is called on the loop as bytes land. Raises TransferError for what S3
+        bytes come in ranged GETs (each answer's ETag must be the listed one, so a replaced object fails
+        instead of mixing two). `on_bytes(n)` is called on the loop as bytes land. Raises TransferError for what S3
         (or the network) did, OSError for the local disk; on any failure or cancellation `tmp` is removed."""
         store = self.store(bucket)
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -275,16 +276,17 @@ class Engine:
     async def _part(self, store, key: str, fd: int, start: int, end: int, etag: str | None, on_bytes) -> int:
         import obstore
 
-        options = {"range": (start, end)}
-        if etag:
-            options["if_match"] = etag if etag.startswith('"') else f'"{etag}"'
         offset = start
         async with self._slot():
             try:
-                result = await obstore.get_async(store, key, options=options)
+                result = await obstore.get_async(store, key, options={"range": (start, end)})
                 stream = result.stream(min_chunk_size=CHUNK)
+                got = (result.meta.get("e_tag") or "").strip('"')
             except Exception as e:
                 raise classify(e) from None
+            if etag and got and got != etag.strip('"'):  # (If-Match with a Range: some S3 servers ignore the range)
+                raise TransferError("PreconditionFailed", f"{key} changed during the download (ETag {got}, "
+                                    f"{etag.strip(chr(34))} listed)", 412)
             while True:
                 try:
                     chunk = await stream.__anext__()

@@ -1,5 +1,5 @@
-"""The transfer engine against moto's S3 server through a fault proxy: large objects in ranged GETs that
-ask for the listed ETag, faults on a part retried, a replaced object refused, a cancelled download leaving
+"""The transfer engine against moto's S3 server through a fault proxy: large objects in ranged GETs checked
+against the listed ETag, faults on a part retried, a replaced object refused, a cancelled download leaving
 nothing behind."""
 from __future__ import annotations
 
@@ -32,8 +32,7 @@ def big(s3, monkeypatch):
 
 
 def test_a_large_object_lands_whole_from_ranged_gets_through_faults(big, tmp_path):
-    """Five ranged GETs, each asking If-Match for the listed ETag; a 503 and a cut part are retried (the cut one
-    resumed from where it broke)."""
+    """Five ranged GETs; a 503 and a cut part are retried (the cut one resumed from where it broke)."""
     engine, proxy, body, etag = big
     proxy.arm("503", "big.bin")
     proxy.arm("cut", "big.bin")
@@ -45,18 +44,17 @@ def test_a_large_object_lands_whole_from_ranged_gets_through_faults(big, tmp_pat
     parts = {f"bytes={s}-{min(s + (64 << 10), len(body)) - 1}" for s in range(0, len(body), 64 << 10)}
     ranges = {h["range"] for h in gets}
     assert parts <= ranges and len(ranges - parts) <= 1  # the cut part may be resumed where it broke
-    assert all(h["if-match"].strip('"') == etag for h in gets)
     assert proxy.applied("503") == 1 and proxy.applied("cut") == 1
 
 
 def test_an_object_replaced_after_the_listing_is_refused_and_leaves_nothing(big, tmp_path):
-    """The parts ask for the ETag the listing gave: another object under the key fails the download (S3's 412)
+    """Each part's ETag must be the one the listing gave: another object under the key fails the download
     instead of mixing two objects' bytes; the temporary file is removed."""
     engine, _, body, _ = big
     tmp = tmp_path / ".big.part"
     with pytest.raises(TransferError) as e:
         engine.run(engine.download("data", "p/big.bin", tmp, len(body), etag="0" * 32))
-    assert e.value.code in ("PreconditionFailed", "HTTP 412") and not tmp.exists()
+    assert e.value.code == "PreconditionFailed" and not tmp.exists()
 
 
 def test_a_cancelled_download_stops_its_requests_and_removes_its_file(big, tmp_path):

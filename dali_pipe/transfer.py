@@ -95,6 +95,8 @@ def classify(err: BaseException) -> TransferError:
         return TransferError("AccessDenied", first, st)
     if st is not None:
         return TransferError(f"HTTP {st}", first, st)
+    if "non-partial response" in text:  # a server that answers a ranged GET with 200 (rclone's serve s3)
+        return TransferError("NotPartial", first)
     if "kind: Timeout" in text or "TimedOut" in text or "timed out" in text:
         return TransferError("timeout", first)
     if "kind: Connect" in text or "Connection refused" in text or "dns error" in text:
@@ -262,8 +264,17 @@ class Engine:
             else:
                 got_etag = etag
                 ranges = [(start, min(start + PART, size)) for start in range(0, size, PART)]
-                n = sum(await asyncio.gather(*(self._part(store, key, fd, start, end, etag, on_bytes)
-                                               for start, end in ranges)))
+                try:
+                    n = await _all_or_none([self._part(store, key, fd, start, end, etag, on_bytes)
+                                            for start, end in ranges])
+                except TransferError as e:
+                    if e.code != "NotPartial":
+                        raise
+                    # the server ignores Range (it answers 200, as rclone's serve s3 does): one GET of the whole
+                    # object, streamed to the file (no part was written: each failed before its body)
+                    os.ftruncate(fd, 0)
+                    async with self._slot():
+                        n, got_etag = await _stream_whole(store, key, fd, etag, on_bytes)
             if size is not None and n != size:
                 raise TransferError("size", f"got {n} bytes of {key}, {size} expected")
         except BaseException:
@@ -318,6 +329,46 @@ class Engine:
                     done(i, n, etag)
 
         await asyncio.gather(*(worker() for _ in range(min(self.concurrency, len(jobs)))))
+
+
+async def _all_or_none(coros: list) -> int:
+    """The sum of the coroutines' results, run at once; the first failure cancels the others and is raised."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        return sum(await asyncio.gather(*tasks))
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+
+
+async def _stream_whole(store, key: str, fd: int, etag: str | None, on_bytes) -> tuple[int, str | None]:
+    """One GET of a whole object, written to `fd` as it comes: (bytes, its ETag); a replaced object (another
+    ETag than the listed one) fails."""
+    import obstore
+
+    try:
+        result = await obstore.get_async(store, key)
+        stream = result.stream(min_chunk_size=CHUNK)
+        got = (result.meta.get("e_tag") or "").strip('"')
+    except Exception as e:
+        raise classify(e) from None
+    if etag and got and got != etag.strip('"'):
+        raise TransferError("PreconditionFailed", f"{key} changed during the download (ETag {got}, "
+                            f"{etag.strip(chr(34))} listed)", 412)
+    offset = 0
+    while True:
+        try:
+            chunk = await stream.__anext__()
+        except StopAsyncIteration:
+            break
+        except Exception as e:
+            raise classify(e) from None
+        offset += _write_all(fd, memoryview(chunk), offset)
+        if on_bytes is not None:
+            on_bytes(len(chunk))
+    return offset, got or None
 
 
 async def _whole(store, key: str):

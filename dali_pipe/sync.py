@@ -1,26 +1,28 @@
 """S3 -> local disk sync of a dataset: the manifest, then only the files it lists.
 
-- Fast: one LIST pass gives every size and ETag (no per-file HEAD), then parallel GETs on a
-  shared connection pool; files already present with the same size and ETag (recorded in
-  `.sync-state.json`) are skipped, so a rerun transfers nothing.
-- Safe: each file is written under a temporary name (with the writer's PID) in its final folder
+- Fast: one LIST pass gives every size and ETag (no per-file HEAD), then parallel GETs through the
+  transfer engine (dali_pipe/transfer.py: obstore, Rust's object_store, on one event loop, --workers
+  requests in flight); files already present with the same size and ETag (recorded in
+  `.sync-state.json`) are skipped, so a rerun transfers nothing. The same road takes a pack's large
+  objects (`sync_objects`: ranged GETs).
+- Safe: each file is written under a temporary name (hidden, with the writer's PID) in its final folder
   and renamed when complete, so an interrupted sync leaves no partial file and a rerun finishes
   it; a later sync removes temporary files whose writer is dead. The manifest lands last. A row
   or key that would land outside the target is refused before any download starts. One sync at a
   time per target (a second stops at once, naming the PID that holds it).
-- Bounded: connect and read timeouts and a small retry budget per request, and one shared
-  deadline for the whole sync: when no byte has arrived from any request for STALL_SECONDS, the
-  sync stops (no request is retried after that), so an endpoint that accepts connections but never
-  answers fails in about a minute whatever the file count, with a message naming it. SIGTERM (or
-  Ctrl-C) cancels the downloads, removes their temporary files and re-raises.
+- Bounded: connect and read timeouts and a small retry budget per request (throttling, cut and
+  stalled bodies are retried), and one shared deadline for the whole sync: when no byte has arrived
+  from any request for STALL_SECONDS, the sync stops (its requests are dropped, none is retried), so
+  an endpoint that accepts connections but never answers fails in about a minute whatever the file
+  count, with a message naming it. SIGTERM (or Ctrl-C) cancels the downloads, removes their
+  temporary files and re-raises.
 - Room: the files to fetch must fit in the target's free space before the first GET; a disk that
   fills anyway (another writer) stops the sync with one message, keeping the completed files.
-- boto3 reads the standard AWS environment (credentials, region, AWS_ENDPOINT_URL), so
+- The standard AWS environment (credentials through botocore's chain, region, AWS_ENDPOINT_URL), so
   S3-compatible stores and the tests' local moto server work unchanged.
 
-Hand-written rather than s3transfer's `download_file`: the work here is choosing the files (from
-the manifest, skipping unchanged ones by size + ETag) and landing them atomically; each file is
-one GET, which s3transfer would only wrap.
+Hand-written here: choosing the files (from the manifest, skipping unchanged ones by size + ETag) and
+landing them atomically in order with the manifest; the engine moves the bytes.
 """
 from __future__ import annotations
 
@@ -30,25 +32,29 @@ import shutil
 import sys
 import threading
 import time
-from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+from collections import deque
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import unquote, urlsplit, urlunsplit
 
 from .errors import UserError
 from .manifest import MANIFEST_NAME, ManifestError, check_columns, parse_rows, read_table, safe_relpath
 from .redact import redact
-from .workdir import human_bytes, is_disk_full, lock, pid_alive, remove_dead_temps, unlock
+from .transfer import Engine, TransferError, endpoint, endpoint_credentials, part_name
+from .workdir import human_bytes, is_disk_full, lock, pid_alive, remove_dead_temps, unlock, write_failure
 
 STATE_NAME = ".sync-state.json"
-CHUNK = 1 << 16  # small enough that a slow but live endpoint shows progress well within STALL_SECONDS
 CONNECT_TIMEOUT, READ_TIMEOUT, MAX_ATTEMPTS = 5.0, 20.0, 3  # one request: at most ~5 + 3 x 20 s
+POLL = 0.05  # seconds between looks at the downloads that finished
 STALL_SECONDS = 40.0  # the whole sync stops after this long without a byte; in-flight reads end within READ_TIMEOUT
 
 
 class SyncError(UserError):
     """The sync cannot proceed; the message names the bucket/key/row and what to do."""
+
+
+class ManifestMissing(SyncError):
+    """The prefix holds no dataset.tsv (it may be a pack: the sync command then fetches that)."""
 
 
 @dataclass
@@ -94,55 +100,65 @@ def make_client(workers: int, max_attempts: int | None = None, connect_timeout: 
     return boto3.session.Session().client("s3", config=cfg, **endpoint_credentials())
 
 
-def endpoint_credentials() -> dict:
-    """An AWS_ENDPOINT_URL(_S3) of the form http://KEY:SECRET@host:port: the endpoint without them, and
-    them as the access key and secret (botocore would send them in the Host header otherwise)."""
-    url = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
-    if not url or "@" not in url:
-        return {}
-    u = urlsplit(url)
-    if u.username is None:
-        return {}
-    return {"endpoint_url": urlunsplit(u._replace(netloc=u.netloc.rsplit("@", 1)[1])),
-            "aws_access_key_id": unquote(u.username), "aws_secret_access_key": unquote(u.password or "")}
-
-
-def endpoint() -> str:
-    """The endpoint boto3 sends S3 requests to (AWS_ENDPOINT_URL_S3 before AWS_ENDPOINT_URL), redacted."""
-    return redact(os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or "the AWS S3 endpoint")
+def make_engine(workers: int) -> Engine:
+    """The transfer engine for a sync: `workers` requests in flight, this module's timeouts and tries."""
+    return Engine(concurrency=workers, connect_timeout=CONNECT_TIMEOUT, read_timeout=READ_TIMEOUT,
+                  attempts=MAX_ATTEMPTS)
 
 
 def explain(err: Exception, bucket: str, key: str) -> str:
-    """A message for a failed S3 call that names the bucket/key and the fix, never a secret."""
-    from botocore.exceptions import (
-        ClientError,
-        ConnectTimeoutError,
-        EndpointConnectionError,
-        NoCredentialsError,
-        PartialCredentialsError,
-        ReadTimeoutError,
-    )
-
-    if isinstance(err, (NoCredentialsError, PartialCredentialsError)):
-        return ("no usable AWS credentials: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE, "
-                "or run with an instance/SageMaker role that can read the bucket")
+    """A message for a failed S3 call (boto3's, or the transfer engine's TransferError) that names the
+    bucket/key and the fix, never a secret."""
     if isinstance(err, OSError) and is_disk_full(err):
         return f"no space left on the local disk for s3://{bucket}/{key}"
-    if isinstance(err, (ReadTimeoutError, ConnectTimeoutError)):
+    code = _code(err)
+    if code == "credentials":
+        return ("no usable AWS credentials: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE, "
+                "or run with an instance/SageMaker role that can read the bucket")
+    if code == "timeout":
         return (f"{endpoint()} did not answer for s3://{bucket}/{key} (timed out after {MAX_ATTEMPTS} tries); "
                 "check AWS_ENDPOINT_URL, the region and the network")
-    if isinstance(err, EndpointConnectionError):
+    if code == "connect":
         return f"cannot reach {endpoint()}; check AWS_ENDPOINT_URL, the region and the network"
-    if isinstance(err, ClientError):
-        code = err.response.get("Error", {}).get("Code", "")
-        if code == "NoSuchBucket":
-            return f"bucket {bucket!r} does not exist (or is in another account/endpoint); check the s3:// URI"
-        if code in ("NoSuchKey", "404", "NotFound"):
-            return f"s3://{bucket}/{key} does not exist; check the prefix (it must hold {MANIFEST_NAME})"
-        if code in ("AccessDenied", "403", "InvalidAccessKeyId", "SignatureDoesNotMatch"):
-            return f"access to s3://{bucket}/{key} was denied ({code}); check the credentials and the bucket policy"
-        return f"S3 error {code or '?'} on s3://{bucket}/{key}"
+    if code == "NoSuchBucket":
+        return f"bucket {bucket!r} does not exist (or is in another account/endpoint); check the s3:// URI"
+    if code in ("NoSuchKey", "404", "NotFound"):
+        return f"s3://{bucket}/{key} does not exist; check the prefix (it must hold {MANIFEST_NAME})"
+    if code in ("AccessDenied", "403", "InvalidAccessKeyId", "SignatureDoesNotMatch"):
+        return f"access to s3://{bucket}/{key} was denied ({code}); check the credentials and the bucket policy"
+    if code in ("SlowDown", "503"):
+        return (f"{endpoint()} kept throttling s3://{bucket}/{key} (503 SlowDown, {MAX_ATTEMPTS} tries); rerun "
+                "later or with fewer --workers")
+    if code == "size":
+        return f"s3://{bucket}/{key}: {err}; rerun the sync (the object may be changing)"
+    if code is not None:
+        return f"S3 error {code} on s3://{bucket}/{key}"
     return redact(f"{type(err).__name__} on s3://{bucket}/{key}: {str(err)[:200]}")
+
+
+def _code(err: Exception) -> str | None:
+    """What went wrong, in the transfer engine's words (TransferError.code), whoever raised it."""
+    if isinstance(err, TransferError):
+        return err.code
+    if type(err).__module__.startswith("botocore"):
+        from botocore.exceptions import (
+            ClientError,
+            ConnectTimeoutError,
+            EndpointConnectionError,
+            NoCredentialsError,
+            PartialCredentialsError,
+            ReadTimeoutError,
+        )
+
+        if isinstance(err, (NoCredentialsError, PartialCredentialsError)):
+            return "credentials"
+        if isinstance(err, (ReadTimeoutError, ConnectTimeoutError)):
+            return "timeout"
+        if isinstance(err, EndpointConnectionError):
+            return "connect"
+        if isinstance(err, ClientError):
+            return err.response.get("Error", {}).get("Code") or "?"
+    return None
 
 
 def temp_name(path: Path) -> Path:
@@ -161,63 +177,17 @@ def atomic_write(path: Path, data: bytes) -> None:
         raise
 
 
-class Cancelled(Exception):
-    """The sync is being stopped (SIGTERM, Ctrl-C, a silent endpoint, a full disk)."""
-
-
 class Watch:
     """When a byte last arrived, from any request of the sync: the one deadline they share."""
 
     def __init__(self):
         self.last = time.monotonic()
 
-    def tick(self) -> None:
+    def tick(self, *_) -> None:
         self.last = time.monotonic()
 
     def silent_for(self) -> float:
         return time.monotonic() - self.last
-
-
-@contextmanager
-def no_retry_after(client, stop: threading.Event):
-    """While held, a request (or a retry of one) that would start after `stop` is set raises
-    Cancelled instead: a stopped sync waits for no new timeout."""
-    def refuse(**kwargs):
-        if stop.is_set():
-            raise Cancelled()
-
-    uid = f"dali-pipe-stop-{id(stop)}"
-    client.meta.events.register("before-send.s3", refuse, unique_id=uid)
-    try:
-        yield
-    finally:
-        client.meta.events.unregister("before-send.s3", unique_id=uid)
-
-
-def download(client, bucket: str, key: str, dest: Path, size: int, stop: threading.Event | None = None,
-             watch: Watch | None = None) -> int:
-    """GET one object into dest via a temporary name; return bytes written. Checks `stop` between
-    chunks, so a cancelled sync ends within one chunk; ticks `watch` on every chunk."""
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = temp_name(dest)
-    try:
-        body = client.get_object(Bucket=bucket, Key=key)["Body"]
-        n = 0
-        with open(tmp, "wb") as f:
-            for chunk in body.iter_chunks(CHUNK):
-                if stop is not None and stop.is_set():
-                    raise Cancelled()
-                if watch is not None:
-                    watch.tick()
-                f.write(chunk)
-                n += len(chunk)
-        if n != size:
-            raise IOError(f"got {n} bytes, expected {size}")
-        os.replace(tmp, dest)
-        return n
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
 
 
 def clean_after_dead_syncs(dest: Path) -> None:
@@ -238,25 +208,38 @@ def holding(dest: Path):
     lock(dest, "sync", "wait for it to finish")
     running = dest / f".sync-running-{os.getpid()}"
     try:
-        clean_after_dead_syncs(dest)
-        running.touch()
+        try:
+            clean_after_dead_syncs(dest)
+            running.touch()
+        except OSError as e:
+            raise unwritable(dest, e) from None
         yield
     finally:  # a clean end, even a failed one: our temporary files are gone (a kill -9 never gets here)
-        running.unlink(missing_ok=True)
+        try:
+            running.unlink(missing_ok=True)
+        except OSError:  # a folder that never took it (read-only): nothing to remove
+            pass
         unlock(dest)
 
 
-def fetch_manifest(client, bucket: str, base: str, dest: Path, rows: bool = False) -> tuple[Path, dict[str, int]]:
+def unwritable(dest: Path, err: OSError) -> SyncError:
+    """The message for a target that does not take our files (read-only, full, not a folder)."""
+    if is_disk_full(err):
+        return disk_full(dest, SyncStats(), [])
+    return SyncError(f"cannot write into {dest} ({write_failure(err)}); make it writable, or sync to another "
+                     "folder (--cache-dir for training). Nothing was downloaded.")
+
+
+def fetch_manifest(engine: Engine, bucket: str, base: str, dest: Path, rows: bool = False
+                   ) -> tuple[Path, dict[str, int]]:
     """Download dataset.tsv to a staging name (with our PID) and check every row: {rel path: line}. With
     `rows`, also as training reads them (columns, labels, split, conflicting duplicates), so a manifest that
     training would refuse stops here, named by its S3 URI, before any file is fetched."""
-    from botocore.exceptions import BotoCoreError, ClientError
-
     key = base + MANIFEST_NAME
     try:
-        text = client.get_object(Bucket=bucket, Key=key)["Body"].read()
-    except (BotoCoreError, ClientError) as e:
-        raise SyncError(explain(e, bucket, key)) from None
+        text = engine.run(engine.read(bucket, key))
+    except TransferError as e:
+        raise (ManifestMissing if e.code in ("NoSuchKey", "404") else SyncError)(explain(e, bucket, key)) from None
     staged = dest / f".{MANIFEST_NAME}.incoming-{os.getpid()}"
     atomic_write(staged, text)
     try:
@@ -304,7 +287,8 @@ def read_object(uri: str, name: str) -> bytes | None:
 
 
 def list_objects(client, bucket: str, base: str) -> dict[str, tuple[int, str]]:
-    """{key relative to the prefix: (size, ETag)} in one paginated LIST."""
+    """{key relative to the prefix: (size, ETag)} in one paginated LIST, with a boto3 client (the
+    commands that upload; a sync lists through its engine: `listing`)."""
     from botocore.exceptions import BotoCoreError, ClientError
 
     remote: dict[str, tuple[int, str]] = {}
@@ -315,6 +299,14 @@ def list_objects(client, bucket: str, base: str) -> dict[str, tuple[int, str]]:
     except (BotoCoreError, ClientError) as e:
         raise SyncError(explain(e, bucket, base)) from None
     return remote
+
+
+def listing(engine: Engine, bucket: str, base: str) -> dict[str, tuple[int, str]]:
+    """{key relative to the prefix: (size, ETag)} of every object under it, through the engine."""
+    try:
+        return engine.run(engine.list(bucket, base))
+    except TransferError as e:
+        raise SyncError(explain(e, bucket, base)) from None
 
 
 class _State:
@@ -348,69 +340,76 @@ class _State:
         self._saved = time.monotonic()
 
 
-def fetch_files(client, bucket: str, base: str, dest: Path, todo: list[tuple[str, int, str]], state: _State,
-                stats: SyncStats, *, workers: int, progress: bool) -> list[str]:
-    """Download `todo` in parallel; returns the failures. A BaseException in this thread (SIGTERM,
-    Ctrl-C) cancels the rest: pending downloads never start, running ones stop within a chunk. A
-    silent endpoint (no byte for STALL_SECONDS from any request) and a full disk stop the sync with
-    one SyncError."""
+def fetch_files(engine: Engine, bucket: str, base: str, dest: Path, todo: list[tuple[str, int, str]],
+                state: _State, stats: SyncStats, *, progress: bool) -> list[str]:
+    """Download `todo` (rel, size, ETag) through the engine, each file renamed into place as it lands;
+    returns the failures. A BaseException in this thread (SIGTERM, Ctrl-C) cancels the rest: no request
+    starts after it, running ones are dropped, their temporary files removed. A silent endpoint (no byte
+    for STALL_SECONDS from any request) and a full disk stop the sync with one SyncError."""
     from tqdm import tqdm
 
     failures: list[str] = []
-    stop, watch = threading.Event(), Watch()
+    watch, results, finished = Watch(), deque(), threading.Event()
+    root = str(dest)
+    jobs = [(base + rel, part_name(os.path.join(root, rel)), os.path.join(root, rel), size) for rel, size, _ in todo]
+    try:
+        for folder in {os.path.dirname(d) for _, _, d, _ in jobs}:
+            os.makedirs(folder, exist_ok=True)
+    except OSError as e:
+        raise unwritable(dest, e) from None
+
+    def done(i, n, etag, error=None):  # on the engine's loop; taken in batches here (no wake-up per file)
+        watch.tick()
+        results.append((i, n, etag, error))
+
+    async def run():
+        try:
+            await engine.download_all(bucket, jobs, done, on_bytes=watch.tick)
+        finally:
+            finished.set()
+
     bar = tqdm(total=sum(s for _, s, _ in todo), unit="B", unit_scale=True, unit_divisor=1024, desc="sync",
                disable=not progress or not todo, file=sys.stderr, mininterval=0.5)
-    pool = ThreadPoolExecutor(max_workers=workers)
+    future = engine.submit(run()) if jobs else None
     try:
-        with no_retry_after(client, stop):  # held until the pool is down: no retry starts after a stop
-            try:
-                futs = {pool.submit(download, client, bucket, base + rel, dest / rel, size, stop, watch):
-                        (rel, size, etag) for rel, size, etag in todo}
-                _collect(futs, watch, state, stats, bar, failures, dest, todo, bucket, base)
-            except BaseException:
-                stop.set()
-                raise
-            finally:
-                pool.shutdown(wait=True, cancel_futures=True)  # in-flight reads end within READ_TIMEOUT
+        pending = len(jobs)
+        while pending:
+            if not results:
+                if future.done() and future.exception() is not None:
+                    raise future.exception()
+                if watch.silent_for() > STALL_SECONDS:
+                    raise SyncError(
+                        f"{endpoint()} sent no data for {STALL_SECONDS:.0f} s, so the sync stops: {stats.downloaded} "
+                        f"of {len(todo)} file(s) fetched (completed files are kept; rerun the sync to finish). Check "
+                        "AWS_ENDPOINT_URL, the region and the network.") from None
+                time.sleep(POLL)
+                continue
+            i, n, etag, error = results.popleft()
+            pending -= 1
+            rel, size, listed_etag = todo[i]
+            if error is not None:
+                if isinstance(error, OSError) and is_disk_full(error):
+                    raise disk_full(dest, stats, todo) from None
+                failures.append(f"{rel}: {explain(error, bucket, base + rel)}")
+                continue
+            state.record(rel, size, etag or listed_etag)
+            stats.downloaded += 1
+            stats.bytes += n
+            bar.update(n)
+            bar.set_postfix_str(f"{stats.downloaded + stats.skipped}/{stats.listed} files", refresh=False)
+            if state.error is not None and is_disk_full(state.error):
+                raise disk_full(dest, stats, todo)
     finally:
+        if future is not None and not future.done():
+            future.cancel()  # no request starts after this; the running ones are dropped
+        if future is not None:
+            finished.wait(30)  # their temporary files are removed by then
         bar.close()
         state.save()
         if state.error is not None:
             print(f"sync: could not save {state.path} ({state.error.strerror}); the next sync fetches the files "
                   "again that it does not record", file=sys.stderr)
     return failures
-
-
-def _collect(futs, watch: Watch, state: _State, stats: SyncStats, bar, failures: list[str], dest: Path, todo: list,
-             bucket: str, base: str) -> None:
-    """Take the downloads as they finish; raise SyncError for a silent endpoint or a full disk."""
-    from botocore.exceptions import BotoCoreError, ClientError
-
-    pending = set(futs)
-    while pending:
-        done, pending = wait(pending, timeout=min(1.0, STALL_SECONDS / 4), return_when=FIRST_COMPLETED)
-        for fut in done:
-            rel, size, etag = futs[fut]
-            try:
-                n = fut.result()
-            except (BotoCoreError, ClientError, OSError) as e:
-                if isinstance(e, OSError) and is_disk_full(e):
-                    raise disk_full(dest, stats, todo) from None
-                failures.append(f"{rel}: {explain(e, bucket, base + rel)}")
-                continue
-            watch.tick()
-            state.record(rel, size, etag)
-            stats.downloaded += 1
-            stats.bytes += n
-            bar.update(n)
-            bar.set_postfix_str(f"{stats.downloaded + stats.skipped}/{stats.listed} files", refresh=False)
-        if state.error is not None and is_disk_full(state.error):
-            raise disk_full(dest, stats, todo)
-        if pending and watch.silent_for() > STALL_SECONDS:
-            raise SyncError(
-                f"{endpoint()} sent no data for {STALL_SECONDS:.0f} s, so the sync stops: {stats.downloaded} of "
-                f"{len(todo)} file(s) fetched (completed files are kept; rerun the sync to finish). Check "
-                "AWS_ENDPOINT_URL, the region and the network.")
 
 
 def disk_full(dest: Path, stats: SyncStats, todo: list) -> SyncError:
@@ -431,39 +430,43 @@ def check_room(dest: Path, todo: list[tuple[str, int, str]]) -> None:
 
 
 def folder_rows(missing: list[str], remote: dict) -> list[str]:
-    """The rows absent from S3 that name a folder there (keys under `row/`), as a file system would see them."""
+    """The rows absent from S3 that name a folder there (keys under `row/`), as a file system would see them
+    (also rows whose object is a console's empty folder marker `row/`, which the engine lists as `row`)."""
+    if not missing:
+        return []
     folders = {k.rsplit("/", i)[0] for k in remote for i in range(1, k.count("/") + 1)}
     return [rel for rel in missing if rel in folders]
 
 
 def sync(uri: str, dest: Path | str, *, workers: int, skip_missing: bool = False, progress: bool = True,
-         client=None, rows: bool = False) -> SyncStats:
+         engine: Engine | None = None, rows: bool = False) -> SyncStats:
     """Download s3://bucket/prefix/dataset.tsv and the files it lists into `dest`.
 
     Files listed but absent in S3 stop the sync (nothing is trained on a partial set) unless
     `skip_missing`, which reports them and lets training skip them (--skip-missing). `rows`: the
-    manifest is for training, so its rows are checked as training reads them before any download."""
+    manifest is for training, so its rows are checked as training reads them before any download.
+    `engine`: the transfer engine to use (default: one with `workers` requests in flight)."""
     start = time.perf_counter()
     bucket, prefix = parse_s3_uri(uri)
     dest = Path(dest)
-    with holding(dest):
-        client = client or make_client(workers)
+    with holding(dest), _engine(engine, workers) as engine:
         base = f"{prefix}/" if prefix else ""
         if progress:
             print(f"sync: reading s3://{bucket}/{base}{MANIFEST_NAME} from {endpoint()}", file=sys.stderr, flush=True)
         try:
-            staged, wanted = fetch_manifest(client, bucket, base, dest, rows)
+            staged, wanted = fetch_manifest(engine, bucket, base, dest, rows)
         except OSError as e:
             if is_disk_full(e):
                 raise disk_full(dest, SyncStats(), []) from None
             raise
         try:
-            remote = list_objects(client, bucket, base)
+            remote = listing(engine, bucket, base)
             state = _State(dest)
             stats = SyncStats(listed=len(wanted))
             todo, missing = [], []
+            markers = set(folder_rows([r for r in wanted if remote.get(r, (1,))[0] == 0], remote))
             for rel in wanted:
-                if rel not in remote:
+                if rel not in remote or rel in markers:  # an empty object named like a folder: its marker
                     missing.append(rel)
                 elif state.unchanged(rel, *remote[rel], dest / rel):
                     stats.skipped += 1
@@ -484,7 +487,7 @@ def sync(uri: str, dest: Path | str, *, workers: int, skip_missing: bool = False
                 print(f"sync: {len(missing)} file(s) listed in {MANIFEST_NAME} are not in s3://{bucket}/{base} "
                       f"(--skip-missing), e.g. {missing[:3]}", file=sys.stderr)
             check_room(dest, todo)
-            failures = fetch_files(client, bucket, base, dest, todo, state, stats, workers=workers, progress=progress)
+            failures = fetch_files(engine, bucket, base, dest, todo, state, stats, progress=progress)
             stats.seconds = time.perf_counter() - start
             if failures:
                 raise SyncError(f"{len(failures)} of {len(todo)} download(s) failed (completed files are kept; "
@@ -497,23 +500,30 @@ def sync(uri: str, dest: Path | str, *, workers: int, skip_missing: bool = False
     return stats
 
 
-def sync_objects(uri: str, dest: Path | str, names: list[str], *, workers: int, progress: bool = True,
-                 client=None) -> SyncStats:
-    """Download the objects `names` under s3://bucket/prefix into `dest` (a packed dataset: a few
-    large shards). Each object is fetched with parallel ranged GETs (s3transfer, 8 MiB parts) under a
-    temporary name and renamed; objects already present with the same size and ETag are skipped.
-    The same lock, bounds and SIGTERM behaviour as `sync`."""
-    from boto3.s3.transfer import TransferConfig
-    from botocore.exceptions import BotoCoreError, ClientError
-    from tqdm import tqdm
+@contextmanager
+def _engine(engine: Engine | None, workers: int):
+    """The engine given, or one made (and closed) for this sync."""
+    if engine is not None:
+        yield engine
+        return
+    engine = make_engine(workers)
+    try:
+        yield engine
+    finally:
+        engine.close()
 
+
+def sync_objects(uri: str, dest: Path | str, names: list[str], *, workers: int, progress: bool = True,
+                 engine: Engine | None = None) -> SyncStats:
+    """Download the objects `names` under s3://bucket/prefix into `dest` (a pack's files, others' shards).
+    The same road as `sync` (large objects in ranged GETs), the same lock, skip by size + ETag, room
+    check, bounds and SIGTERM behaviour."""
     start = time.perf_counter()
     bucket, prefix = parse_s3_uri(uri)
     dest = Path(dest)
     base = f"{prefix}/" if prefix else ""
-    with holding(dest):
-        client = client or make_client(workers)
-        remote = list_objects(client, bucket, base)
+    with holding(dest), _engine(engine, workers) as engine:
+        remote = listing(engine, bucket, base)
         missing = [n for n in names if n not in remote]
         if missing:
             raise SyncError(f"s3://{bucket}/{base} lacks {len(missing)} file(s) of the pack, e.g. {missing[:3]}; "
@@ -522,30 +532,11 @@ def sync_objects(uri: str, dest: Path | str, names: list[str], *, workers: int, 
         stats = SyncStats(listed=len(names))
         todo = [(n, *remote[n]) for n in names if not state.unchanged(n, *remote[n], dest / n)]
         stats.skipped = len(names) - len(todo)
-        config = TransferConfig(multipart_threshold=8 << 20, multipart_chunksize=8 << 20, max_concurrency=workers,
-                                use_threads=True)
-        bar = tqdm(total=sum(s for _, s, _ in todo), unit="B", unit_scale=True, unit_divisor=1024, desc="sync",
-                   disable=not progress or not todo, file=sys.stderr, mininterval=0.5)
-        try:
-            for name, size, etag in todo:
-                target = dest / name
-                tmp = temp_name(target)
-                try:
-                    client.download_file(bucket, base + name, str(tmp), Config=config, Callback=bar.update)
-                    if tmp.stat().st_size != size:
-                        raise IOError(f"got {tmp.stat().st_size} bytes, expected {size}")
-                    os.replace(tmp, target)
-                except (BotoCoreError, ClientError, OSError) as e:
-                    raise SyncError(f"{name}: {explain(e, bucket, base + name)} (completed files are kept; rerun "
-                                    "to finish)") from None
-                finally:
-                    tmp.unlink(missing_ok=True)
-                state.record(name, size, etag)
-                stats.downloaded += 1
-                stats.bytes += size
-        finally:
-            bar.close()
-            state.save()
+        check_room(dest, todo)
+        failures = fetch_files(engine, bucket, base, dest, todo, state, stats, progress=progress)
+        if failures:
+            raise SyncError(f"{len(failures)} of {len(todo)} download(s) failed (completed files are kept; rerun "
+                            "to finish):\n  " + "\n  ".join(failures[:5]))
     stats.seconds = time.perf_counter() - start
     if progress:
         print(stats.summary(), file=sys.stderr)
@@ -553,7 +544,7 @@ def sync_objects(uri: str, dest: Path | str, names: list[str], *, workers: int, 
 
 
 def sync_files(uri: str, dest: Path | str, *, keep, workers: int, progress: bool = True,
-               client=None) -> tuple[SyncStats, list[str]]:
+               engine: Engine | None = None) -> tuple[SyncStats, list[str]]:
     """Download the objects under s3://bucket/prefix whose key (relative to the prefix) `keep` accepts into
     `dest`, in parallel, as `sync` does the files of a manifest (an ImageFolder's images, which no manifest
     lists): one LIST, unchanged files (size + ETag) skipped, each file landed atomically, the same lock,
@@ -563,11 +554,10 @@ def sync_files(uri: str, dest: Path | str, *, keep, workers: int, progress: bool
     bucket, prefix = parse_s3_uri(uri)
     dest = Path(dest)
     base = f"{prefix}/" if prefix else ""
-    with holding(dest):
-        client = client or make_client(workers)
+    with holding(dest), _engine(engine, workers) as engine:
         if progress:
             print(f"sync: listing s3://{bucket}/{base} from {endpoint()}", file=sys.stderr, flush=True)
-        remote = list_objects(client, bucket, base)
+        remote = listing(engine, bucket, base)
         names = sorted(k for k in remote if keep(k))
         refused = []
         for rel in names:
@@ -584,7 +574,7 @@ def sync_files(uri: str, dest: Path | str, *, keep, workers: int, progress: bool
         todo = [(rel, *remote[rel]) for rel in names if not state.unchanged(rel, *remote[rel], dest / rel)]
         stats.skipped = len(names) - len(todo)
         check_room(dest, todo)
-        failures = fetch_files(client, bucket, base, dest, todo, state, stats, workers=workers, progress=progress)
+        failures = fetch_files(engine, bucket, base, dest, todo, state, stats, progress=progress)
         stats.seconds = time.perf_counter() - start
         if failures:
             raise SyncError(f"{len(failures)} of {len(todo)} download(s) failed (completed files are kept; rerun to "

@@ -1,7 +1,6 @@
 """S3 sync against a real S3 endpoint: moto's server on 127.0.0.1, boto3 over HTTP, no mocks."""
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import threading
@@ -54,37 +53,37 @@ def test_rerun_transfers_nothing_and_changed_file_is_refetched(s3, photo_root, t
     assert third.downloaded == 1 and (dest / "coffee/coffee_0000.jpg").read_bytes() == b"\xff\xd8\xff changed"
 
 
-def test_interrupted_sync_leaves_no_partial_file_and_rerun_completes(s3, photo_root, tmp_path, monkeypatch):
-    """The server stops mid-sync: completed files stay, no partial file exists, the rerun finishes."""
+def test_faults_are_retried_and_a_failed_sync_leaves_no_partial_file_and_the_rerun_completes(s3, photo_root,
+                                                                                          tmp_path, monkeypatch):
+    """Through a fault proxy: a 503 SlowDown and a cut body (once each) are retried and land whole; every GET of
+    one class cut: those fail after their tries, naming the key, the completed files stay, no partial file
+    nor manifest exists; the rerun (faults gone) fetches only the rest."""
+    from faultproxy import FaultProxy
+
     server, url = s3
     _upload(photo_root)
+    proxy = FaultProxy(url).start()
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+    proxy.arm("503", "coffee_0000.jpg")
+    proxy.arm("cut", "coffee_0001.jpg")
+    proxy.arm("cut", "/chelsea/", times=10**6)
     dest = tmp_path / "local"
-    import dali_pipe.sync as mod
-
-    real = mod.download
-    count = {"n": 0}
-    lock = threading.Lock()
-
-    def flaky(client, bucket, key, path, size, stop=None, watch=None):
-        with lock:
-            count["n"] += 1
-            if count["n"] == 20:
-                server.stop()
-        return real(client, bucket, key, path, size, stop, watch)
-
-    monkeypatch.setattr(mod, "download", flaky)
-    with pytest.raises(SyncError, match="rerun"):
-        sync("s3://data/ds", dest, workers=4, progress=False, client=make_client(4, max_attempts=2,
-                                                                                   connect_timeout=1))
-    assert not [p for p in dest.rglob("*") if ".part-" in p.name]
-    assert not (dest / "dataset.tsv").exists()  # the manifest lands only when the set is complete
-    partial = len([p for p in dest.rglob("*.jpg")])
-    assert 0 < partial < 48
-    monkeypatch.setattr(mod, "download", real)
-    server.start()  # a fresh port: point boto3 at it
-    os.environ["AWS_ENDPOINT_URL"] = "http://%s:%d" % server.get_host_and_port()
-    done = sync("s3://data/ds", dest, workers=4, progress=False)
-    assert done.downloaded + done.skipped == 48 and done.downloaded <= 48 - done.skipped
+    try:
+        with pytest.raises(SyncError, match=r"(?s)\d+ of 48 download\(s\) failed.*rerun the sync.*chelsea/chelsea_"):
+            sync("s3://data/ds", dest, workers=4, progress=False)
+        assert proxy.applied("503") == 1 and (dest / "coffee/coffee_0000.jpg").read_bytes() == (
+            photo_root / "coffee/coffee_0000.jpg").read_bytes()
+        assert (dest / "coffee/coffee_0001.jpg").read_bytes() == (photo_root / "coffee/coffee_0001.jpg").read_bytes()
+        assert not [p for p in dest.rglob("*") if ".part-" in p.name]
+        assert not (dest / "dataset.tsv").exists()  # the manifest lands only when the set is complete
+        assert not list(dest.rglob("chelsea_*.jpg"))
+        partial = len(list(dest.rglob("*.jpg")))
+        assert 0 < partial < 48
+        proxy.faults.clear()
+        done = sync("s3://data/ds", dest, workers=4, progress=False)
+    finally:
+        proxy.stop()
+    assert done.downloaded == 48 - partial and done.skipped == partial
     assert _tree(dest) == _tree(photo_root)
 
 
@@ -167,9 +166,10 @@ def test_missing_objects_fail_unless_skip_missing(s3, photo_root, tmp_path):
     assert stats.missing == 2 and stats.downloaded == 48 and (tmp_path / "c" / "dataset.tsv").is_file()
 
 
-def test_sigterm_mid_sync_exits_cleanly_and_the_rerun_finishes(photo_root, tmp_path, monkeypatch):
-    """SIGTERM while downloading (every request takes 0.1 s): exit 143 without a traceback and without
-    a temporary file; the next sync completes the set."""
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
+def test_a_signal_mid_sync_exits_cleanly_and_the_rerun_finishes(photo_root, tmp_path, monkeypatch, sig):
+    """SIGTERM (or Ctrl-C's SIGINT) while downloading (every request takes 0.1 s): exit 143 (130) without a
+    traceback and without a temporary file; the next sync completes the set."""
     import signal
     import time
 
@@ -188,16 +188,74 @@ def test_sigterm_mid_sync_exits_cleanly_and_the_rerun_finishes(photo_root, tmp_p
         deadline = time.time() + 60
         while time.time() < deadline and len(list(dest.rglob("*.jpg"))) < 2:
             time.sleep(0.05)
-        p.send_signal(signal.SIGTERM)
+        p.send_signal(getattr(signal, sig))
         _, err = p.communicate(timeout=60)
-        assert p.returncode == 143 and "Traceback" not in err and "stopped by SIGTERM" in err
+        want = (143, "stopped by SIGTERM") if sig == "SIGTERM" else (130, "stopped by Ctrl-C")
+        assert (p.returncode, want[1] in err, "Traceback" in err) == (want[0], True, False), err
         assert not [q for q in dest.rglob("*") if ".part-" in q.name or ".incoming-" in q.name]
         assert not (dest / "dataset.tsv").exists() and 0 < len(list(dest.rglob("*.jpg"))) < 48
-        server.delay = 0
-        done = sync("s3://data/ds", dest, workers=4, progress=False)
-        assert done.downloaded + done.skipped == 48 and _tree(dest) == _tree(photo_root)
+        if sig == "SIGTERM":
+            server.delay = 0
+            done = sync("s3://data/ds", dest, workers=4, progress=False)
+            assert done.downloaded + done.skipped == 48 and _tree(dest) == _tree(photo_root)
     finally:
         server.stop()
+
+
+def test_the_instance_role_of_a_container_signs_the_requests(s3, photo_root, tmp_path, monkeypatch):
+    """No keys in the environment, only the container credentials endpoint that SageMaker (and ECS) set
+    (AWS_CONTAINER_CREDENTIALS_FULL_URI here, on 127.0.0.1): botocore's chain fetches the role's keys
+    and token, and they sign every request of the sync."""
+    import http.server
+    import json
+
+    from faultproxy import FaultProxy
+
+    server, url = s3
+    _upload(photo_root)
+    role = {"AccessKeyId": "ASIAROLEKEY000000001", "SecretAccessKey": "role-secret", "Token": "role-token-xyz",
+            "Expiration": "2099-01-01T00:00:00Z"}
+    asked = []
+
+    class Creds(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            asked.append(self.path)
+            body = json.dumps(role).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    creds = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Creds)
+    threading.Thread(target=creds.serve_forever, daemon=True).start()
+    proxy = FaultProxy(url).start()
+    for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_CONTAINER_CREDENTIALS_FULL_URI", f"http://127.0.0.1:{creds.server_address[1]}/role")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+    try:
+        stats = sync("s3://data/ds", tmp_path / "L", workers=4, progress=False)
+    finally:
+        proxy.stop()
+        creds.shutdown()
+    assert stats.downloaded == 48 and asked == ["/role"]
+    headers = [{k.lower(): v for k, v in r[3].items()} for r in proxy.requests]
+    assert headers and all("Credential=ASIAROLEKEY000000001/" in h["authorization"]
+                           and h.get("x-amz-security-token") == "role-token-xyz" for h in headers)
+
+
+def test_a_key_the_engine_cannot_name_elsewhere_in_the_prefix_does_not_stop_the_sync(s3, photo_root, tmp_path):
+    """object_store refuses keys with an empty path segment (`ds/odd//x.bin`): such a prefix is listed by
+    boto3 instead, and the manifest's files arrive."""
+    client = _upload(photo_root)
+    client.put_object(Bucket="data", Key="ds/odd//x.bin", Body=b"odd")
+    assert sync("s3://data/ds", tmp_path / "L", workers=4, progress=False).downloaded == 48
+    assert _tree(tmp_path / "L") == _tree(photo_root)
 
 
 def test_temp_files_of_dead_syncs_are_removed_and_live_ones_kept(s3, photo_root, tmp_path):
@@ -346,6 +404,23 @@ def test_a_full_disk_gives_one_clear_error_and_keeps_what_was_fetched(s3, photo_
         assert not (dest / "dataset.tsv").exists()
         state = dest / ".sync-state.json"
         assert not state.exists() or isinstance(json.loads(state.read_text()), dict)
+
+
+def test_a_read_only_target_is_one_clear_error(s3, photo_root, tmp_path):
+    """A target on a read-only file system: one SyncError naming it, no traceback (before: an OSError from
+    the sync's running marker, then another from its removal)."""
+    _upload(photo_root)
+    disk = tmp_path / "ro"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(disk)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:
+        (disk / "L").mkdir()
+        subprocess.run(["mount", "-o", "remount,ro", str(disk)], check=True)
+        with pytest.raises(SyncError, match=r"cannot write into .*/ro/L \(Read-only file system\); make it writable"):
+            sync("s3://data/ds", disk / "L", workers=4, progress=False)
+    finally:
+        subprocess.run(["umount", str(disk)], capture_output=True)
 
 
 def test_training_data_with_a_bad_row_fails_naming_the_s3_manifest_before_any_download(s3, photo_root, tmp_path):

@@ -1,24 +1,30 @@
 #!/usr/bin/env python3
 """Measure S3 -> disk sync side by side on one local S3 server, in one run, alternating rounds.
 
-    --compare cli     `python -m dali_pipe sync` of the raw files vs `aws s3 sync` of the same prefix
-    --compare packed  `python -m dali_pipe sync` of the raw files vs of their pack (`pack --max-side 384`)
+    --compare s5cmd   `python -m dali_pipe sync` vs `s5cmd cp` of the same prefix, on rclone's `serve s3`
+                      (Go; fast enough that the clients, not the server, set the pace): the raw JPEGs, and
+                      with --packed also their pack (its shards' ranged GETs)
+    --compare cli     `python -m dali_pipe sync` of the raw files vs `aws s3 sync` of the same prefix (moto)
+    --compare packed  `python -m dali_pipe sync` of the raw files vs of their pack (moto)
 
-Starts moto's S3 server on 127.0.0.1, uploads a dataset of real photos (generated from
-scikit-image's photographs; and its pack for --compare packed), then syncs into fresh folders.
-`--latency-ms` delays every request in the server, to stand in for S3's per-request latency
-(loopback answers in microseconds; S3 takes tens of milliseconds to the first byte). Prints each
-round, the median and min-max per tool, and the ratio of medians.
+Makes a dataset of real photos (dali_pipe/demo.py's generator: scikit-image's photographs, cropped and
+re-encoded), serves it, then syncs into fresh folders, each tool once per round, the order reversed every
+other round. Prints each round, the median and min-max per tool, the ratio of the medians with the
+min-max of the per-round ratios, and the CPU time (user + system, the client's alone) per 1000 files.
+The measured processes (and the server) are pinned to --cpus cores. `--latency-ms` (moto only) delays
+every request, to stand in for S3's per-request latency.
 
-    python tools/bench_sync.py [--compare cli|packed] [--files 420] [--side 600 900] [--rounds 3]
-                               [--latency-ms 0 20] [--json OUT.json]
+    python tools/bench_sync.py --compare s5cmd [--files 5120] [--side 450 560] [--rounds 3] [--packed]
+    python tools/bench_sync.py [--compare cli|packed] [--files 420] [--latency-ms 0 20] [--json OUT.json]
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import resource
 import shutil
+import socket
 import statistics
 import subprocess
 import sys
@@ -28,6 +34,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tools")]
+KEY, SECRET = "bench", "bench-secret"
 
 
 def upload(client, folder: Path, prefix: str) -> tuple[int, int]:
@@ -37,17 +44,100 @@ def upload(client, folder: Path, prefix: str) -> tuple[int, int]:
     return len(files), sum(q.stat().st_size for q in files)
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--compare", choices=("cli", "packed"), default="cli")
-    p.add_argument("--files", type=int, default=420, help="number of JPEGs (7 classes)")
-    p.add_argument("--side", type=int, nargs=2, default=(600, 900), help="longer side range in px")
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--workers", type=int, default=32, help="dali_pipe sync threads")
-    p.add_argument("--latency-ms", type=float, nargs="+", default=[0.0, 20.0],
-                   help="per-request server delays to measure at, one pass each")
-    p.add_argument("--json", help="also write the measurements here")
-    args = p.parse_args()
+def tool(name: str) -> str:
+    return shutil.which(name) or str(Path(sys.executable).parent / name)
+
+
+def rclone_server(folder: Path):
+    """rclone's `serve s3` on a free loopback port, serving `folder` (its folders are the buckets)."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    proc = subprocess.Popen([tool("rclone"), "serve", "s3", "--auth-key", f"{KEY},{SECRET}", "--addr",
+                             f"127.0.0.1:{port}", "--config", os.devnull, str(folder)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    for _ in range(200):
+        try:
+            socket.create_connection(("127.0.0.1", port), 0.2).close()
+            break
+        except OSError:
+            time.sleep(0.05)
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def files_in(folder: Path) -> tuple[int, int]:
+    files = [q for q in folder.rglob("*") if q.is_file() and not q.name.startswith(".")]
+    return len(files), sum(q.stat().st_size for q in files)
+
+
+def timed(cmd: list[str]) -> tuple[float, float]:
+    """Wall seconds and CPU seconds (user + system) of one run of `cmd`."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    t = time.perf_counter()
+    subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
+    wall = time.perf_counter() - t
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return wall, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+
+
+def measure(pairs: dict[str, dict[str, callable]], rounds: int, work: Path, counts: dict[str, int], label: str,
+            report: dict) -> None:
+    """For each group (raw, packed): its two tools, alternating, `rounds` times; then medians and ratios."""
+    for group, tools in pairs.items():
+        wall = {name: [] for name in tools}
+        cpu = {name: [] for name in tools}
+        for r in range(rounds):
+            for name in (list(tools) if r % 2 == 0 else list(reversed(tools))):
+                dest = work / "out" / f"{group}-{len(wall[name])}-{name.split()[0]}"
+                w, c = timed(tools[name](dest))
+                shutil.rmtree(dest, ignore_errors=True)
+                wall[name].append(w)
+                cpu[name].append(c)
+                print(f"{label}{group}, round {r}: {name:26s} {w:6.2f} s wall, {c:6.2f} s CPU", flush=True)
+        a, b = list(tools)  # b measured against a
+        med = {k: statistics.median(v) for k, v in wall.items()}
+        ratios = [x / y for x, y in zip(wall[a], wall[b])]
+        per1000 = {k: 1000 * statistics.median(v) / counts[group] for k, v in cpu.items()}
+        print(f"{label}{group}, median of {rounds}: " + ", ".join(
+            f"{k} {med[k]:.2f} s ({min(wall[k]):.2f}-{max(wall[k]):.2f}), {per1000[k]:.2f} CPU s/1000 files"
+            for k in tools) + f" -> {b} is {med[a] / med[b]:.2f}x as fast as {a} (rounds {min(ratios):.2f}-"
+              f"{max(ratios):.2f})", flush=True)
+        report["results"][f"{label}{group}"] = {"seconds": wall, "cpu_seconds": cpu, "files": counts[group],
+                                                "median_ratio": med[a] / med[b], "round_ratios": ratios,
+                                                "cpu_s_per_1000_files": per1000}
+
+
+def compare_s5cmd(args, work: Path, report: dict) -> None:
+    from dali_pipe.demo import make_photo_dataset
+
+    served = work / "s3"
+    make_photo_dataset(served / "bench" / "raw", classes=5, per_class=args.files // 5, side=tuple(args.side))
+    counts = {"raw": files_in(served / "bench" / "raw")[0]}
+    if args.packed:
+        subprocess.run([sys.executable, "-m", "dali_pipe", "pack", str(served / "bench" / "raw"),
+                        str(served / "bench" / "packed"), "--max-side", "4000", "--val-fraction", "0",
+                        "--shard-size", args.shard_size, "--cache-dir", str(work / "cache")], check=True, cwd=ROOT,
+                       stderr=subprocess.DEVNULL)
+        counts["packed"] = files_in(served / "bench" / "packed")[0]
+    proc, url = rclone_server(served)
+    os.environ.update(AWS_ENDPOINT_URL=url, AWS_ACCESS_KEY_ID=KEY, AWS_SECRET_ACCESS_KEY=SECRET,
+                      AWS_DEFAULT_REGION="us-east-1")
+    for group in counts:
+        n, size = files_in(served / "bench" / group)
+        print(f"{group}: {n} objects, {size / 1e6:.1f} MB on rclone serve s3 at {url}", flush=True)
+    sync = [sys.executable, "-m", "dali_pipe", "sync", "--no-progress", "--workers", str(args.workers)]
+    s5 = [tool("s5cmd"), "--endpoint-url", url, "--log", "error", "cp"]
+    pairs = {g: {"s5cmd cp": (lambda d, g=g: s5 + [f"s3://bench/{g}/*", f"{d}/"]),
+                 "dali_pipe sync": (lambda d, g=g: sync + [f"s3://bench/{g}", str(d)])} for g in counts}
+    try:
+        measure(pairs, args.rounds, work, counts, "", report)
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def compare_moto(args, work: Path, report: dict) -> None:
     import logging
 
     from s3server import delayed_server
@@ -55,58 +145,71 @@ def main() -> None:
     from dali_pipe.demo import make_photo_dataset
     from dali_pipe.sync import make_client
 
-    work = Path(tempfile.mkdtemp(prefix="bench_sync_"))
     src = make_photo_dataset(work / "src", classes=7, per_class=args.files // 7, side=tuple(args.side))
     logging.getLogger("werkzeug").setLevel(logging.ERROR)
     server = delayed_server()
     url = "http://%s:%d" % server.get_host_and_port()
-    os.environ.update(AWS_ENDPOINT_URL=url, AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench",
+    os.environ.update(AWS_ENDPOINT_URL=url, AWS_ACCESS_KEY_ID=KEY, AWS_SECRET_ACCESS_KEY=SECRET,
                       AWS_DEFAULT_REGION="us-east-1")
     client = make_client(16)
     client.create_bucket(Bucket="bench")
     n, size = upload(client, src, "raw")
     print(f"raw: {n} objects, {size / 1e6:.1f} MB on {url}")
     sync = [sys.executable, "-m", "dali_pipe", "sync", "--no-progress", "--workers", str(args.workers)]
-    tools = {"dali_pipe sync (raw)": sync + ["s3://bench/raw"]}
+    tools = {}
     if args.compare == "cli":
-        aws = shutil.which("aws") or str(Path(sys.executable).parent / "aws")
-        tools = {"aws s3 sync (raw)": [aws, "s3", "sync", "--only-show-errors", "s3://bench/raw", "--endpoint-url",
-                                       url, "--dest"], **tools}
-    else:
+        tools["aws s3 sync (raw)"] = lambda d: [tool("aws"), "s3", "sync", "--only-show-errors", "s3://bench/raw",
+                                                str(d), "--endpoint-url", url]
+    tools["dali_pipe sync (raw)"] = lambda d: sync + ["s3://bench/raw", str(d)]
+    if args.compare == "packed":
         subprocess.run([sys.executable, "-m", "dali_pipe", "pack", str(src), str(work / "packed"), "--max-side",
                         "384", "--val-fraction", "0", "--cache-dir", str(work / "cache")], check=True, cwd=ROOT,
                        stderr=subprocess.DEVNULL)
         n, size = upload(client, work / "packed", "packed")
         print(f"packed: {n} objects, {size / 1e6:.1f} MB")
-        tools["dali_pipe sync (packed)"] = sync + ["s3://bench/packed"]
+        tools["dali_pipe sync (packed)"] = lambda d: sync + ["s3://bench/packed", str(d)]
+    try:
+        for latency in args.latency_ms:
+            server.delay = latency / 1000
+            measure({"raw": tools}, args.rounds, work, {"raw": args.files // 7 * 7}, f"latency {latency:g} ms, ",
+                    report)
+    finally:
+        server.stop()
 
-    def command(name, dest):
-        cmd = tools[name]
-        if cmd[-1] == "--dest":  # aws s3 sync SRC DEST
-            return cmd[:-1][:5] + [str(dest)] + cmd[5:-1]
-        return cmd + [str(dest)]
 
-    report = {"compare": args.compare, "files": args.files, "side": args.side, "rounds": args.rounds, "results": {}}
-    for latency in args.latency_ms:
-        server.delay = latency / 1000
-        times = {name: [] for name in tools}
-        for r in range(args.rounds):
-            for name in (list(tools) if r % 2 == 0 else list(reversed(tools))):
-                dest = work / f"{len(times[name])}_{name.split()[0]}_{'p' if 'packed' in name else 'r'}_{latency}"
-                t = time.perf_counter()
-                subprocess.run(command(name, dest), check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
-                times[name].append(time.perf_counter() - t)
-                print(f"latency {latency:g} ms, round {r}: {name:24s} {times[name][-1]:6.2f} s")
-        med = {k: statistics.median(v) for k, v in times.items()}
-        a, b = list(tools)
-        print(f"latency {latency:g} ms, median of {args.rounds}: " + ", ".join(
-            f"{k} {med[k]:.2f} s ({min(times[k]):.2f}-{max(times[k]):.2f})" for k in tools)
-              + f" -> {b} is {med[a] / med[b]:.2f}x as fast as {a}")
-        report["results"][f"{latency:g}ms"] = {"seconds": times, "median_ratio": med[a] / med[b]}
-    server.stop()
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--compare", choices=("s5cmd", "cli", "packed"), default="s5cmd")
+    p.add_argument("--files", type=int, default=None, help="number of JPEGs (default 5120 for s5cmd, else 420)")
+    p.add_argument("--side", type=int, nargs=2, default=None,
+                   help="longer side range in px (default 450 560: ImageNet-size, ~44 kB each; 600 900 for moto)")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--workers", type=int, default=None, help="dali_pipe sync --workers (default: its own)")
+    p.add_argument("--packed", action="store_true", help="s5cmd: also the pack of the same photos (ranged GETs)")
+    p.add_argument("--shard-size", default="64MB", help="s5cmd --packed: the pack's --shard-size")
+    p.add_argument("--cpus", type=int, default=2, help="pin the run (server and clients) to this many cores")
+    p.add_argument("--latency-ms", type=float, nargs="+", default=[0.0, 20.0],
+                   help="moto: per-request server delays to measure at, one pass each")
+    p.add_argument("--json", help="also write the measurements here")
+    args = p.parse_args()
+    s5 = args.compare == "s5cmd"
+    args.files = args.files or (5120 if s5 else 420)
+    args.side = args.side or ((450, 560) if s5 else (600, 900))
+    if args.workers is None:
+        from dali_pipe.config import SyncSettings
+
+        args.workers = SyncSettings.workers
+    cores = sorted(os.sched_getaffinity(0))[:args.cpus]
+    os.sched_setaffinity(0, cores)  # inherited by the server and every measured process
+    work = Path(tempfile.mkdtemp(prefix="bench_sync_"))
+    report = {"compare": args.compare, "files": args.files, "side": args.side, "rounds": args.rounds,
+              "workers": args.workers, "cores": len(cores), "results": {}}
+    try:
+        (compare_s5cmd if s5 else compare_moto)(args, work, report)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))
-    shutil.rmtree(work, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -118,6 +118,9 @@ def cli(entry=main) -> int:
     except Terminated:
         print("stopped by SIGTERM", file=sys.stderr)
         return 143
+    except KeyboardInterrupt:  # Ctrl-C: unwound like SIGTERM (temporary files removed), the shell's status
+        print("stopped by Ctrl-C", file=sys.stderr)
+        return 130
     except OSError as e:  # a full disk wherever it strikes (an output file, a log): one line, not a traceback
 
         if not is_disk_full(e):

@@ -8,7 +8,7 @@ from ..config import add_subcommand, new_parser, parse, settings_from, validate
 from ..imagefolder import write_manifest
 from ..shards.cache import fetch_to
 from ..shards.source import is_packed
-from ..sync import sync
+from ..sync import ManifestMissing, sync
 
 SYNC_DOC = ("Download s3://bucket/prefix/dataset.tsv and every file it lists into LOCAL_DIR (or, for a pack, its "
             "packed.json, shards and index files, with parallel ranged GETs). Files already present and unchanged "
@@ -91,12 +91,15 @@ def main(argv: list[str] | None = None) -> int:
                         "(see --help)")
     validate(s, COMMANDS[command], problems)
     if command == "sync":
-        if is_packed(s.sync.uri):  # a pack: its shards and index files, a few large GETs
-            fetch_to(s.sync.uri, Path(s.sync.local_dir), mode="sync", workers=s.sync.workers,
+        try:  # a dataset first: asking whether the prefix is a pack would cost a client and two requests
+            stats = sync(s.sync.uri, s.sync.local_dir, workers=s.sync.workers, skip_missing=s.data.skip_missing,
+                         progress=not s.sync.no_progress)
+        except ManifestMissing:
+            if not is_packed(s.sync.uri):
+                raise
+            fetch_to(s.sync.uri, Path(s.sync.local_dir), mode="sync", workers=s.sync.workers,  # a pack's files
                      progress=not s.sync.no_progress)
             return 0
-        stats = sync(s.sync.uri, s.sync.local_dir, workers=s.sync.workers, skip_missing=s.data.skip_missing,
-                     progress=not s.sync.no_progress)
         if s.sync.no_progress:
             print(stats.summary())
     elif command == "manifest":

@@ -8,9 +8,10 @@ decoded.
 - Local packs (`verify_local`): hashed once before training, with the verdict cached by (path,
   size, mtime) in CACHE_DIR/shard-verdicts.json, so reruns cost a stat per shard.
 - Synced packs (`fetch`, `--packed-s3 sync`, or `auto` when they fit): every shard fetched with
-  s3transfer's ranged parallel GETs, several at a time, checked as it lands (a mismatch is
-  fetched once more, then named), its verdict recorded. The index files (small, one per shard)
-  are fetched on every route, 32 at a time, skipped when their ETag is unchanged; packed.json last.
+  ranged parallel GETs (the transfer engine, dali_pipe/transfer.py), several at a time, checked as it
+  lands (a mismatch is fetched once more, then named), its verdict recorded. The index files (small,
+  one per shard) are fetched on every route the way `sync` fetches a dataset's files, skipped when
+  their size and ETag are unchanged; packed.json last.
 - Streamed packs (`StreamCache`, `--packed-s3 stream`, or `auto` when they do not fit): the
   shards are fetched in the order the epoch plan reads them, several at a time, into a folder
   bounded by `--stream-cache`; a read waits until its shard has landed and matched. Training
@@ -22,15 +23,15 @@ decoded.
   the data by rank), into its own folder, with bound / local ranks; ranks fetch disjoint data,
   so fetching once per node would save only the few shards cut by a rank boundary.
 
-Faults: S3 throttling (503 SlowDown) is retried by botocore's standard retry mode; a cut
-connection or a stalled body (read timeout) by s3transfer, then by one more whole attempt here;
+Faults: S3 throttling (503 SlowDown), a cut connection and a stalled body (read timeout) are
+retried by the transfer engine (obstore), then by one more whole attempt here;
 an attempt that moves no byte for STALL seconds, or runs past its deadline, is cancelled, so a
 silent endpoint is named after about a minute. What still fails is a
 ShardFetchError naming the endpoint and the key.
 
-Why s3transfer and not a hand-written loop: its ranged, parallel GETs of large objects, retries
-of streaming errors and atomic temp-file writes are what is needed; what is ours is the order
-(the plan), the bound, the eviction and the checks.
+The bytes move through the same engine as a dataset's small files (ranged parallel GETs, retries,
+temporary files removed on failure); what is ours here is the order (the plan), the bound, the
+eviction and the checks.
 """
 from __future__ import annotations
 
@@ -44,7 +45,7 @@ import sys
 import threading
 import time
 import weakref
-from concurrent.futures import ThreadPoolExecutor, as_completed
+from concurrent.futures import CancelledError, ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -55,25 +56,24 @@ from ..errors import UserError
 from ..redact import redact
 from ..sync import (
     SyncError,
-    atomic_write,
     endpoint,
     explain,
-    list_objects,
+    listing,
     local_target,
-    make_client,
     parse_s3_uri,
     read_object,
-    temp_name,
+    sync_objects,
 )
+from ..transfer import Engine, TransferError, temp_path
 from ..workdir import lock, remove_dead_temps, unlock
 from .format import PACKED_NAME, PackedFormatError, file_sha256, parse_packed
 
 VERDICTS_NAME = "shard-verdicts.json"
-CHUNK = 8 << 20  # ranged GET part size (s3transfer's default), also the multipart threshold
 FETCH_PARALLEL = 4  # shards fetched at once
-PART_CONCURRENCY = 8  # ranged GETs at once, across the shards in flight
+PART_CONCURRENCY = 8  # ranged GETs at once (transfer.PART bytes each), across the shards in flight
 CONNECT_TIMEOUT, READ_TIMEOUT = 5.0, 10.0  # a stalled body is retried after READ_TIMEOUT
-ATTEMPTS = 2  # whole-object attempts (each with s3transfer's own retries of streaming errors)
+REQUEST_ATTEMPTS = 3  # tries of one request (the engine retries throttling, cut and stalled bodies)
+ATTEMPTS = 2  # whole-object attempts (each with the engine's own retries of its requests)
 STALL = 30.0  # seconds without a byte after which an attempt is cancelled (a silent endpoint: 2 x STALL)
 ATTEMPT_DEADLINE = 120.0  # seconds an attempt may take at most, plus the time to move its bytes at MIN_RATE
 MIN_RATE = 2e6  # bytes/s: the slowest transfer an attempt is given time for
@@ -95,7 +95,7 @@ class Remote:
     url: str  # s3://bucket/key
     size: int | None
     sha256: str | None
-    etag: str | None = None  # from the LIST (then s3transfer needs no HEAD, and asks If-Match)
+    etag: str | None = None  # from the LIST (then no HEAD is needed, and each ranged GET asks If-Match)
 
 
 # -- verdicts: (path, size, mtime) -> sha256, so an unchanged shard is hashed once -----------------
@@ -198,7 +198,7 @@ def verify_local(shards, cache_dir: str | Path, *, progress: bool = True) -> Non
                          "data again.")
 
 
-# -- one object: s3transfer's ranged parallel GETs, bounded, checked ----------------------------
+# -- one object: ranged parallel GETs through the engine, bounded, checked --------------------
 def _split(url: str) -> tuple[str, str]:
     return parse_s3_uri(url)
 
@@ -208,16 +208,12 @@ def _where(url: str) -> str:
 
 
 class Fetcher:
-    """s3transfer's TransferManager over one client from `sync.make_client`, bounded per attempt."""
+    """Shards through the transfer engine (dali_pipe/transfer.py: ranged GETs, PART_CONCURRENCY in flight
+    across the shards being fetched), each attempt bounded by its own watchdog."""
 
     def __init__(self, concurrency: int = PART_CONCURRENCY):
-        from boto3.s3.transfer import TransferConfig
-        from s3transfer.manager import TransferManager
-
-        self.client = make_client(concurrency + 2, connect_timeout=CONNECT_TIMEOUT, read_timeout=READ_TIMEOUT)
-        config = TransferConfig(multipart_threshold=CHUNK, multipart_chunksize=CHUNK, max_concurrency=concurrency,
-                                num_download_attempts=2)
-        self._tm = TransferManager(self.client, config)
+        self.engine = Engine(concurrency=concurrency, connect_timeout=CONNECT_TIMEOUT, read_timeout=READ_TIMEOUT,
+                             attempts=REQUEST_ATTEMPTS)
         self._futures: set = set()
         self._closed = False
         register = getattr(threading, "_register_atexit", None)  # before the executors' threads are joined
@@ -228,31 +224,24 @@ class Fetcher:
                 pass
 
     def close(self) -> None:
-        """Cancel the transfers in flight and wait for their threads (each ends within a read timeout).
-        (TransferManager.shutdown(cancel=True) passes its message as the exception type in s3transfer
-        0.19, so the futures are cancelled one by one.)"""
+        """Cancel the transfers in flight (their temporary files are removed) and stop the engine."""
         if not self._closed:
             self._closed = True
             for future in list(self._futures):
                 future.cancel()
-            self._tm.shutdown()
+            self.engine.close()
 
     def size_of(self, url: str) -> int:
-        from botocore.exceptions import BotoCoreError, ClientError
-
         bucket, key = _split(url)
         try:
-            return int(self.client.head_object(Bucket=bucket, Key=key)["ContentLength"])
-        except (BotoCoreError, ClientError) as e:
+            return self.engine.run(self.engine.size(bucket, key))
+        except TransferError as e:
             raise ShardFetchError(f"{_where(url)}: {explain(e, bucket, key)}") from None
 
     def fetch(self, remote: Remote, dest: Path, *, stop: threading.Event | None = None,
               verdicts: Verdicts | None = None, on_bytes=None) -> int:
         """Download `remote` to `dest` through a temporary name; its size and sha256 checked before the
         rename (a mismatch is fetched once more). Returns the bytes. Raises ShardError / ShardFetchError."""
-        from botocore.exceptions import BotoCoreError, ClientError, FlexibleChecksumError
-        from s3transfer.exceptions import RetriesExceededError, S3DownloadFailedError
-
         bucket, key = _split(remote.url)
         size = remote.size if remote.size is not None else self.size_of(remote.url)
         dest.parent.mkdir(parents=True, exist_ok=True)
@@ -260,7 +249,7 @@ class Fetcher:
         for attempt in range(ATTEMPTS):
             if stop is not None and stop.is_set():
                 raise ShardFetchError(f"{_where(remote.url)}: the fetch was stopped")
-            tmp = temp_name(dest)
+            tmp = temp_path(dest)
             try:
                 self._one(bucket, key, tmp, size, on_bytes, remote.etag)
                 problem = check_file(tmp, size, remote.sha256)
@@ -272,48 +261,39 @@ class Fetcher:
                 mismatch = problem
             except TimeoutError as e:
                 failure = str(e)
-            except FlexibleChecksumError:  # S3's own checksum of the response (whole-object GETs)
-                mismatch = "arrived with a checksum that does not match S3's"
-            except (BotoCoreError, ClientError, OSError, RetriesExceededError, S3DownloadFailedError) as e:
-                if isinstance(e, ClientError) and e.response.get("Error", {}).get("Code") in (
-                        "NoSuchKey", "404", "NotFound", "NoSuchBucket", "AccessDenied", "403"):
-                    raise ShardFetchError(f"{_where(remote.url)}: {explain(e, bucket, key)}") from None
-                cause = getattr(e, "last_exception", None) or e  # s3transfer's RetriesExceededError wraps it
-                if isinstance(cause, OSError) and cause.errno == errno.ENOSPC:
+            except OSError as e:
+                if e.errno == errno.ENOSPC:
                     raise ShardError(f"the disk of {dest.parent} is full ({remote.url} did not fit); free space, or "
                                      "lower --stream-cache, or pass another --cache-dir") from None
-                failure, mismatch = f"{type(cause).__name__}: {str(cause)[:200]}", None
+                failure, mismatch = f"{type(e).__name__}: {str(e)[:200]}", None
+            except TransferError as e:
+                if e.code in ("NoSuchKey", "404", "NotFound", "NoSuchBucket", "AccessDenied", "403", "credentials"):
+                    raise ShardFetchError(f"{_where(remote.url)}: {explain(e, bucket, key)}") from None
+                failure, mismatch = f"{e.code}: {e.detail}", None
             finally:
                 tmp.unlink(missing_ok=True)
         if mismatch is not None and failure is None:
-            raise ShardError(f"{_where(remote.url)} {mismatch}, twice: the object in S3 is damaged or was replaced "
-                             "after packing (or the network damages data); upload the pack again")
+            raise ShardError(f"{_where(remote.url)} does not match its size and sha256 ({mismatch}), twice: the "
+                             "object in S3 is damaged or was replaced after packing (or the network damages data); "
+                             "upload the pack again")
 
         raise ShardFetchError(redact(f"{_where(remote.url)} could not be fetched in {ATTEMPTS} attempts "
                                      f"({failure or mismatch}); check the endpoint and the network, then rerun "
                                      "(finished shards are kept)"))
 
     def _one(self, bucket: str, key: str, tmp: Path, size: int, on_bytes, etag: str | None = None) -> None:
-        """One s3transfer download, cancelled when it stalls or runs past its deadline."""
-        from s3transfer.subscribers import BaseSubscriber
-
+        """One download through the engine, cancelled when it stalls or runs past its deadline."""
         last = [time.monotonic()]  # when the last bytes arrived
 
-        class Progress(BaseSubscriber):
-            def on_queued(self, future, **kwargs):
-                future.meta.provide_transfer_size(size)  # no HEAD request when both are known
-                if etag is not None:
-                    future.meta.provide_object_etag(etag)
-
-            def on_progress(self, future, bytes_transferred, **kwargs):
-                last[0] = time.monotonic()
-                if on_bytes is not None:
-                    on_bytes(bytes_transferred)
+        def progress(n: int) -> None:  # on the engine's loop
+            last[0] = time.monotonic()
+            if on_bytes is not None:
+                on_bytes(n)
 
         deadline = ATTEMPT_DEADLINE + size / MIN_RATE
         if self._closed:
             raise TimeoutError("the run is ending")
-        future = self._tm.download(bucket, key, str(tmp), subscribers=[Progress()])
+        future = self.engine.submit(self.engine.download(bucket, key, tmp, size, etag=etag, on_bytes=progress))
         self._futures.add(future)
         start = time.monotonic()
         try:
@@ -324,16 +304,12 @@ class Fetcher:
                     raise TimeoutError("the run is ending")
                 now = time.monotonic()
                 if now - last[0] > STALL or now - start > deadline:
-                    future.cancel()  # its threads end on their own (read timeouts); no need to wait for them
+                    future.cancel()  # its requests are dropped and its temporary file removed on the loop
                     raise TimeoutError(f"no byte for {STALL:.0f} s" if now - last[0] > STALL else
                                        f"no complete copy within {deadline:.0f} s")
             future.result()
-        except Exception as e:
-            from s3transfer.exceptions import CancelledError
-
-            if isinstance(e, CancelledError):
-                raise TimeoutError("the run is ending") from None
-            raise
+        except CancelledError:
+            raise TimeoutError("the run is ending") from None
         finally:
             self._futures.discard(future)
 
@@ -427,7 +403,7 @@ class StreamCache:
         lock(self.folder, "run streaming these shards", "wait for it to finish, or pass another --cache-dir")
         remove_dead_temps(self.folder, ".*.part-*")
         self.fetcher = Fetcher()
-        self.remotes = {r.url: r for r in listed(remotes, self.fetcher.client)}
+        self.remotes = {r.url: r for r in listed(remotes, self.fetcher.engine)}
         self.names = _local_names(list(self.remotes))
         self.verdicts = Verdicts(self.folder)
         self.resident: dict[str, int] = {}
@@ -651,14 +627,14 @@ class CacheView:
         self.cache.advance(reader, epoch, position)
 
 
-def listed(remotes: list[Remote], client) -> list[Remote]:
+def listed(remotes: list[Remote], engine: Engine) -> list[Remote]:
     """The shards with their sizes and ETags from one LIST per prefix: no HEAD per shard, and a shard
     whose size in S3 differs from what packed.json says is named before anything is fetched."""
     found: dict[str, tuple[int, str]] = {}
     for base in sorted({r.url.rsplit("/", 1)[0] for r in remotes}):
         bucket, prefix = _split(base + "/x")
         try:
-            for rel, meta in list_objects(client, bucket, prefix[:-1]).items():
+            for rel, meta in listing(engine, bucket, prefix[:-1]).items():
                 found[f"{base}/{rel}"] = meta
         except SyncError as e:
             raise ShardFetchError(str(e)) from None
@@ -728,43 +704,10 @@ def fetch_to(data: str, local: Path, *, mode: str, workers: int, progress: bool 
     return local
 
 
-INDEX_STATE = ".index-state.json"  # {index file: ETag} of the index files fetched
-
-
 def sync_indexes(uri: str, local: Path, names: list[str], *, workers: int) -> int:
-    """Fetch the pack's index files (small; many) in parallel, skipping those whose ETag is unchanged;
-    returns how many were fetched."""
-    from botocore.exceptions import BotoCoreError, ClientError
-
-    bucket, prefix = parse_s3_uri(uri)
-    base = f"{prefix}/" if prefix else ""
-    client = make_client(workers)
-    remote = list_objects(client, bucket, base)
-    missing = [n for n in names if n not in remote]
-    if missing:
-        raise SyncError(f"s3://{bucket}/{base} lacks {len(missing)} index file(s) of the pack, e.g. {missing[:3]}; "
-                        "upload the whole pack again")
-    try:
-        state = json.loads((local / INDEX_STATE).read_text())
-    except (OSError, ValueError):
-        state = {}
-    todo = [n for n in names if state.get(n) != remote[n][1] or not (local / n).is_file()
-            or (local / n).stat().st_size != remote[n][0]]
-
-    def one(name: str) -> str:
-        try:
-            atomic_write(local / name, client.get_object(Bucket=bucket, Key=base + name)["Body"].read())
-        except (BotoCoreError, ClientError, OSError) as e:
-            raise SyncError(f"{name}: {explain(e, bucket, base + name)} (rerun to finish)") from None
-        return name
-
-    try:
-        with ThreadPoolExecutor(min(workers, 32)) as pool:
-            for name in pool.map(one, todo):
-                state[name] = remote[name][1]
-    finally:
-        atomic_write(local / INDEX_STATE, json.dumps(state).encode())
-    return len(todo)
+    """Fetch the pack's index files (small; many) the way `sync` fetches a dataset's files, skipping those
+    whose size and ETag are unchanged; returns how many were fetched."""
+    return sync_objects(uri, local, names, workers=workers, progress=False).downloaded
 
 
 def sync_shards(remotes: list[Remote], local: Path, *, cache_dir: str | Path, progress: bool = True) -> int:
@@ -785,7 +728,7 @@ def sync_shards(remotes: list[Remote], local: Path, *, cache_dir: str | Path, pr
         bar = tqdm(total=sum(r.size or 0 for r, _ in todo), unit="B", unit_scale=True, unit_divisor=1024,
                    desc="sync shards", disable=not progress or not todo, file=sys.stderr, mininterval=0.5)
         fetcher, stop = Fetcher(), threading.Event()
-        todo = list(zip(listed([r for r, _ in todo], fetcher.client), [d for _, d in todo])) if todo else []
+        todo = list(zip(listed([r for r, _ in todo], fetcher.engine), [d for _, d in todo])) if todo else []
         pool = ThreadPoolExecutor(FETCH_PARALLEL, thread_name_prefix="shard-sync")
         done = 0
         try:

@@ -1,0 +1,447 @@
+"""The S3 transfer engine: objects from S3 into local files, many small ones and large ones alike,
+through obstore (Python bindings of Rust's `object_store`) on one event loop thread.
+
+- One path: every object is one GET (objects above PART bytes: ranged GETs of PART bytes, up to
+  the engine's concurrency at once, each written at its offset, each answer's ETag checked against
+  the listed one) into a temporary file that the
+  caller names; a failed or cancelled download removes it. The requests of a whole sync share one
+  bound (`concurrency`): a dataset of 1.2 M JPEGs and a pack of 150 MB shards take the same road.
+- Bounded: connect and read timeouts and `attempts` tries per request (obstore retries 5xx answers
+  such as S3's 503 SlowDown, cut connections and stalled bodies, with exponential backoff); the
+  callers add their own deadlines (a whole sync stops after a silence, sync.STALL_SECONDS; a shard
+  attempt after its own, shards/cache.py). Cancelling a download (SIGTERM, Ctrl-C, a deadline) drops
+  its requests and removes its temporary file.
+- The standard AWS environment: credentials from botocore's chain (keys, AWS_PROFILE and the config
+  files, SSO, web identity, the container credentials that SageMaker and ECS hand out, the instance
+  role), refreshed as they expire; the region and AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL, which may
+  carry KEY:SECRET@ (then those sign the requests and are never sent or printed). An endpoint of
+  our own (moto, rclone, MinIO) is addressed path-style, AWS virtual-hosted, in the bucket's region.
+
+Why obstore: side by side with AWS's Common Runtime (awscrt through s3transfer's CRT transfer manager,
+and awscrt's S3 client driven directly) and with s5cmd on 5120 ImageNet-size JPEGs, obstore listed
+and fetched as fast as s5cmd with the least CPU per file; the CRT paths spent more Python per request
+(docs/s3-and-packs.md has the numbers). object_store refuses keys with an empty or a `.`/`..` path
+segment (`a//b.jpg`): a prefix holding one is listed by boto3 instead (slower; such keys are never a
+manifest row, which is normalised).
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import re
+import threading
+from concurrent.futures import Future
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+from urllib.parse import unquote, urlsplit, urlunsplit
+
+from .redact import redact
+
+PART = 8 << 20  # objects above this size are fetched in ranged GETs of this size
+CHUNK = 1 << 20  # a ranged GET's body is written (and counted as progress) in chunks of about this size
+REQUEST_LIMIT = 300.0  # seconds one request may take at most (a part of PART bytes at under 30 kB/s)
+RETRY_WINDOW = 60.0  # seconds after a request's first try during which obstore may retry it
+CREDENTIALS_TTL = timedelta(minutes=5)  # how long obstore keeps a set of credentials before asking again
+_serial = itertools.count()
+
+
+class TransferError(Exception):
+    """An S3 request failed; `code` is S3's error code (NoSuchKey, AccessDenied, SlowDown, ...) or ours:
+    'timeout', 'connect', 'credentials', 'size' (the object's bytes differ from its listed size), 'http'."""
+
+    def __init__(self, code: str, detail: str, status: int | None = None):
+        super().__init__(detail)
+        self.code, self.detail, self.status = code, detail, status
+
+
+def endpoint_url() -> str | None:
+    """AWS_ENDPOINT_URL_S3, else AWS_ENDPOINT_URL (botocore's order), as set (credentials and all)."""
+    return os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or None
+
+
+def endpoint_credentials() -> dict:
+    """An AWS_ENDPOINT_URL(_S3) of the form http://KEY:SECRET@host:port: the endpoint without them, and
+    them as the access key and secret (botocore would send them in the Host header otherwise)."""
+    url = endpoint_url()
+    if not url or "@" not in url:
+        return {}
+    u = urlsplit(url)
+    if u.username is None:
+        return {}
+    return {"endpoint_url": urlunsplit(u._replace(netloc=u.netloc.rsplit("@", 1)[1])),
+            "aws_access_key_id": unquote(u.username), "aws_secret_access_key": unquote(u.password or "")}
+
+
+def endpoint() -> str:
+    """The endpoint S3 requests go to (AWS_ENDPOINT_URL_S3 before AWS_ENDPOINT_URL), redacted."""
+    return redact(endpoint_url() or "the AWS S3 endpoint")
+
+
+def classify(err: BaseException) -> TransferError:
+    """obstore's error (its text carries S3's XML error and reqwest's kind) as a TransferError."""
+    if isinstance(err, TransferError):
+        return err
+    text = str(err)
+    code = re.search(r"<Code>([A-Za-z0-9.]+)</Code>", text)
+    status = re.search(r"status code: (\d{3})", text)
+    st = int(status.group(1)) if status else None
+    first = redact(text.split("\n", 1)[0][:300])
+    if code:
+        return TransferError(code.group(1), first, st)
+    if isinstance(err, FileNotFoundError) or st == 404:
+        return TransferError("NoSuchKey", first, 404)
+    if st in (401, 403) or type(err).__name__ in ("PermissionDeniedError", "UnauthenticatedError"):
+        return TransferError("AccessDenied", first, st)
+    if st is not None:
+        return TransferError(f"HTTP {st}", first, st)
+    if "non-partial response" in text:  # a server that answers a ranged GET with 200 (rclone's serve s3)
+        return TransferError("NotPartial", first)
+    if "kind: Timeout" in text or "TimedOut" in text or "timed out" in text:
+        return TransferError("timeout", first)
+    if "kind: Connect" in text or "Connection refused" in text or "dns error" in text:
+        return TransferError("connect", first)
+    return TransferError("http", first)
+
+
+class Engine:
+    """obstore's S3 stores (one per bucket) and the event loop that drives them, on a thread of its own.
+
+    `concurrency`: requests in flight at once, across everything the engine does. The timeouts and
+    `attempts` bound each request."""
+
+    def __init__(self, *, concurrency: int, connect_timeout: float, read_timeout: float, attempts: int):
+        self.concurrency, self.attempts = max(1, concurrency), max(1, attempts)
+        self.connect_timeout, self.read_timeout = connect_timeout, read_timeout
+        self._stores: dict[str, object] = {}
+        self._lock = threading.Lock()
+        self._loop = asyncio.new_event_loop()
+        self._slots: asyncio.Semaphore | None = None
+        self._thread = threading.Thread(target=self._loop.run_forever, name="s3-transfers", daemon=True)
+        self._thread.start()
+        self._closed = False
+
+    # -- configuration -------------------------------------------------------------------------
+    def store(self, bucket: str):
+        """The obstore S3Store of `bucket` (made once): endpoint, region, credentials, bounds."""
+        with self._lock:
+            if bucket not in self._stores:
+                self._stores[bucket] = self._make_store(bucket)
+            return self._stores[bucket]
+
+    def _make_store(self, bucket: str):
+        import botocore.session
+        from obstore.store import S3Store
+
+        session = botocore.session.get_session()  # botocore alone: boto3 would import s3transfer too
+        given = endpoint_credentials()
+        url = given.get("endpoint_url") or endpoint_url()
+        if given:
+            key, secret = given["aws_access_key_id"], given["aws_secret_access_key"]
+
+            def credentials():
+                return {"access_key_id": key, "secret_access_key": secret, "token": None,
+                        "expires_at": datetime.now(timezone.utc) + CREDENTIALS_TTL}
+        else:
+            creds = session.get_credentials()  # botocore's chain: env, profiles, SSO, container, instance role
+            if creds is None:
+                raise TransferError("credentials", "no AWS credentials were found")
+
+            def credentials():
+                frozen = creds.get_frozen_credentials()  # refreshed by botocore before it expires
+                return {"access_key_id": frozen.access_key, "secret_access_key": frozen.secret_key,
+                        "token": frozen.token, "expires_at": datetime.now(timezone.utc) + CREDENTIALS_TTL}
+        region = session.get_config_variable("region") or "us-east-1"
+        if url is None:
+            region = bucket_region(session, bucket) or region
+        return S3Store(
+            bucket, endpoint=url, region=region, virtual_hosted_style_request=url is None,
+            credential_provider=credentials,
+            client_options={"allow_http": True, "connect_timeout": timedelta(seconds=self.connect_timeout),
+                            "read_timeout": timedelta(seconds=self.read_timeout),
+                            "timeout": timedelta(seconds=REQUEST_LIMIT)},
+            retry_config={"max_retries": self.attempts - 1, "retry_timeout": timedelta(seconds=RETRY_WINDOW),
+                          "backoff": {"init_backoff": timedelta(milliseconds=200), "max_backoff": timedelta(seconds=10),
+                                      "base": 2}})
+
+    # -- running coroutines from other threads ---------------------------------------------------
+    def submit(self, coro) -> Future:
+        """Run `coro` on the engine's loop; cancelling the returned future cancels it."""
+        if self._closed:
+            coro.close()
+            raise RuntimeError("the transfer engine is closed")
+        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+
+    def run(self, coro, timeout: float | None = None):
+        """Run `coro` on the engine's loop and wait for its result here (cancelled if this thread is
+        interrupted: SIGTERM, Ctrl-C)."""
+        fut = self.submit(coro)
+        try:
+            return fut.result(timeout)
+        except BaseException:
+            fut.cancel()
+            raise
+
+    def close(self) -> None:
+        """Cancel what still runs and stop the loop's thread."""
+        if self._closed:
+            return
+        self._closed = True
+
+        async def cancel_all():
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        try:
+            asyncio.run_coroutine_threadsafe(cancel_all(), self._loop).result(10)
+        except Exception:  # noqa: S110 - best effort at shutdown
+            pass
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+
+    # -- requests (coroutines, run on the loop) ---------------------------------------------------
+    def _slot(self) -> asyncio.Semaphore:
+        if self._slots is None:
+            self._slots = asyncio.Semaphore(self.concurrency)
+        return self._slots
+
+    async def list(self, bucket: str, prefix: str) -> dict[str, tuple[int, str]]:
+        """{key relative to `prefix`: (size, ETag without quotes)} of every object under `prefix`."""
+        import obstore
+        from obstore.exceptions import InvalidPathError
+
+        store = self.store(bucket)
+        found: dict[str, tuple[int, str]] = {}
+        try:
+            async with self._slot():
+                async for batch in obstore.list(store, prefix or None, chunk_size=1000):
+                    for obj in batch:
+                        found[obj["path"][len(prefix):]] = (obj["size"], (obj["e_tag"] or "").strip('"'))
+        except InvalidPathError:  # a key object_store cannot name (an empty or dot segment): boto3 lists it
+            return await asyncio.to_thread(list_with_boto3, bucket, prefix, self)
+        except Exception as e:
+            raise classify(e) from None
+        return found
+
+    async def read(self, bucket: str, key: str) -> bytes:
+        """The bytes of one (small) object."""
+        import obstore
+
+        try:
+            async with self._slot():
+                result = await obstore.get_async(self.store(bucket), key)
+                return bytes(await result.bytes_async())
+        except Exception as e:
+            raise classify(e) from None
+
+    async def size(self, bucket: str, key: str) -> int:
+        """The size of one object (a HEAD)."""
+        import obstore
+
+        try:
+            async with self._slot():
+                return int((await obstore.head_async(self.store(bucket), key))["size"])
+        except Exception as e:
+            raise classify(e) from None
+
+    async def download(self, bucket: str, key: str, tmp: Path, size: int | None, *, etag: str | None = None,
+                       on_bytes=None) -> tuple[int, str | None]:
+        """Fetch the object into `tmp` (created, or truncated); returns (bytes, ETag). Objects above PART
+        bytes come in ranged GETs (each answer's ETag must be the listed one, so a replaced object fails
+        instead of mixing two). `on_bytes(n)` is called on the loop as bytes land. Raises TransferError for what S3
+        (or the network) did, OSError for the local disk; on any failure or cancellation `tmp` is removed."""
+        store = self.store(bucket)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            if size is None or size <= PART:
+                async with self._slot():
+                    data, got_etag = await _whole(store, key)
+                n = _write_all(fd, memoryview(data), 0)
+                if on_bytes is not None:
+                    on_bytes(n)
+            else:
+                got_etag = etag
+                ranges = [(start, min(start + PART, size)) for start in range(0, size, PART)]
+                try:
+                    n = await _all_or_none([self._part(store, key, fd, start, end, etag, on_bytes)
+                                            for start, end in ranges])
+                except TransferError as e:
+                    if e.code != "NotPartial":
+                        raise
+                    # the server ignores Range (it answers 200, as rclone's serve s3 does): one GET of the whole
+                    # object, streamed to the file (no part was written: each failed before its body)
+                    os.ftruncate(fd, 0)
+                    async with self._slot():
+                        n, got_etag = await _stream_whole(store, key, fd, etag, on_bytes)
+            if size is not None and n != size:
+                raise TransferError("size", f"got {n} bytes of {key}, {size} expected")
+        except BaseException:
+            os.close(fd)
+            _remove(tmp)
+            raise
+        os.close(fd)
+        return n, (got_etag or "").strip('"') or None
+
+    async def _part(self, store, key: str, fd: int, start: int, end: int, etag: str | None, on_bytes) -> int:
+        import obstore
+
+        offset = start
+        async with self._slot():
+            try:
+                result = await obstore.get_async(store, key, options={"range": (start, end)})
+                stream = result.stream(min_chunk_size=CHUNK)
+                got = (result.meta.get("e_tag") or "").strip('"')
+            except Exception as e:
+                raise classify(e) from None
+            if etag and got and got != etag.strip('"'):  # (If-Match with a Range: some S3 servers ignore the range)
+                raise TransferError("PreconditionFailed", f"{key} changed during the download (ETag {got}, "
+                                    f"{etag.strip(chr(34))} listed)", 412)
+            while True:
+                try:
+                    chunk = await stream.__anext__()
+                except StopAsyncIteration:
+                    break
+                except Exception as e:
+                    raise classify(e) from None
+                offset += _write_all(fd, memoryview(chunk), offset)
+                if on_bytes is not None:
+                    on_bytes(len(chunk))
+        return offset - start
+
+    async def download_all(self, bucket: str, jobs: list, done, on_bytes=None) -> None:
+        """Each job (key, tmp, dest, size; paths as str) downloaded into tmp, then renamed to dest (its folder must
+        exist); `done(i, bytes, etag, error)` is called on the loop for job i, with the TransferError or
+        OSError that ended it. `concurrency` workers take the jobs in order, so memory does not grow with
+        their number. Cancelling stops them all; no temporary file stays."""
+        todo = iter(enumerate(jobs))
+
+        async def worker():
+            for i, (key, tmp, dest, size) in todo:
+                try:
+                    n, etag = await self.download(bucket, key, tmp, size, on_bytes=on_bytes)
+                    os.replace(tmp, dest)
+                except (TransferError, OSError) as e:
+                    _remove(tmp)
+                    done(i, 0, None, e)
+                else:
+                    done(i, n, etag)
+
+        await asyncio.gather(*(worker() for _ in range(min(self.concurrency, len(jobs)))))
+
+
+async def _all_or_none(coros: list) -> int:
+    """The sum of the coroutines' results, run at once; the first failure cancels the others and is raised."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        return sum(await asyncio.gather(*tasks))
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+
+
+async def _stream_whole(store, key: str, fd: int, etag: str | None, on_bytes) -> tuple[int, str | None]:
+    """One GET of a whole object, written to `fd` as it comes: (bytes, its ETag); a replaced object (another
+    ETag than the listed one) fails."""
+    import obstore
+
+    try:
+        result = await obstore.get_async(store, key)
+        stream = result.stream(min_chunk_size=CHUNK)
+        got = (result.meta.get("e_tag") or "").strip('"')
+    except Exception as e:
+        raise classify(e) from None
+    if etag and got and got != etag.strip('"'):
+        raise TransferError("PreconditionFailed", f"{key} changed during the download (ETag {got}, "
+                            f"{etag.strip(chr(34))} listed)", 412)
+    offset = 0
+    while True:
+        try:
+            chunk = await stream.__anext__()
+        except StopAsyncIteration:
+            break
+        except Exception as e:
+            raise classify(e) from None
+        offset += _write_all(fd, memoryview(chunk), offset)
+        if on_bytes is not None:
+            on_bytes(len(chunk))
+    return offset, got or None
+
+
+async def _whole(store, key: str):
+    """One GET of a whole object: (its bytes, its ETag)."""
+    import obstore
+
+    try:
+        result = await obstore.get_async(store, key)
+        return await result.bytes_async(), result.meta.get("e_tag")
+    except Exception as e:
+        raise classify(e) from None
+
+
+def _remove(path) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def _write_all(fd: int, data: memoryview, offset: int) -> int:
+    """Write `data` at `offset` (pwrite: parts of one file land in any order); returns its length."""
+    done = 0
+    while done < len(data):
+        done += os.pwrite(fd, data[done:], offset + done)
+    return done
+
+
+def temp_path(dest: Path) -> Path:
+    """A download's temporary name: hidden, in the final folder, unique, ending in our PID (so that a
+    later run can tell a dead writer's leftovers: workdir.remove_dead_temps)."""
+    return Path(part_name(str(dest)))
+
+
+def part_name(dest: str) -> str:
+    """`temp_path` for a str path (the sync makes one per file: pathlib's cost shows at a million)."""
+    folder, name = os.path.split(dest)
+    return os.path.join(folder, f".{name}.part-{next(_serial)}-{os.getpid()}")
+
+
+def bucket_region(session, bucket: str) -> str | None:
+    """The region of an AWS bucket (botocore follows S3's redirect), or None when it cannot be told."""
+    from botocore.config import Config
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    try:
+        client = session.create_client("s3", config=Config(connect_timeout=5, read_timeout=20, retries={"max_attempts": 2}))
+        head = client.head_bucket(Bucket=bucket)
+        return head.get("BucketRegion") or head["ResponseMetadata"]["HTTPHeaders"].get("x-amz-bucket-region")
+    except ClientError as e:
+        return e.response.get("ResponseMetadata", {}).get("HTTPHeaders", {}).get("x-amz-bucket-region")
+    except BotoCoreError:
+        return None
+
+
+def list_with_boto3(bucket: str, prefix: str, engine: Engine) -> dict[str, tuple[int, str]]:
+    """The listing for a prefix holding keys that object_store refuses (boto3's paginator)."""
+    import boto3
+    from botocore.config import Config
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    given = endpoint_credentials()
+    client = boto3.session.Session().client(
+        "s3", config=Config(connect_timeout=engine.connect_timeout, read_timeout=engine.read_timeout,
+                            retries={"max_attempts": engine.attempts, "mode": "standard"}), **given)
+    found: dict[str, tuple[int, str]] = {}
+    try:
+        for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
+            for obj in page.get("Contents", []):
+                found[obj["Key"][len(prefix):]] = (obj["Size"], obj["ETag"].strip('"'))
+    except ClientError as e:
+        raise TransferError(e.response.get("Error", {}).get("Code", "http"), redact(str(e)[:300])) from None
+    except BotoCoreError as e:
+        raise TransferError("timeout" if "timeout" in type(e).__name__.lower() else "connect",
+                            redact(str(e)[:300])) from None
+    return found

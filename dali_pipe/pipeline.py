@@ -19,6 +19,7 @@ import warnings
 from dataclasses import dataclass
 
 from .config import PipelineSettings, cores
+from .errors import dali_missing
 from .shards.reader import ShardReader
 from .spec import ImageSpec
 
@@ -136,7 +137,7 @@ class PipelineOptions:
     device: str  # "gpu": mixed decode + GPU ops, outputs on the GPU; "cpu": all on CPU
     resources: Resources
     augment: Augment
-    device_id: int | None = None  # CUDA device (local rank) for "gpu"
+    device_id: int | None = None  # CUDA device for "gpu": the Trainer's root device (DaliDataModule.options)
     seed: int = 0  # sample-order and augmentation seed (the augmentation adds shard_id)
     shard_id: int = 0  # global rank
     num_shards: int = 1  # world size
@@ -177,7 +178,10 @@ def build_pipeline(source, spec: ImageSpec, opts: PipelineOptions, *, training: 
     """
     if opts.device not in ("gpu", "cpu"):
         raise ValueError(f"device must be 'gpu' or 'cpu', got {opts.device!r}")
-    from nvidia.dali import fn, pipeline_def, types
+    try:
+        from nvidia.dali import fn, pipeline_def, types
+    except ModuleNotFoundError as e:  # the library's first DALI use: name the extra to install
+        raise dali_missing(e) or e from None
 
     if isinstance(source, Shards):
         source = shard_reader(source, opts, training=training)

@@ -194,3 +194,31 @@ def test_t4_like_decoding_keeps_the_pixels(photo_root):
     out, _ = _run(build_pipeline(Files(files, labels), SPEC, opts, training=False))
     err = np.abs(out - np.stack([_reference(f, SPEC) for f in files]))
     assert err.mean() < TOL["gpu"][0] and err.max() < TOL["gpu"][2]
+
+
+def test_without_dali_the_library_and_the_cli_name_the_extra_to_install(monkeypatch, capsys):
+    """Installed without a DALI extra: the pipeline raises a user error naming both extras, and the CLI prints
+    it as one error line (exit 2) wherever DALI is first imported; other missing modules stay tracebacks."""
+    import sys
+
+    from dali_pipe.cli import cli
+    from dali_pipe.errors import DaliMissingError
+
+    for name in [n for n in sys.modules if n == "nvidia.dali" or n.startswith("nvidia.dali.")]:
+        monkeypatch.setitem(sys.modules, name, None)  # what an environment without DALI imports
+    monkeypatch.setitem(sys.modules, "nvidia.dali", None)
+    with pytest.raises(DaliMissingError, match=r"\.\[cuda120\]'.*\.\[cuda130\]'"):
+        build_pipeline(Files(["a.jpg"], [0]), SPEC, _options(1, "cpu"), training=False)
+
+    def fit():
+        from nvidia.dali.plugin.pytorch import DALIGenericIterator  # noqa: F401
+
+    assert cli(fit) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: NVIDIA DALI is not installed") and err.count("\n") == 1
+
+    def other():
+        import no_such_module_here  # noqa: F401
+
+    with pytest.raises(ModuleNotFoundError):
+        cli(other)

@@ -256,13 +256,33 @@ def test_entrypoint_is_shellcheck_clean():
 
 
 def test_gpu_check_uses_only_flags_train_py_has():
-    """Every flag tools/gpu_check.sh passes to train.py (the T4-like decoder settings too) is one of its flags,
-    so the check cannot fail on a typo where no GPU test would see it."""
+    """Every flag tools/gpu_check.sh passes to train.py (the recipe's too) is one of its flags, so the check
+    cannot fail on a typo where no GPU test would see it."""
     from dali_pipe.cli import train_parser
 
     known = {s for a in train_parser()._actions for s in a.option_strings}
     text = (ROOT / "tools" / "gpu_check.sh").read_text().replace("\\\n", " ")
-    calls = [ln for ln in text.splitlines() if "train.py --benchmark" in ln or "extra=(" in ln]
+    calls = [ln.split('"${BENCH[@]}"')[-1] for ln in text.splitlines()
+             if "train.py --benchmark" in ln or '"${BENCH[@]}"' in ln]  # the flags after train.py's common ones
     used = {f for ln in calls for f in re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]+)", ln)}
-    assert len(calls) >= 2 and {"--hw-decoder-load", "--hybrid-huffman-threshold", "--cpus"} <= used
+    assert len(calls) >= 3 and {"--cpus", "--packed", "--auto-augment", "--mixup-alpha", "--clip-grad-norm"} <= used
     assert used <= known, used - known
+
+
+def test_gpu_check_without_a_gpu_says_so_and_ends_in_its_summary(tmp_path):
+    """No GPU visible: the versions step reports it (with the stack it found), every GPU step is reported as not
+    run, the summary is written, at most the 8 files the check promises are left in OUT, and the exit status is 1."""
+    out = tmp_path / "out"
+    env = {**os.environ, "PYTHON": sys.executable, "CUDA_VISIBLE_DEVICES": "", "TMPDIR": str(tmp_path)}
+    r = subprocess.run(["bash", str(ROOT / "tools" / "gpu_check.sh"), str(out)], capture_output=True, text=True,
+                       timeout=300, env=env, cwd=tmp_path)
+    assert r.returncode == 1, r.stdout[-3000:] + r.stderr[-2000:]
+    summary = (out / "summary.md").read_text()
+    assert "| versions | FAILED: no CUDA GPU visible |" in summary and "dali:" in summary
+    for name in ("data", "gpu tests", "probe", "recipe benchmark", "benchmark"):
+        assert f"| {name} | not run: no CUDA GPU visible | 0 |" in summary, summary
+    promised = {"log.txt", "versions.txt", "gpu-tests.txt", "probe.json", "benchmark-recipe.json", "benchmark.json",
+                "benchmark.png", "summary.md"}
+    assert {p.name for p in out.iterdir()} <= promised and "Traceback" not in r.stdout + r.stderr
+    assert r.stdout.rstrip().endswith("GPU check: FAILED (see summary.md)")
+    assert not list(tmp_path.glob("gpu-check.*")), "the work folder is removed"

@@ -8,7 +8,8 @@
 # source). A CUDA 12 build is the one that runs on the R470/R535/R550 drivers of SageMaker's g4dn, g5
 # and p4d hosts (CUDA 13 needs R580, or R535+ with its compat package), and its wheels carry sm_75
 # kernels for the T4. uv's --torch-backend takes torch (and triton) from PyTorch's cu126 index and every
-# other package from PyPI only, pinned by requirements.lock, the stack CI tests.
+# other package from PyPI only, pinned by requirements.lock, the stack CI tests; DALI is the cuda120 extra
+# (DALI's CUDA 12 wheel, the lock's).
 #
 # Base: NVIDIA's CUDA 12.6 image, whose forward-compatibility libraries (/usr/local/cuda/compat, from
 # driver 560) still support R470 hosts (12.8's no longer do); the entry point enables them when the host
@@ -34,7 +35,7 @@ COPY pyproject.toml requirements.lock ./
 RUN uv venv --python 3.11.7 /opt/venv \
     && uv pip install --python /opt/venv/bin/python --constraint requirements.lock \
        --index-url https://pypi.org/simple --torch-backend cu126 \
-       "torch==2.13.0+cu126" --requirement pyproject.toml
+       "torch==2.13.0+cu126" --requirement pyproject.toml --extra cuda120
 
 COPY README.md train.py ./
 COPY dali_pipe ./dali_pipe

@@ -164,8 +164,9 @@ class PipelineSettings:
         0.65, "GPU decoding: share of the JPEGs sent to the GPU's hardware JPEG decoder, where it has one (A100, "
               "H100); 0 decodes them all as a GPU without one does (T4, A10G)", check=UNIT_INTERVAL)
     hybrid_huffman_threshold: int | None = setting(
-        None, "GPU decoding: JPEGs above this many pixels get their Huffman decoding on the GPU, smaller ones on the "
-              "DALI CPU threads; default DALI's 1000000 (0: all on the GPU, which frees CPU threads on few-core hosts)",
+        None, "GPU decoding: JPEGs above this many pixels go to nvJPEG's hybrid Huffman decoder, which DALI says "
+              "\"still largely uses the CPU\", smaller ones to its host-side Huffman decoder (on the DALI CPU "
+              "threads); 0 sends all to the hybrid one; default DALI's 1000000",
         check=NON_NEGATIVE)
     crop_scale: tuple[float, float] = setting((0.08, 1.0), "training crop: the share of the image's area a random "
                                                            "crop covers, from MIN to MAX", nargs=2,

@@ -3,7 +3,7 @@
 - `prepare_data` (once per node, other ranks wait): sync from S3 when `data` is an s3:// URI,
   then the pre-flight scan, whose verdicts are cached and whose report goes to OUT.
 - `setup`: after the distributed environment exists, read the manifest, drop the bad files
-  (cache hits only, no decoding) and build the pipelines: `device_id` = local rank, sharded by
+  (cache hits only, no decoding) and build the pipelines: on the Trainer's CUDA device, sharded by
   global rank, sized by `resources_for_rank`. The loaders are not torch DataLoaders, so
   Lightning adds no sampler.
 - `state_dict` / `load_state_dict`: every rank's loader position, with the run's data fingerprint;
@@ -293,14 +293,7 @@ class DaliDataModule(pl.LightningDataModule):
 
     def loader(self, samples: list[Sample] | Shards, *, training: bool):
         """An epoch-exact DALI loader over `samples` (files, or shards through their epoch plan) for this rank."""
-        rank, world, local_rank, local_world = self._rank()
-        device = self.device
-        gpu = device == "gpu"
-        opts = PipelineOptions(
-            batch_size=self.data.batch_size, device=device,
-            resources=resources_for_rank(self.pipeline, local_world_size=local_world, training=training),
-            augment=Augment.from_settings(self.pipeline), device_id=local_rank if gpu else None,
-            seed=self.data.seed, shard_id=rank, num_shards=world)
+        opts = self.options(training=training)
         if isinstance(samples, Shards):
             store = self._stream_view(samples)
             source = shard_reader(samples, opts, training=training, store=store)
@@ -310,6 +303,24 @@ class DaliDataModule(pl.LightningDataModule):
             source = Files([s.path for s in samples], [s.label for s in samples])
         return DaliLoader(lambda checkpoint: build_pipeline(source, self.spec, opts, training=training,
                                                             checkpoint=checkpoint), training=training)
+
+    def options(self, *, training: bool) -> PipelineOptions:
+        """This rank's pipeline options. DALI runs on the Trainer's own CUDA device (its strategy's root
+        device), whatever form `devices=` took: cuda:2 and cuda:3 for devices=[2, 3] or "2,3", not the local
+        ranks 0 and 1; without a Trainer, device 0."""
+        rank, world, _, local_world = self._rank()
+        device = self.device
+        return PipelineOptions(
+            batch_size=self.data.batch_size, device=device,
+            resources=resources_for_rank(self.pipeline, local_world_size=local_world, training=training),
+            augment=Augment.from_settings(self.pipeline), device_id=self._device_id() if device == "gpu" else None,
+            seed=self.data.seed, shard_id=rank, num_shards=world)
+
+    def _device_id(self) -> int:
+        root = self.trainer.strategy.root_device if self.trainer is not None else None
+        if root is not None and root.type == "cuda" and root.index is not None:
+            return root.index
+        return self._rank()[2] if self.trainer is not None else 0
 
     def _stream_view(self, shards: Shards):
         """The streaming cache's view for shards read from S3 (None when all are local). One cache per

@@ -15,3 +15,18 @@ class UserError(Exception):
 
 class RunMismatchError(UserError):
     """A checkpoint to resume belongs to another run (other data, classes, model or batch size)."""
+
+
+class DaliMissingError(UserError):
+    """NVIDIA DALI cannot be imported: the project was installed without the DALI extra for this CUDA."""
+
+
+def dali_missing(e: ImportError) -> DaliMissingError | None:
+    """The user error for an ImportError of DALI itself (nvidia.dali not installed), else None (a broken
+    install, or another module, is not this)."""
+    name = getattr(e, "name", None) or ""
+    if not (name in ("nvidia", "nvidia.dali") or name.startswith("nvidia.dali.")):
+        return None
+    return DaliMissingError("NVIDIA DALI is not installed in this Python (no module nvidia.dali): install the project "
+                            "with the DALI extra for this machine's CUDA, pip install -e '.[cuda120]' (CUDA 12, as "
+                            "the image) or -e '.[cuda130]' (CUDA 13); one DALI per environment")

@@ -113,7 +113,7 @@ class DaliLoader:
                         n = self._valid(self._pos)
                         images, labels = images[:n], labels[:n]
                     self._pos += 1
-                    # images (B,3,H,W) float on cuda:local_rank ("gpu") or CPU; labels (B,) int64, same device
+                    # images (B,3,H,W) float on the pipeline's CUDA device ("gpu") or CPU; labels (B,) int64, same device
                     yield images, labels
         except RuntimeError as e:
             if "Critical error in pipeline" not in str(e):

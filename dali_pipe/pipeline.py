@@ -1,10 +1,12 @@
 """The DALI pipeline: one definition, built for the GPU (`device="gpu"`) or the CPU (`device="cpu"`),
 and `resources_for_rank()`, the one place that sizes its threads, queues and decoder memory.
 
-On the GPU the CPU only reads file bytes: nvJPEG decodes (`device="mixed"`, a random-crop ROI
-decode for training), the GPU resizes, augments and normalises, and images and labels come out on
-the GPU. On the CPU the same graph runs with CPU operators, which is how the tests and CPU-only
-machines use it.
+On the GPU, nvJPEG decodes (`device="mixed"`, a random-crop ROI decode for training): the DALI CPU
+threads read the bytes and do the Huffman decoding (a GPU's hardware JPEG decoder, on A100 and H100,
+takes its share of the JPEGs whole), the GPU the rest of the decode; then the GPU resizes, augments and
+normalises, and images and labels come out on the GPU. Chroma is upsampled as libjpeg-turbo does
+(`decoder_args`), so both devices decode to the same pixels. On the CPU the same graph runs with CPU
+operators, which is how the tests and CPU-only machines use it.
 
 Training augmentation, all on the device that decodes: random-resized crop (`--crop-scale`),
 flip, an optional policy from `nvidia.dali.auto_aug` (`--auto-augment rand|trivial|auto`), and
@@ -19,6 +21,7 @@ import warnings
 from dataclasses import dataclass
 
 from .config import PipelineSettings, cores
+from .errors import dali_missing
 from .shards.reader import ShardReader
 from .spec import ImageSpec
 
@@ -40,7 +43,7 @@ class Resources:
     device_memory_padding: int  # nvJPEG device buffer pre-allocation per thread (bytes)
     host_memory_padding: int  # nvJPEG pinned host buffer pre-allocation per thread (bytes)
     hw_decoder_load: float  # share of JPEGs for the hardware JPEG decoder (A100/H100); --hw-decoder-load
-    hybrid_huffman_threshold: int | None  # pixels above which Huffman decoding is on the GPU; None: DALI's
+    hybrid_huffman_threshold: int | None  # pixels above which nvJPEG's hybrid Huffman decoder runs; None: DALI's
 
 
 def resources_for_rank(settings: PipelineSettings, *, local_world_size: int = 1, training: bool = True,
@@ -136,10 +139,11 @@ class PipelineOptions:
     device: str  # "gpu": mixed decode + GPU ops, outputs on the GPU; "cpu": all on CPU
     resources: Resources
     augment: Augment
-    device_id: int | None = None  # CUDA device (local rank) for "gpu"
+    device_id: int | None = None  # CUDA device for "gpu": the Trainer's root device (DaliDataModule.options)
     seed: int = 0  # sample-order and augmentation seed (the augmentation adds shard_id)
     shard_id: int = 0  # global rank
     num_shards: int = 1  # world size
+    fancy_upsampling: bool = True  # GPU: chroma upsampled as libjpeg-turbo does (decoder_args); False only to time it
 
 
 def seeded_order(n: int, seed: int) -> list[int]:
@@ -177,7 +181,10 @@ def build_pipeline(source, spec: ImageSpec, opts: PipelineOptions, *, training: 
     """
     if opts.device not in ("gpu", "cpu"):
         raise ValueError(f"device must be 'gpu' or 'cpu', got {opts.device!r}")
-    from nvidia.dali import fn, pipeline_def, types
+    try:
+        from nvidia.dali import fn, pipeline_def, types
+    except ModuleNotFoundError as e:  # the library's first DALI use: name the extra to install
+        raise dali_missing(e) or e from None
 
     if isinstance(source, Shards):
         source = shard_reader(source, opts, training=training)
@@ -190,11 +197,7 @@ def build_pipeline(source, spec: ImageSpec, opts: PipelineOptions, *, training: 
     @pipeline_def(enable_checkpointing=True, enable_conditionals=training)
     def image_pipeline():
         jpegs, lab = _read(source, opts, training)
-        decoder = "mixed" if opts.device == "gpu" else "cpu"
-        hints = dict(device_memory_padding=res.device_memory_padding, host_memory_padding=res.host_memory_padding,
-                     hw_decoder_load=res.hw_decoder_load) if decoder == "mixed" else {}
-        if decoder == "mixed" and res.hybrid_huffman_threshold is not None:
-            hints["hybrid_huffman_threshold"] = res.hybrid_huffman_threshold
+        decoder, hints = decoder_args(opts)
         interp = {"nearest": types.INTERP_NN, "linear": types.INTERP_LINEAR, "cubic": types.INTERP_CUBIC,
                   "lanczos": types.INTERP_LANCZOS3}[spec.interp]
         mean = [m * 255 for m in spec.mean]
@@ -230,6 +233,22 @@ def build_pipeline(source, spec: ImageSpec, opts: PipelineOptions, *, training: 
         seed=opts.seed + opts.shard_id, prefetch_queue_depth=res.prefetch_queue_depth, checkpoint=checkpoint)
     pipe.shard_reader = None if isinstance(source, Files) else source
     return pipe
+
+
+def decoder_args(opts: PipelineOptions) -> tuple[str, dict]:
+    """The decoder's device ("mixed": nvJPEG on the GPU, or "cpu") and its arguments, for both decoders
+    (decoders.image, decoders.image_random_crop). On the GPU, `jpeg_fancy_upsampling` (DALI's default is off)
+    makes nvJPEG upsample the chroma of 4:2:0 and 4:2:2 JPEGs as libjpeg-turbo does, which is what the CPU
+    decoder and PIL do, so a model trained on GPU-decoded images is evaluated and serves on the pixels it saw
+    (tests/test_pipeline.py; its cost is timed by tools/gpu_check.sh)."""
+    if opts.device != "gpu":
+        return "cpu", {}
+    res = opts.resources
+    hints = dict(device_memory_padding=res.device_memory_padding, host_memory_padding=res.host_memory_padding,
+                 hw_decoder_load=res.hw_decoder_load, jpeg_fancy_upsampling=opts.fancy_upsampling)
+    if res.hybrid_huffman_threshold is not None:
+        hints["hybrid_huffman_threshold"] = res.hybrid_huffman_threshold
+    return "mixed", hints
 
 
 def _read(source, opts: PipelineOptions, training: bool):

@@ -152,14 +152,53 @@ class ImageClassifier(pl.LightningModule):
     def configure_optimizers(self):
         from transformers import get_cosine_schedule_with_warmup
 
-        decay, no_decay = [], []
-        for name, p in self.model.named_parameters():
-            (no_decay if p.ndim < 2 or "norm" in name.lower() else decay).append(p)
-        fused = self.device.type == "cuda" or None  # fused AdamW only on CUDA (it also skips GradScaler's sync)
-        opt = torch.optim.AdamW([{"params": decay, "weight_decay": self.settings.weight_decay},
-                                 {"params": no_decay, "weight_decay": 0.0}],
-                                lr=self.settings.lr, betas=(0.9, 0.999), fused=fused)
+        opt = adamw(self.model, self.settings, fused=fused_adamw(self.device.type))
         total = max(1, int(self.trainer.estimated_stepping_batches))
         warmup = max(1, int(total * self.settings.warmup_fraction))
         sched = get_cosine_schedule_with_warmup(opt, num_warmup_steps=warmup, num_training_steps=total)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
+        """Lightning's clipping (`Trainer(gradient_clip_val=...)`, --clip-grad-norm), also for the fused
+        AdamW under mixed precision, which Lightning's mixed-precision plugin refuses to clip ("does not
+        allow for gradient clipping") because a fused step would unscale fp16 gradients itself. Here the
+        gradients are unscaled first (the GradScaler's `unscale_`, which torch documents as the way to
+        clip and runs on the device), then clipped as Lightning clips them; the scaler's step then sees
+        them unscaled and passes only its inf flag to the fused kernel. No host sync: see
+        docs/training.md. Every other case is Lightning's own path."""
+        from pytorch_lightning.plugins.precision import MixedPrecision
+        from pytorch_lightning.utilities import GradClipAlgorithmType
+
+        plugin = self.trainer.precision_plugin
+        if not (gradient_clip_val and optimizer.defaults.get("fused") and isinstance(plugin, MixedPrecision)):
+            return super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
+        by_value = GradClipAlgorithmType(gradient_clip_algorithm or "norm") == GradClipAlgorithmType.VALUE
+        clip_unscaled(optimizer, plugin.scaler, gradient_clip_val, by_value=by_value)
+
+
+def fused_adamw(device_type: str) -> bool:
+    """Fused AdamW on CUDA (one kernel for the step; with fp16 it also spares GradScaler its host-side inf
+    check); torch's default (foreach) elsewhere."""
+    return device_type == "cuda"
+
+
+def adamw(model: torch.nn.Module, settings: ModelSettings, *, fused: bool) -> torch.optim.AdamW:
+    """AdamW at --lr with --weight-decay on the weights, none on biases and norms."""
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        (no_decay if p.ndim < 2 or "norm" in name.lower() else decay).append(p)
+    return torch.optim.AdamW([{"params": decay, "weight_decay": settings.weight_decay},
+                              {"params": no_decay, "weight_decay": 0.0}],
+                             lr=settings.lr, betas=(0.9, 0.999), fused=fused or None)
+
+
+def clip_unscaled(optimizer: torch.optim.Optimizer, scaler, value: float, *, by_value: bool = False) -> None:
+    """Clip the optimizer's gradients by norm or value (as Lightning's Precision.clip_gradients does),
+    unscaling them first when `scaler` (an fp16 GradScaler) holds them scaled."""
+    if scaler is not None and scaler.is_enabled():
+        scaler.unscale_(optimizer)
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if by_value:
+        torch.nn.utils.clip_grad_value_(params, value)
+    else:
+        torch.nn.utils.clip_grad_norm_(params, value)

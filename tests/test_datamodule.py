@@ -25,6 +25,33 @@ def test_datamodule_batches_and_labels(photo_root, tmp_path, cache_dir):
     assert (tmp_path / "out" / "bad_images.tsv").read_text().strip() == "image_path\treason"
 
 
+@pytest.mark.parametrize("devices,expected", [([2, 3], (2, 3)), ("2,3", (2, 3)), (-1, (0, 1)), ("auto", (0, 1)),
+                                              ([1], (1, 1))])
+def test_dali_runs_on_the_trainers_cuda_device(tmp_path, cache_dir, monkeypatch, devices, expected):
+    """The device_id handed to the GPU pipeline is the Trainer's root device (Lightning's own parsing of each
+    `devices=` form, on a machine made to show 4 GPUs), for local ranks 0 and 1: devices=[2, 3] decodes on
+    cuda:2 and cuda:3, not on the local ranks' cuda:0 and cuda:1."""
+    import pytorch_lightning as pl
+    import torch
+    from lightning_fabric.utilities.rank_zero import rank_zero_only
+
+    monkeypatch.setattr(rank_zero_only, "rank", rank_zero_only.rank)  # a DDP Trainer sets it; put back after
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setattr("lightning_fabric.accelerators.cuda.num_cuda_devices", lambda: 4)
+    for local_rank in (0, 1):
+        for k, v in {"LOCAL_RANK": local_rank, "RANK": local_rank, "WORLD_SIZE": 2, "MASTER_ADDR": "127.0.0.1",
+                     "MASTER_PORT": 29999}.items():
+            monkeypatch.setenv(k, str(v))
+        trainer = pl.Trainer(accelerator="gpu", devices=devices, logger=False, enable_progress_bar=False)
+        dm = datamodule(tmp_path, tmp_path / "out", batch_size=8, cache_dir=cache_dir, spec=SPEC, device="gpu")
+        dm.trainer = trainer
+        opts = dm.options(training=True)
+        assert opts.device == "gpu" and opts.device_id == expected[local_rank] == trainer.strategy.root_device.index
+    dm.trainer = None
+    assert dm.options(training=False).device_id == 0  # no Trainer: device 0, as the benchmark's torch.device("cuda", 0)
+
+
 def test_batch_larger_than_a_ranks_share_is_refused(photo_root, tmp_path, cache_dir):
     from dali_pipe.datamodule import BatchTooLargeError
 

@@ -116,6 +116,61 @@ def test_ci_and_readme_install_the_lock_and_this_environment_is_it():
     assert not missing
 
 
+def _pyproject() -> dict:
+    import tomllib
+
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+
+
+def _names(requirements) -> list[str]:
+    return [re.sub(r"[-_.]+", "-", re.match(r"[A-Za-z0-9._-]+", r).group(0).lower()) for r in requirements]
+
+
+def test_dali_is_an_extra_per_cuda_variant_and_every_install_names_the_locks():
+    """No DALI among the runtime requirements (an environment's own DALI, of any CUDA variant, stays the only
+    one); one extra per variant, each naming its wheel alone; the README's two commands, the Dockerfile and
+    tools/lock.sh install the extra whose wheel the lock pins (cuda120, the image's CUDA 12)."""
+    project = _pyproject()
+    assert not [n for n in _names(project["dependencies"]) if n.startswith("nvidia-dali")]
+    extras = {k: _names(v) for k, v in project["optional-dependencies"].items()}
+    variants = {k: v for k, v in extras.items() if any(n.startswith("nvidia-dali") for n in v)}
+    assert variants == {"cuda120": ["nvidia-dali-cuda120"], "cuda130": ["nvidia-dali-cuda130"]}, variants
+    assert [n for n in _lock() if n.startswith("nvidia-dali")] == ["nvidia-dali-cuda120"]
+    readme = (ROOT / "README.md").read_text()
+    commands = [ln for ln in readme.splitlines() if ln.startswith("python3 -m venv .venv")][:2]
+    assert "-e '.[cuda120]'" in commands[0] and "-e '.[cuda120,test]'" in commands[1], commands
+    assert "--requirement pyproject.toml --extra cuda120" in _dockerfile()
+    assert "--extra cuda120 --extra test" in (ROOT / "tools" / "lock.sh").read_text()
+
+
+@pytest.mark.network
+def test_installing_beside_another_dali_variant_adds_no_second_copy(tmp_path):
+    """Resolved by uv for the GPU machine's CPython 3.12 into a site folder that holds DALI's CUDA 13 wheel
+    already (as an NGC container or an unpacked wheel does): the package alone and with [cuda130] install no
+    DALI (nothing else in nvidia/dali/), while [cuda120] would be the second copy, which the docs warn of."""
+    site = tmp_path / "site"
+    info = site / "nvidia_dali_cuda130-2.4.0.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: nvidia-dali-cuda130\nVersion: 2.4.0\n")
+    (info / "RECORD").write_text("")
+    (info / "INSTALLER").write_text("pip\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PIP_", "UV_"))}
+
+    def would_install(*extra):
+        r = subprocess.run([_tool("uv"), "pip", "install", "--dry-run", "--no-deps", "--only-binary", ":all:",
+                            "--python-platform", "x86_64-manylinux_2_28", "--python-version", "3.12",
+                            "--target", str(site), "-r", str(ROOT / "pyproject.toml"), *extra],
+                           capture_output=True, text=True, timeout=300, env=env)
+        if r.returncode != 0 and re.search(r"dns error|Connection refused|Network is unreachable", r.stderr):
+            pytest.skip(f"no route to PyPI: {r.stderr.strip().splitlines()[-1]}")
+        assert r.returncode == 0, r.stderr[-3000:]
+        return re.findall(r"^ \+ ([a-z0-9-]+)==", r.stderr, re.M)
+
+    plain, cuda130, cuda120 = would_install(), would_install("--extra", "cuda130"), would_install("--extra", "cuda120")
+    assert "torch" in plain and not [n for n in plain + cuda130 if n.startswith("nvidia-dali")], (plain, cuda130)
+    assert "nvidia-dali-cuda120" in cuda120
+
+
 @pytest.mark.network
 def test_the_lock_resolves_for_linux_x86_64_and_cpython_311(tmp_path):
     """Every pin exists as a wheel for the image's platform and Python (uv reads the wheels' metadata
@@ -201,13 +256,33 @@ def test_entrypoint_is_shellcheck_clean():
 
 
 def test_gpu_check_uses_only_flags_train_py_has():
-    """Every flag tools/gpu_check.sh passes to train.py (the T4-like decoder settings too) is one of its flags,
-    so the check cannot fail on a typo where no GPU test would see it."""
+    """Every flag tools/gpu_check.sh passes to train.py (the recipe's too) is one of its flags, so the check
+    cannot fail on a typo where no GPU test would see it."""
     from dali_pipe.cli import train_parser
 
     known = {s for a in train_parser()._actions for s in a.option_strings}
     text = (ROOT / "tools" / "gpu_check.sh").read_text().replace("\\\n", " ")
-    calls = [ln for ln in text.splitlines() if "train.py --benchmark" in ln or "extra=(" in ln]
+    calls = [ln.split('"${BENCH[@]}"')[-1] for ln in text.splitlines()
+             if "train.py --benchmark" in ln or '"${BENCH[@]}"' in ln]  # the flags after train.py's common ones
     used = {f for ln in calls for f in re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]+)", ln)}
-    assert len(calls) >= 2 and {"--hw-decoder-load", "--hybrid-huffman-threshold", "--cpus"} <= used
+    assert len(calls) >= 3 and {"--cpus", "--packed", "--auto-augment", "--mixup-alpha", "--clip-grad-norm"} <= used
     assert used <= known, used - known
+
+
+def test_gpu_check_without_a_gpu_says_so_and_ends_in_its_summary(tmp_path):
+    """No GPU visible: the versions step reports it (with the stack it found), every GPU step is reported as not
+    run, the summary is written, at most the 8 files the check promises are left in OUT, and the exit status is 1."""
+    out = tmp_path / "out"
+    env = {**os.environ, "PYTHON": sys.executable, "CUDA_VISIBLE_DEVICES": "", "TMPDIR": str(tmp_path)}
+    r = subprocess.run(["bash", str(ROOT / "tools" / "gpu_check.sh"), str(out)], capture_output=True, text=True,
+                       timeout=300, env=env, cwd=tmp_path)
+    assert r.returncode == 1, r.stdout[-3000:] + r.stderr[-2000:]
+    summary = (out / "summary.md").read_text()
+    assert "| versions | FAILED: no CUDA GPU visible |" in summary and "dali:" in summary
+    for name in ("data", "gpu tests", "probe", "recipe benchmark", "benchmark"):
+        assert f"| {name} | not run: no CUDA GPU visible | 0 |" in summary, summary
+    promised = {"log.txt", "versions.txt", "gpu-tests.txt", "probe.json", "benchmark-recipe.json", "benchmark.json",
+                "benchmark.png", "summary.md"}
+    assert {p.name for p in out.iterdir()} <= promised and "Traceback" not in r.stdout + r.stderr
+    assert r.stdout.rstrip().endswith("GPU check: FAILED (see summary.md)")
+    assert not list(tmp_path.glob("gpu-check.*")), "the work folder is removed"

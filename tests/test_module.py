@@ -63,6 +63,77 @@ def test_weight_decay_spares_biases_and_norms_and_schedule_warms_up_then_decays(
     assert all(a >= b for a, b in zip(lrs[2:], lrs[3:])) and lrs[10] == pytest.approx(0, abs=1e-12)
 
 
+class _ClipSeen(ImageClassifier):
+    """Records the gradients' global norm right after clipping, as the optimizer step then sees them (on the
+    device: `norms` reads them back after training)."""
+
+    seen: list
+
+    @property
+    def norms(self) -> list[float]:
+        return [n.item() for n in self.seen]
+
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
+        super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
+        grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        self.seen.append(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])))
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed"])
+def test_clipping_the_fused_adamw_built_for_cuda_matches_lightnings_own(monkeypatch, precision):
+    """The optimizer built exactly as on CUDA (fused AdamW), clipped through Lightning's clipping path under
+    bf16-mixed and 16-mixed (a real GradScaler, on the CPU): no refusal, and the same steps as Lightning's own
+    clipping of torch's default AdamW: the step sees unscaled gradients clipped to the norm, and the fp16 step
+    whose gradients overflow is skipped by both."""
+    from pytorch_lightning.plugins.precision import MixedPrecision
+
+    from model import module as module_mod
+
+    assert module_mod.fused_adamw("cuda") and not module_mod.fused_adamw("cpu")
+    runs = {}
+    for fused in (True, False):
+        monkeypatch.setattr(module_mod, "fused_adamw", lambda device_type, fused=fused: fused)
+        torch.manual_seed(0)
+        module = _ClipSeen(tiny_settings(), seed=0, classes=CLASSES)
+        module.seen = []
+        amp = {"precision": precision} if precision == "bf16-mixed" else {"plugins": [MixedPrecision(precision, "cpu")]}
+        trainer = _trainer(max_steps=3, gradient_clip_val=0.05, **amp)
+        trainer.fit(module, train_dataloaders=_batches([4, 4, 4]))
+        assert bool(trainer.optimizers[0].defaults["fused"]) is fused and trainer.global_step == 3
+        runs[fused] = ([p.detach().clone() for p in module.parameters()], module.norms)
+    (fused_params, fused_norms), (ref_params, ref_norms) = runs[True], runs[False]
+    assert fused_norms == pytest.approx(ref_norms, rel=1e-4, nan_ok=True)
+    finite = [n for n in fused_norms if n == n]
+    assert len(finite) >= 2 and finite == pytest.approx([0.05] * len(finite), rel=1e-3)
+    # the same steps taken (or skipped): a skipped or mis-scaled step moves most weights by about lr (1e-3); the
+    # fused and foreach kernels round differently, which Adam amplifies to ~1e-5 where a gradient is near 0
+    for a, b in zip(fused_params, ref_params):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-4)
+
+
+def test_clip_by_value_unscales_fp16_gradients_once():
+    """Clipping by value on a fused AdamW under a GradScaler: the gradients are unscaled, then clipped, and the
+    scaler's step does not unscale them again (the same update as torch's documented unscale-clip-step)."""
+    from model.module import clip_unscaled
+
+    params = {}
+    for fused in (True, False):
+        w = torch.nn.Parameter(torch.linspace(-1, 1, 8))
+        opt = torch.optim.SGD([w], lr=1.0, fused=fused or None)
+        scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+        scaler.scale((w * torch.arange(8.0)).sum()).backward()  # gradients 0..7, scaled by 1024
+        if fused:
+            clip_unscaled(opt, scaler, 2.0, by_value=True)
+        else:
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_value_([w], 2.0)
+        assert w.grad.tolist() == [0.0, 1.0] + [2.0] * 6
+        scaler.step(opt)
+        params[fused] = w.detach().clone()
+    torch.testing.assert_close(params[True], params[False])
+    torch.testing.assert_close(params[True], torch.linspace(-1, 1, 8) - torch.tensor([0.0, 1.0] + [2.0] * 6))
+
+
 def _cuda_batches(n, batch, side, classes, seed=0):
     g = torch.Generator().manual_seed(seed)
     return Batches((torch.randn(batch, 3, side, side, generator=g).cuda(),
@@ -88,19 +159,27 @@ class _NoSync(pl.Callback):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("precision,mixing", [("16-mixed", {}), ("bf16-mixed", {}),
-                                              ("16-mixed", {"mixup_alpha": 0.2, "cutmix_alpha": 1.0,
-                                                            "label_smoothing": 0.1})])
-def test_gpu_steps_never_wait_for_the_gpu(precision, mixing):
-    """16-mixed (GradScaler with fused AdamW), bf16-mixed, and the mixing recipe: no step synchronises."""
+@pytest.mark.parametrize("precision,mixing,clip", [("16-mixed", {}, None), ("bf16-mixed", {}, None),
+                                                   ("16-mixed", {}, 1.0), ("bf16-mixed", {}, 1.0),
+                                                   ("16-mixed", {"mixup_alpha": 0.2, "cutmix_alpha": 1.0,
+                                                                 "label_smoothing": 0.1}, 1.0)])
+def test_gpu_steps_never_wait_for_the_gpu(precision, mixing, clip):
+    """16-mixed (GradScaler with fused AdamW), bf16-mixed, each with and without --clip-grad-norm, and the
+    mixing recipe: no step synchronises, and a clipped step's gradients are within the norm."""
     if precision == "bf16-mixed" and not torch.cuda.is_bf16_supported():
         pytest.skip("this GPU has no bf16")
-    module = ImageClassifier(tiny_settings(precision=precision, **mixing), seed=0, classes=CLASSES)
+    module = _ClipSeen(tiny_settings(precision=precision, **mixing), seed=0, classes=CLASSES)
+    module.seen = []
     trainer = pl.Trainer(accelerator="gpu", devices=1, precision=precision, max_steps=8, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         log_every_n_steps=1000, callbacks=[_NoSync()], num_sanity_val_steps=0)
+                         log_every_n_steps=1000, callbacks=[_NoSync()], num_sanity_val_steps=0,
+                         gradient_clip_val=clip, gradient_clip_algorithm="norm")
     trainer.fit(module, train_dataloaders=_cuda_batches(8, 16, 64, 3), val_dataloaders=_cuda_batches(3, 16, 64, 3))
     assert trainer.global_step == 8 and module.epoch_metrics[0]["train_samples"] == 128
+    assert trainer.optimizers[0].defaults["fused"]  # built for CUDA
+    if clip:
+        finite = [n for n in module.norms if n == n]
+        assert finite and max(finite) <= clip * (1 + 1e-3), module.norms
 
 
 @pytest.mark.gpu

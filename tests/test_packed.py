@@ -221,3 +221,15 @@ def test_shard_bytes_decode_as_pil_decodes_them(packed, device):
     err = np.abs(out - ref)
     for got, tol in zip((err.mean(), np.percentile(err, 99), err.max()), TOL[device]):
         assert got < tol
+
+
+@pytest.mark.gpu
+def test_gpu_recipe_trains_from_a_pack(packed, tmp_path, cache_dir):
+    """On the GPU, from a pack: --auto-augment, mixup and cutmix, random erasing and --clip-grad-norm under
+    the GPU's precision (fp16's GradScaler on a T4, bf16 elsewhere) train every step and export the model."""
+    res = train.main(["--data", str(packed), "--model", "tiny", "--device", "gpu", "--epochs", "2", "--batch-size",
+                      "8", "--auto-augment", "rand", "--mixup-alpha", "0.2", "--cutmix-alpha", "1.0",
+                      "--random-erase", "0.25", "--label-smoothing", "0.1", "--clip-grad-norm", "1.0",
+                      "--output", str(tmp_path / "out")])
+    assert res["global_step"] == 2 * (43 // 8)
+    assert (tmp_path / "out" / "config.json").exists() and (tmp_path / "out" / "metrics.json").exists()

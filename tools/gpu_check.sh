@@ -1,164 +1,119 @@
 #!/usr/bin/env bash
-# The GPU check, run ON a GPU machine in a few minutes, with the image's stack (the locked versions and
-# the image's torch build, e.g. inside the image):
-#   1. nvidia-smi and versions, and whether they are the locked ones (requirements.lock); torch's CUDA is
-#      the image's (Dockerfile: torch==...+cu126 -> 12.6), its kernels include sm_75 (the T4), and DALI and
-#      torch share the GPU in one process (a DALI GPU decode handed to torch, checked against DALI's CPU
-#      decode of the same JPEG);
-#   2. the GPU-marked tests (mixed decode vs PIL, outputs on the GPU, 16-mixed and bf16 training,
-#      no host sync inside steps, ViT-B/16 memory budget);
-#   3. the benchmark: ViT-B/16 at 224 (config built locally, random weights), dali vs baseline vs
-#      synthetic, --precision auto and forced 16-mixed (the T4 path), under `taskset -c 0-3` to stand in
-#      for a 4-vCPU g4dn.xlarge;
-#   4. T4-like decoding: the hardware JPEG decoder off (--hw-decoder-load 0: the T4 has none, and an A100's
-#      or H100's would hide the host-side Huffman decoding a T4 pays on 4 vCPUs) on 4 cores, loaders alone,
-#      --hybrid-huffman-threshold at DALI's default (ImageNet-size photos: Huffman on the CPU) and at 0 (all
-#      on the GPU), alternating, 2 rounds each;
-#   5. one summary table.
-# Writes under OUT (default ./gpu-check): versions.txt, gpu-tests.txt, benchmark.{json,png,txt},
-# benchmark-16mixed.json, t4like-{default,0}-{1,2}.json, summary.md. Exits non-zero when any step failed.
+# The GPU check: every open GPU question in one run of a few minutes, on any CUDA stack (the image's, or
+# another DALI CUDA variant and torch CUDA build: the differences are reported, and the results then speak for
+# that stack). Steps, in this order, each under a time limit cut to what is left of the whole check's budget
+# (GPU_CHECK_BUDGET, default 420 s); a step that fails or runs out of time is reported and the next one runs:
+#   1. versions: nvidia-smi, the stack against the image's (tools/gpu_probe.py versions), and DALI and torch
+#      sharing the GPU in one process (a DALI GPU decode read by torch, against DALI's CPU decode);
+#   2. data: 672 real photos at 400-600 px (ImageNet-size), and their pack;
+#   3. the GPU-marked tests (nvJPEG against PIL and the CPU pipeline, outputs on the GPU, 16-mixed and bf16
+#      training with and without clipping and no host sync in any step, the recipe on a pack, ViT-B/16's
+#      memory budget), printing what they measure;
+#   4. the probe (tools/gpu_probe.py probe): the training decode with libjpeg's chroma upsampling on and off,
+#      with and without the hardware JPEG decoder (a T4 has none) and with --hybrid-huffman-threshold 0; the
+#      validation decode on and off; the training decode from the pack (our shard reader); ViT-B/16 steps
+#      from DALI and from synthetic data under bf16-mixed and 16-mixed, with and without --clip-grad-norm,
+#      timed by CUDA events against the host's next();
+#   5. the recipe benchmark: ViT-B/16, 16-mixed (the T4 path: GradScaler, fused AdamW), --auto-augment rand,
+#      mixup and cutmix, --clip-grad-norm 1.0, dali vs packed vs synthetic;
+#   6. the benchmark: ViT-B/16 at 224, --precision auto, dali vs baseline vs synthetic;
+#   7. the summary (tools/gpu_probe.py summary), which always runs.
+# All under `taskset -c 0-3` (a 4-vCPU g4dn.xlarge's cores). Without a GPU the GPU steps are reported as not
+# run and the check still ends in its summary. Writes under OUT (default ./gpu-check) 8 files: log.txt,
+# versions.txt, gpu-tests.txt, probe.json, benchmark-recipe.json, benchmark.json, benchmark.png, summary.md.
+# Exits 0 when every step passed, 1 otherwise (2: OUT cannot be written).
 #
-#   usage: tools/gpu_check.sh [OUT] [STEPS]
+#   usage: tools/gpu_check.sh [OUT] [STEPS]          (STEPS: timed steps per benchmark run, default 30)
 set -uo pipefail
-mkdir -p "${1:-gpu-check}"
-OUT=$(cd "${1:-gpu-check}" && pwd)
-STEPS=${2:-60}
+mkdir -p "${1:-gpu-check}" || exit 2
+OUT=$(cd "${1:-gpu-check}" && pwd) || exit 2
+if ! : > "$OUT/log.txt"; then echo "error: cannot write to $OUT: pass another OUT" >&2; exit 2; fi
+STEPS=${2:-30}
+BUDGET=${GPU_CHECK_BUDGET:-420}
 cd "$(dirname "$0")/.." || exit 1
 export PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
-failed=()
-
-{ nvidia-smi; echo; "$PY" - <<'PYEOF'
-import platform, re, sys, torch, pytorch_lightning, transformers
-import nvidia.dali as dali
-from importlib import metadata
-print("python", platform.python_version(), "| torch", torch.__version__, "cuda", torch.version.cuda,
-      "| dali", dali.__version__, "| lightning", pytorch_lightning.__version__, "| transformers", transformers.__version__)
-print("gpu", torch.cuda.get_device_name(0), "capability", torch.cuda.get_device_capability(0))
-pins = dict(l.split("==") for l in open("requirements.lock").read().splitlines() if "==" in l and not l.startswith("#"))
-off = [f"{n} {metadata.version(n)} (lock {v})" for n, v in pins.items()
-       if n in ("torch", "nvidia-dali-cuda120", "pytorch-lightning", "transformers")
-       and metadata.version(n).split("+")[0] != v]
-print("stack: the locked versions" if not off else "stack differs from requirements.lock: " + ", ".join(off))
-problems = list(off)
-build = re.search(r'"torch==[0-9.]+\+cu(\d+)(\d)"', open("Dockerfile").read())
-want = f"{build.group(1)}.{build.group(2)}"
-if torch.version.cuda != want:
-    problems.append(f"torch is the CUDA {torch.version.cuda} build; the image's is {want} (Dockerfile)")
-arch = torch.cuda.get_arch_list()
-print("torch kernels:", " ".join(arch))
-if "sm_75" not in arch:
-    problems.append("torch has no sm_75 kernels: it would not run on a T4")
-# DALI and torch on one GPU in one process: torch holds memory, DALI decodes on the GPU, torch reads it
-import numpy as np
-from nvidia.dali import fn, pipeline_def, types
-from nvidia.dali.plugin.pytorch import feed_ndarray
-from dali_pipe.demo import make_photo_dataset
-import tempfile, pathlib
-root = make_photo_dataset(pathlib.Path(tempfile.mkdtemp()), classes=2, per_class=1)
-jpeg = str(sorted(root.rglob("*.jpg"))[0])
-held = torch.ones(64 << 20, dtype=torch.uint8, device="cuda")  # 64 MiB that torch keeps
-@pipeline_def(batch_size=1, num_threads=1, device_id=0)
-def decode(device):
-    data, _ = fn.readers.file(files=[jpeg])
-    return fn.decoders.image(data, device=device, output_type=types.RGB)
-gpu_pipe, cpu_pipe = decode("mixed"), decode("cpu")
-gpu_pipe.build(); cpu_pipe.build()
-out = gpu_pipe.run()[0].as_tensor()
-img = torch.empty(out.shape(), dtype=torch.uint8, device="cuda")
-feed_ndarray(out, img, cuda_stream=torch.cuda.current_stream())
-torch.cuda.synchronize()
-ref = torch.from_numpy(np.array(cpu_pipe.run()[0].as_tensor()))
-diff = (img.cpu().int() - ref.int()).abs().float().mean().item()
-ok = held.sum().item() == held.numel() and img.shape == ref.shape and diff < 3
-print(f"dali+torch in one process: GPU decode {tuple(img.shape)} read by torch, mean |GPU - CPU decode| {diff:.2f}:",
-      "ok" if ok else "FAILED")
-if not ok:
-    problems.append("DALI's GPU decode, handed to torch in the same process, differs from its CPU decode")
-print("checks: " + ("all passed" if not problems else "FAILED: " + "; ".join(problems)))
-sys.exit(1 if problems else 0)
-PYEOF
-} 2>&1 | tee "$OUT/versions.txt"
-[ "${PIPESTATUS[0]}" -eq 0 ] || failed+=("versions")
-
-echo "== GPU-marked tests"
-taskset -c 0-3 "$PY" -m pytest -q -s -m gpu -p no:cacheprovider tests 2>&1 | tee "$OUT/gpu-tests.txt"
-[ "${PIPESTATUS[0]}" -eq 0 ] || failed+=("gpu tests")
-
-echo "== benchmark data: ImageNet-size real photos (~500 px)"
+WORK=$(mktemp -d "${TMPDIR:-/tmp}/gpu-check.XXXXXX") || exit 1
+trap 'rm -rf "$WORK"' EXIT
 DATA=${BENCH_DATA:-/tmp/dali_pipe_bench500}
-"$PY" -c "from dali_pipe.demo import make_photo_dataset as m; m('$DATA', classes=7, per_class=96, side=(400, 600))" \
-  || failed+=("benchmark data")
+PACK=$WORK/pack
+export DALI_PIPE_CACHE=${DALI_PIPE_CACHE:-/tmp/dali_pipe_cache}
+START=$SECONDS
+GPU=unknown
 
-bench() {  # bench PRECISION LOADERS OUTDIR
-  taskset -c 0-3 "$PY" train.py --benchmark --data "$DATA" --model vit-b16-random --precision "$1" \
-    --device gpu --batch-size 128 --steps "$STEPS" --warmup 15 --cpus 4 --loaders "$2" --repeat 2 \
-    --val-fraction 0 --scan off --cache-dir /tmp/dali_pipe_cache --output "$3"
+PIN=()
+if command -v taskset >/dev/null; then
+  n=$(nproc --all 2>/dev/null || echo 1)
+  PIN=(taskset -c "0-$(( n < 4 ? n - 1 : 3 ))")
+fi
+LIMIT=()
+command -v timeout >/dev/null && LIMIT=(timeout --kill-after=10)
+
+record() {  # record NAME STATUS SECONDS
+  printf '%s\t%s\t%s\n' "$1" "$2" "$3" >> "$WORK/steps.tsv"
+  echo "-- $1: $2 ($3 s)"
 }
-echo "== benchmark: ViT-B/16, --precision auto, 4 cores, dali vs baseline vs synthetic"
-bench auto dali,baseline,synthetic "$OUT" 2>&1 | tee "$OUT/benchmark.txt"
-[ "${PIPESTATUS[0]}" -eq 0 ] || failed+=("benchmark auto")
-echo "== benchmark: ViT-B/16, 16-mixed (the T4 path: GradScaler, fused AdamW), dali vs synthetic"
-bench 16-mixed dali,synthetic "$OUT/16mixed" 2>&1 | tail -n 12
-[ "${PIPESTATUS[0]}" -eq 0 ] && mv "$OUT/16mixed/benchmark.json" "$OUT/benchmark-16mixed.json" || failed+=("benchmark 16-mixed")
-rm -rf "$OUT/16mixed"
 
-echo "== T4-like decoding: hardware JPEG decoder off, 4 cores, loaders alone, Huffman threshold default vs 0"
-for round in 1 2; do
-  for threshold in default 0; do
-    extra=()
-    [ "$threshold" = default ] || extra=(--hybrid-huffman-threshold "$threshold")
-    taskset -c 0-3 "$PY" train.py --benchmark --data "$DATA" --model none --device gpu --batch-size 128 \
-      --steps "$STEPS" --warmup 15 --cpus 4 --loaders dali --repeat 1 --val-fraction 0 --scan off \
-      --hw-decoder-load 0 "${extra[@]}" --cache-dir /tmp/dali_pipe_cache --output "$OUT/t4like" 2>&1 | tail -n 4
-    if [ "${PIPESTATUS[0]}" -eq 0 ]; then mv "$OUT/t4like/benchmark.json" "$OUT/t4like-$threshold-$round.json"
-    else failed+=("T4-like threshold $threshold round $round"); fi
-  done
-done
-rm -rf "$OUT/t4like"
+step() {  # step NAME LIMIT_S [--gpu] [--tee FILE] COMMAND...
+  local name=$1 limit=$2 gpu=0 tee=/dev/null
+  shift 2
+  [ "${1:-}" = --gpu ] && { gpu=1; shift; }
+  [ "${1:-}" = --tee ] && { tee=$2; shift 2; }
+  local left=$((BUDGET - (SECONDS - START)))
+  if [ "$gpu" = 1 ] && [ "$GPU" = none ]; then record "$name" "not run: no CUDA GPU visible" 0; return 0; fi
+  if [ "$left" -lt 20 ]; then record "$name" "not run: the check's budget (${BUDGET} s) is spent" 0; return 0; fi
+  [ "$limit" -le "$left" ] || limit=$left
+  echo "== $name (at most ${limit} s; $((SECONDS - START)) s into the check)"
+  local t0=$SECONDS rc
+  if [ "${#LIMIT[@]}" -gt 0 ]; then "${LIMIT[@]}" "$limit" "$@" 2>&1 | tee "$tee"; rc=${PIPESTATUS[0]}
+  else "$@" 2>&1 | tee "$tee"; rc=${PIPESTATUS[0]}; fi
+  local status="passed"
+  case $rc in
+    0) ;;
+    124|137) status="FAILED: timed out after ${limit} s" ;;
+    3) [ "$name" = versions ] && status="FAILED: no CUDA GPU visible" || status="FAILED (exit 3)" ;;
+    *) status="FAILED (exit $rc)" ;;
+  esac
+  record "$name" "$status" "$((SECONDS - t0))"
+  return "$rc"
+}
 
-"$PY" - "$OUT" <<'PYEOF' | tee "$OUT/summary.md"
-import json, os, sys, time
-out = sys.argv[1]
-rows, env = [], {}
-for name in ("benchmark.json", "benchmark-16mixed.json"):
-    path = os.path.join(out, name)
-    if not os.path.exists(path):
-        continue
-    r = json.load(open(path))
-    for loader, m in r["loaders"].items():
-        s = m["images_per_sec_rounds"]
-        rows.append(f"| {r['config']['precision']} | {loader} | {s['median']:.0f} ({s['min']:.0f}-{s['max']:.0f}) | "
-                    f"{m['data_wait_fraction']:.1%} | {m['gpu_util_mean'] or 0:.0f} | {m['gpu_util_p5'] or 0:.0f} | "
-                    f"{m['cpu_util_mean']:.0f} |")
-    env = r["env"]
-print(f"GPU check {time.strftime('%Y-%m-%d')}, {env.get('gpu')}, {env.get('cpus')} cores, ViT-B/16 batch 128:")
-print("| precision | loader | images/s median (min-max) | data-wait | GPU % mean | GPU % p5 | CPU % |")
-print("|---|---|---|---|---|---|---|")
-print("\n".join(rows))
-for name in ("benchmark.json", "benchmark-16mixed.json"):
-    path = os.path.join(out, name)
-    if os.path.exists(path):
-        for k, v in json.load(open(path))["ratios"].items():
-            print(f"- {name}: {k} {v['median']:.2f}x ({v['min']:.2f}-{v['max']:.2f})")
-t4 = {}
-for threshold in ("default", "0"):
-    for rnd in (1, 2):
-        path = os.path.join(out, f"t4like-{threshold}-{rnd}.json")
-        if os.path.exists(path):
-            m = json.load(open(path))["loaders"]["dali"]
-            t4.setdefault(threshold, []).append((m["images_per_sec_rounds"]["median"], m["cpu_util_mean"]))
-if t4:
-    print("\nT4-like decoding (--hw-decoder-load 0, 4 cores, loaders alone, batch 128; runs alternating):")
-    print("| --hybrid-huffman-threshold | images/s per round | CPU % per round |")
-    print("|---|---|---|")
-    for threshold, runs in t4.items():
-        print(f"| {threshold} | {', '.join(f'{r[0]:.0f}' for r in runs)} | {', '.join(f'{r[1]:.0f}' for r in runs)} |")
-    if len(t4) == 2:
-        a, b = (sorted(r[0] for r in t4[k]) for k in ("default", "0"))
-        print(f"- threshold 0 / default: {b[len(b) // 2] / a[len(a) // 2]:.2f}x (rounds: "
-              f"{', '.join(f'{y / x:.2f}' for x, y in zip([r[0] for r in t4['default']], [r[0] for r in t4['0']]))})")
-PYEOF
+# ViT-B/16, batch 128, 4 cores, 2 rounds
+BENCH=(train.py --benchmark --data "$DATA" --model vit-b16-random --device gpu --batch-size 128 --steps "$STEPS" \
+       --warmup 10 --cpus 4 --repeat 2 --val-fraction 0 --scan off)
 
-if [ "${#failed[@]}" -gt 0 ]; then echo "GPU check: FAILED: ${failed[*]}"; exit 1; fi
-echo "GPU check: all steps passed"
+check() {
+  echo "GPU check: $(date -u +%Y-%m-%dT%H:%M:%SZ), budget ${BUDGET} s, ${STEPS} timed steps per benchmark run," \
+       "cores: ${PIN[*]:-all (no taskset)}"
+  [ "${#LIMIT[@]}" -gt 0 ] || echo "note: no timeout(1) here: the steps run without their time limits"
+  step versions 60 --tee "$OUT/versions.txt" "$PY" tools/gpu_probe.py versions
+  case $? in 3) GPU=none ;; *) GPU=yes ;; esac
+
+  step data 90 --gpu "$PY" tools/gpu_probe.py data "$DATA" "$PACK"
+
+  step "gpu tests" 150 --gpu --tee "$OUT/gpu-tests.txt" \
+    "${PIN[@]}" "$PY" -m pytest -q -s -rfEs -m gpu -p no:cacheprovider --durations=8 tests
+
+  step probe 150 --gpu "${PIN[@]}" "$PY" tools/gpu_probe.py probe "$DATA" "$OUT/probe.json" --pack "$PACK" \
+    --steps 20 --warmup 6
+
+  step "recipe benchmark" 110 --gpu "${PIN[@]}" "$PY" "${BENCH[@]}" --output "$WORK/recipe" --precision 16-mixed \
+    --loaders dali,packed,synthetic \
+    --packed "$PACK" --auto-augment rand --mixup-alpha 0.8 --cutmix-alpha 1.0 --label-smoothing 0.1 \
+    --random-erase 0.25 --clip-grad-norm 1.0
+  [ -f "$WORK/recipe/benchmark.json" ] && cp "$WORK/recipe/benchmark.json" "$OUT/benchmark-recipe.json"
+
+  step benchmark 130 --gpu "${PIN[@]}" "$PY" "${BENCH[@]}" --output "$WORK/auto" --precision auto \
+    --loaders dali,baseline,synthetic
+  for f in benchmark.json benchmark.png; do [ -f "$WORK/auto/$f" ] && cp "$WORK/auto/$f" "$OUT/$f"; done
+
+  "$PY" tools/gpu_probe.py summary "$OUT" "$WORK/steps.tsv" "$((SECONDS - START))" | tee "$OUT/summary.md"
+  if awk -F'\t' '$2 != "passed" { bad = 1 } END { exit !bad }' "$WORK/steps.tsv"; then
+    echo "GPU check: FAILED (see summary.md)"
+    return 1
+  fi
+  echo "GPU check: all steps passed"
+}
+
+check 2>&1 | tee "$OUT/log.txt"
+exit "${PIPESTATUS[0]}"

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from ..config import TRAIN_GROUPS, Settings, UsageError, build_parser, parse, resolve, settings_from, validate
 from ..demo import demo_dataset
-from ..errors import UserError
+from ..errors import UserError, dali_missing
 from ..redact import RedactingStream, redact
 from ..workdir import is_disk_full
 
@@ -121,6 +121,12 @@ def cli(entry=main) -> int:
     except KeyboardInterrupt:  # Ctrl-C: unwound like SIGTERM (temporary files removed), the shell's status
         print("stopped by Ctrl-C", file=sys.stderr)
         return 130
+    except ModuleNotFoundError as e:  # installed without a DALI extra: say which to install
+        missing = dali_missing(e)
+        if missing is None:
+            raise
+        print(f"error: {missing}", file=sys.stderr)
+        return 2
     except OSError as e:  # a full disk wherever it strikes (an output file, a log): one line, not a traceback
 
         if not is_disk_full(e):

@@ -1,10 +1,16 @@
 """The shard reader: the encoded bytes and labels of the samples an epoch plan names, batch by
 batch, for DALI's `fn.external_source` (decoding and augmentation stay in the DALI graph).
 
-DALI's `readers.webdataset` reads shards in one fixed order (its `shuffle_after_epoch` is accepted
-and ignored), so a new order per epoch needs a reader of our own. `ShardReader` is the
-external_source callable: it takes DALI's `BatchInfo` (epoch and iteration) and returns that
-batch of the rank's plan (dali_pipe/shards/plan.py). It keeps no position of its own, so a DALI
+A new order every epoch, which this reader was first written for, DALI's own `readers.webdataset`
+gives too since DALI 2.2 (`shuffle_after_epoch`: the shard order redrawn each epoch, each shard read
+in order, with `random_shuffle`'s sample buffer on top); it also reads s3:// paths and takes a
+pipeline checkpoint. This reader is kept for what DALI's does not do (docs/s3-and-packs.md, with the
+two measured side by side by tools/bench_reader.py): shard bytes checked against their size and
+sha256 before they are read, single bad members left out (`Shards.excluded`), the `.cls` text parsed
+to an integer label and remapped (DALI hands over the member's bytes), and an epoch plan that the
+streaming cache fetches ahead by, into a bounded disk cache. `ShardReader` is the external_source
+callable: it takes DALI's `BatchInfo` (epoch and iteration) and returns that batch of the rank's plan
+(dali_pipe/shards/plan.py). It keeps no position of its own, so a DALI
 pipeline checkpoint, which saves the epoch and iteration and re-asks the source from there
 (external_source.py: "queries to sources that are single-argument callables ... will be resumed
 from the epoch and iteration saved in the checkpoint"), is all an exact resume needs.

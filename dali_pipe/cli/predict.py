@@ -127,7 +127,7 @@ def run(s: Settings) -> dict:
     write_report(bad, root.resolve(), out)
     good = [(r, p) for r, p in zip(rels, paths) if p not in bad]
     if not good:
-        raise InputError(f"none of the {len(rels)} image(s) under {s.data.data!r} is readable; see "
+        raise InputError(f"none of the {len(rels)} image(s) that --data {s.data.data!r} names is readable; see "
                          f"{out / 'bad_images.tsv'}")
     loader = dm.loader([Sample(p, i, i) for i, (_, p) in enumerate(good)], training=False)
     logits, index = run_model(model, loader, s.pipeline.device, s.model.precision)

@@ -42,6 +42,7 @@ eviction and the checks.
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import json
@@ -137,13 +138,14 @@ class Verdicts:
 
     def save(self) -> None:
         with self._lock:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
             tmp = self.path.with_name(f".{self.path.name}.tmp-{os.getpid()}")
             try:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
                 tmp.write_text(json.dumps(self.data))
                 os.replace(tmp, self.path)
-            except OSError:  # a full disk: the verdicts are only a cache; the next run hashes again
-                tmp.unlink(missing_ok=True)
+            except OSError:  # a full or read-only disk: the verdicts are only a cache; the next run hashes again
+                with contextlib.suppress(OSError):
+                    tmp.unlink(missing_ok=True)
 
 
 def _path_key(path: str | Path) -> str:

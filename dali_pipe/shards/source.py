@@ -37,6 +37,7 @@ bad_images.tsv with shard and key, under the same --max-bad-fraction bound as fi
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import json
@@ -70,7 +71,7 @@ from ..https import HttpError, head, is_http, open_stream, read_small, shown
 from ..pipeline import Shards
 from ..scan import DaliDecoder, ScanResult, check_bytes
 from ..sync import SyncError, explain, local_target, make_client, parse_s3_uri, read_object
-from ..workdir import remove_dead_temps
+from ..workdir import human_bytes, remove_dead_temps
 from .cache import HEADROOM, Verdicts, check_file, fetch, is_remote
 from .format import (
     IMAGE_EXTS,
@@ -620,11 +621,13 @@ def write_atomic(path: Path, text: str) -> None:
         tmp.write_text(text, encoding="utf-8", errors="surrogateescape")
         os.replace(tmp, path)
     except OSError as e:
-        tmp.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
         if e.errno in (errno.ENOSPC, errno.EDQUOT):
             raise ShardSourceError(f"no space left to write {path} ({e.strerror}); free space there, or pass "
                                    "another --cache-dir / --output") from None
-        raise
+        raise ShardSourceError(f"cannot write {path} ({e.strerror or e}); make its folder writable, or pass another "
+                               "--cache-dir / --output") from None
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
@@ -666,6 +669,7 @@ class _Listed:
     identity: str  # what the cached index is valid for
     size: int | None  # of the file or object as stored (compressed, for a .tar.gz)
     copy: Path | None = None  # a gzipped shard: where its decompressed tar is kept (CACHE/gunzip)
+    reuse: bool = True  # False: indexed again on every run (a server that gives no ETag or Last-Modified)
 
 
 @dataclass
@@ -833,7 +837,8 @@ def _list_http(data: str) -> _Found:
     if missing:
         raise ShardSourceError(f"--data {shown(data)!r}: {len(missing)} of its {len(urls)} shard(s) cannot be read, "
                                f"e.g. {missing[0][1]}")
-    listed = [_Listed(shown(u), u, f"http\0{u}\0{size}\0{validator}", size) for u, (size, validator) in zip(urls, heads)]
+    listed = [_Listed(shown(u), u, f"http\0{u}\0{size}\0{validator}", size, reuse=validator is not None)
+              for u, (size, validator) in zip(urls, heads)]
     parts = [urlsplit(u) for u in urls]
     common = posixpath.commonpath([posixpath.dirname(p.path) for p in parts]) if all(
         p.netloc == parts[0].netloc for p in parts) else posixpath.dirname(parts[0].path)
@@ -856,12 +861,17 @@ def _gz_room(items: list[_Listed], cache_dir: Path) -> None:
     if not todo:
         return
     need = sum(_gunzipped_size(it) for it in todo)
-    (cache_dir / GUNZIP_DIR).mkdir(parents=True, exist_ok=True)
+    try:
+        (cache_dir / GUNZIP_DIR).mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ShardSourceError(f"cannot make {cache_dir / GUNZIP_DIR} for the decompressed copies of the gzipped "
+                               f"shards ({e.strerror or e}); make the cache dir writable, or pass another "
+                               "--cache-dir") from None
     free = shutil.disk_usage(cache_dir / GUNZIP_DIR).free
     if need + HEADROOM > free:
         raise ShardSourceError(
-            f"{len(todo)} gzipped shard(s) decompress to about {need / 1e9:.2f} GB in {cache_dir / GUNZIP_DIR}, whose "
-            f"disk has {free / 1e9:.2f} GB free (keeping {HEADROOM / 1e9:.1f} GB spare); free space, pass another "
+            f"{len(todo)} gzipped shard(s) decompress to about {human_bytes(need)} in {cache_dir / GUNZIP_DIR}, whose "
+            f"disk has {human_bytes(free)} free (keeping {human_bytes(HEADROOM)} spare); free space, pass another "
             "--cache-dir, or decompress the shards yourself (gunzip) and pass the .tar files")
 
 
@@ -885,7 +895,7 @@ def _index_peer(item: _Listed, cache_dir: Path, level: str, max_pixels: int, num
     made again."""
     idx = cache_file(cache_dir, item.identity, ".idx")
     meta_path = cache_file(cache_dir, item.identity, ".json")
-    meta = load_json(meta_path)
+    meta = load_json(meta_path) if item.reuse else None
     if meta and idx.is_file() and _covers(meta.get("checked"), level, max_pixels, meta["entries"]):
         if item.copy is None:
             return {**meta, "index": str(idx), "path": item.path}
@@ -996,8 +1006,8 @@ class _Bounded:
     def write(self, data: bytes) -> None:
         self.n += len(data)
         if self.n > self.room:
-            raise ShardSourceError(f"{self.item.name} decompresses to more than the {max(0, self.room) / 1e9:.2f} GB "
-                                   f"free for it in {self.item.copy.parent} (keeping {HEADROOM / 1e9:.1f} GB spare); "
+            raise ShardSourceError(f"{self.item.name} decompresses to more than the {human_bytes(max(0, self.room))} "
+                                   f"free for it in {self.item.copy.parent} (keeping {human_bytes(HEADROOM)} spare); "
                                    "free space, or pass another --cache-dir")
         self.f.write(data)
 

@@ -272,7 +272,9 @@ def test_a_brace_pattern_over_train_and_val_folders_splits_by_folder(photo_root,
 
 def test_an_s3_brace_pattern_may_span_folders(photo_root, s3, tmp_path):
     """`s3://bucket/shards/{train,val}/part-0.tar` finds the shards in both folders (each folder listed once) and
-    the val folder's shard is the validation set; a shard the pattern names and S3 lacks is named."""
+    the val folder's shard is the validation set; a shard the pattern names and S3 lacks is named. The plain prefix
+    finds the train/ and val/ sub-prefixes' shards (a .tar.gz among them, decompressed into the cache dir) and
+    names the object beside them that is not read."""
     from dali_pipe.sync import make_client
 
     photo = next(photo_root.glob("*/*.jpg")).read_bytes()
@@ -285,6 +287,17 @@ def test_an_s3_brace_pattern_may_span_folders(photo_root, s3, tmp_path):
     assert len(s.train) == 4 and len(s.val) == 4 and s.shards[1].path == "s3://data/shards/val/part-0.tar"
     with pytest.raises(ShardSourceError, match=r"not in S3, e.g. s3://data/shards/test/part-0.tar"):
         _open("s3://data/shards/{train,test}/part-0.tar", tmp_path / "c")
+
+    import gzip
+
+    client.delete_object(Bucket="data", Key="shards/val/part-0.tar")
+    client.put_object(Bucket="data", Key="shards/val/part-0.tar.gz", Body=gzip.compress((tmp_path / "val.tar").read_bytes()))
+    client.put_object(Bucket="data", Key="shards/notes.txt", Body=b"x")
+    s = _open("s3://data/shards", tmp_path / "c")
+    assert [sh.name for sh in s.shards] == ["s3://data/shards/train/part-0.tar", "s3://data/shards/val/part-0.tar.gz"]
+    assert len(s.train) == 4 and len(s.val) == 4 and s.unused == ["notes.txt"]
+    assert s.shards[1].path.startswith(str(tmp_path / "c" / "gunzip")) and _sha(Path(s.shards[1].path)) == _sha(
+        tmp_path / "val.tar")
 
 
 def test_temporary_files_of_a_killed_indexer_are_removed(photo_root, tmp_path):

@@ -724,7 +724,7 @@ def _list_local(data: str) -> _Found:
     for p in paths:
         st = p.stat()
         path = str(p.resolve())
-        listed.append(_Listed(str(p.relative_to(folder)) if folders else p.name, path,
+        listed.append(_Listed(str(p.relative_to(folder)), path,  # `val/part-0.tar` beside `train/part-0.tar`
                               f"file\0{path}\0{st.st_size}\0{st.st_mtime_ns}", st.st_size))
     unused = _unread_local(folder, paths, folders) if Path(data).is_dir() else []
     classes = folder / CLASSES_NAME

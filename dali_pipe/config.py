@@ -301,7 +301,7 @@ class EvalSettings:
     """`python -m dali_pipe evaluate`."""
     split: str = setting("val", "which images to evaluate: the validation split (as training made it: same "
                                 "--val-fraction and --seed, or the split column), the training split, the test files "
-                                "of a Hugging Face dataset (test-*), or all",
+                                "of a Hugging Face dataset (test-*) or the shards named test, or all",
                          choices=SPLIT_CHOICES)
     eval_output: str = setting("runs/eval", "output dir: metrics.json, confusion.png, bad_images.tsv",
                                flag="--output", metavar="DIR")

@@ -359,9 +359,10 @@ def test_train_val_test_subfolders_mixing_tar_and_tar_gz_each_sample_once(photo_
     s = _open(root, tmp_path / "cache")
     assert sorted(sh.name for sh in s.shards) == ["test/t-000000.tar", "train/a-000000.tar", "train/a-000001.tar",
                                                   "train/b-000000.tar.gz", "train/b-000001.tar.gz", "val/v-000000.tgz"]
-    assert s.unused[:3] == ["notes.txt", "train/more/ (a folder)",
-                            "train/old.tar.bz2 (only .tar, .tar.gz and .tgz shards are read)"], s.unused
-    assert "1 test shard(s) (test/t-000000.tar" in s.unused[3] and len(s.unused) == 4
+    assert s.unused == ["notes.txt", "train/more/ (a folder)",
+                        "train/old.tar.bz2 (only .tar, .tar.gz and .tgz shards are read)"], s.unused
+    assert "1 test shard(s) (test/t-000000.tar) are neither trained on nor validated" in s.held_out
+    assert len(s.test) == 4
     peer = {x["__key__"]: int(x["cls"]) for f in sorted(root.rglob("*")) if f.name.endswith((".tar", ".gz", ".tgz"))
             for x in wds.WebDataset(str(f), shardshuffle=False)}  # webdataset reads .tar.gz and .tgz itself
     assert {sh.keys[e]: sh.cls[e] for sh in s.shards for e in range(len(sh.keys))} == peer and len(peer) == 40

@@ -299,6 +299,7 @@ class ShardSet:
     missing: list[str] = field(default_factory=list)
     unscanned: int = 0  # shards read from S3 as needed, whose members could not be checked beforehand
     unused: list[str] = field(default_factory=list)  # what --data holds and is not read (said at start-up)
+    held_out: str = ""  # shards named test, neither trained on nor validated (said at start-up)
     labels: bool = True  # False: predict, which reads no cls (shards without labels are read too)
     train: Shards = field(init=False)
     val: Shards = field(init=False)
@@ -1060,8 +1061,9 @@ def _open_peer(data, *, num_threads: int, progress: bool, labels: bool = True) -
         classes, remap, note = _peer_classes(shards, found.classes_txt, data.data)
     else:  # predict: the model names the classes; the shards' labels, where there are any, are not read
         classes, remap, note = [], None, ""
-    unused = found.unused + _peer_split(shards, data.val_fraction, data.seed)
-    return ShardSet(data.data, "shards", classes, shards, remap=remap, note=note, unused=unused, labels=labels)
+    held_out = _peer_split(shards, data.val_fraction, data.seed)
+    return ShardSet(data.data, "shards", classes, shards, remap=remap, note=note, unused=found.unused,
+                    held_out=held_out, labels=labels)
 
 
 def _peer_classes(shards: list[Shard], classes_txt: str | None, data: str):
@@ -1111,7 +1113,7 @@ def unit_hash(key: str, seed: int) -> float:
     return int.from_bytes(digest[:8], "big") / 2**64
 
 
-def _peer_split(shards: list[Shard], val_fraction: float, seed: int) -> list[str]:
+def _peer_split(shards: list[Shard], val_fraction: float, seed: int) -> str:
     """Shards named val/validation are validation; without any, a hash of (seed, key) per sample. Shards
     named test are neither trained on nor validated (unless every shard is): a line saying so is returned.
     A shard's name is its path below the folder that holds them all (`val/part-0` for
@@ -1136,9 +1138,9 @@ def _peer_split(shards: list[Shard], val_fraction: float, seed: int) -> list[str
             s.split = ["val" if unit_hash(k, seed) < val_fraction else "train" for k in s.keys]
     tests = [s.name for s, t in zip(shards, test) if t]
     if not tests:
-        return []
-    return [f"{len(tests)} test shard(s) ({', '.join(tests[:3])}{', ...' if len(tests) > 3 else ''}: neither trained "
-            "on nor validated; evaluate them with --split test, or predict them on their own)"]
+        return ""
+    return (f"data: {len(tests)} test shard(s) ({', '.join(tests[:3])}{', ...' if len(tests) > 3 else ''}) are neither "
+            "trained on nor validated; evaluate them with --split test")
 
 
 # -- reporting ------------------------------------------------------------------------------------
@@ -1171,6 +1173,8 @@ def report(shards: ShardSet, scan: str, out: Path) -> None:
     if shards.unscanned:
         print(f"scan: {shards.unscanned} shard(s) are read from S3 as needed; their members were not checked "
               "beforehand (pass --packed-s3 sync to check them)", file=sys.stderr)
+    if shards.held_out:
+        print(shards.held_out, file=sys.stderr)
     if shards.unused:
         print(f"data: not read: {'; '.join(shards.unused[:UNUSED_SHOWN])}"
               f"{f'; and {len(shards.unused) - UNUSED_SHOWN} more' if len(shards.unused) > UNUSED_SHOWN else ''} "

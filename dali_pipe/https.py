@@ -149,10 +149,11 @@ def head(url: str) -> tuple[int | None, str | None]:
 
 
 def read_small(url: str, limit: int = 16 << 20) -> bytes | None:
-    """The bytes of a small object, or None when the server has none (403, 404, 410)."""
+    """The bytes of a small object, or None when the server has none (403, 404, 410; or an HTML page, which
+    servers that answer every path with their index page send for a file they do not have)."""
     r = _request("GET", url)
     try:
-        if r.status in MISSING:
+        if r.status in MISSING or "text/html" in (r.headers.get("Content-Type") or "").lower():
             return None
         if r.status >= 400:
             raise _status_error(url, r.status)

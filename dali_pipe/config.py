@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import UserError
-from .forms import form_problem, forms_text
+from .forms import URL_SCHEMES, form_problem, forms_text, is_shard_name, url_problem
 
 # -- choices and built-in names (each defined here once) -------------------------------------
 PRECISIONS = ("auto", "32-true", "16-mixed", "bf16-mixed")
@@ -116,9 +116,11 @@ class DataSettings:
     """What to read, how to split it and how to check it."""
     data: str | None = setting(None, "the images, local or s3://bucket/prefix: a folder of class subfolders "
                                      "(ImageFolder; train/ + val/ of them), a folder with dataset.tsv, a pack, "
-                                     "WebDataset .tar shards (or a pattern such as shards/train-{000000..000099}.tar), "
-                                     "Parquet files or a save_to_disk folder of a Hugging Face dataset (docs/data.md); "
-                                     "default: a generated demo set of real photos")
+                                     "WebDataset shards (.tar, .tar.gz, .tgz: a folder of them or of train/ and "
+                                     "val/ folders of them, one shard file, a pattern such as "
+                                     "shards/train-{000000..000099}.tar, or https:// shard URLs), Parquet files or a "
+                                     "save_to_disk folder of a Hugging Face dataset (docs/data.md); default: a "
+                                     "generated demo set of real photos")
     cache_dir: str | None = setting(None, "where s3:// data is synced and scan verdicts are cached; default "
                                           "$DALI_PIPE_CACHE or ~/.cache/dali_pipe (SageMaker: /opt/ml/input/"
                                           "data/dali_pipe_cache, on the instance volume)")
@@ -299,7 +301,7 @@ class EvalSettings:
     """`python -m dali_pipe evaluate`."""
     split: str = setting("val", "which images to evaluate: the validation split (as training made it: same "
                                 "--val-fraction and --seed, or the split column), the training split, the test files "
-                                "of a Hugging Face dataset (test-*), or all",
+                                "of a Hugging Face dataset (test-*) or the shards named test, or all",
                          choices=SPLIT_CHOICES)
     eval_output: str = setting("runs/eval", "output dir: metrics.json, confusion.png, bad_images.tsv",
                                flag="--output", metavar="DIR")
@@ -577,12 +579,17 @@ def validate(s: Settings, groups=TRAIN_GROUPS, problems: list[str] = ()) -> None
             problems.append("--model: 'none' only makes sense with --benchmark (it times the loaders without a model)")
     if "data" in groups:
         data = s.data.data
-        shards_pattern = isinstance(data, str) and "{" in data and data.endswith(".tar")  # train-{000..099}.tar
+        shards_pattern = isinstance(data, str) and "{" in data and is_shard_name(data)
         if isinstance(data, str) and not data.strip():
             problems.append(f"--data: {data!r} is empty; pass a dataset folder or s3://bucket/prefix, or leave "
                             "--data out for the demo set")
-        if isinstance(data, str) and data and not data.startswith("s3://") and not shards_pattern:
-            if not Path(data).is_dir():
+        problem = url_problem(data) if isinstance(data, str) else None
+        if problem:
+            problems.append(problem)
+        elif isinstance(data, str) and data and not data.startswith(URL_SCHEMES) and not shards_pattern:
+            if Path(data).is_file() and is_shard_name(data):
+                pass  # one shard
+            elif not Path(data).is_dir():
                 problems.append(f"--data: {data!r} is not a directory; --data may be:" + forms_text("\n    "))
             else:
                 problem = form_problem(data)

@@ -30,7 +30,7 @@ from .manifest import Manifest, Sample, read_manifest
 from .pipeline import Augment, Files, PipelineOptions, Shards, build_pipeline, resources_for_rank, shard_reader
 from .scan import ScanResult, scan, write_report
 from .shards import source
-from .shards.cache import Remote, StreamCache, stream_bound, verify_local
+from .shards.cache import Remote, StreamCache, is_remote, stream_bound, stream_folder, verify_local
 from .shards.source import SHARD_KINDS, ShardSet, open_shards, source_kind
 from .shards.tables import TABLE_KINDS, open_tables, prepare_tables
 from .spec import ImageSpec
@@ -65,15 +65,16 @@ def local_root(data: DataSettings) -> Path:
     return Path(data.data)
 
 
-def read(data: DataSettings) -> Manifest | ShardSet:
+def read(data: DataSettings, *, labels: bool = True) -> Manifest | ShardSet:
     """The manifest of the (local) dataset (dataset.tsv, or an ImageFolder's class folders), split as the
     settings say; or the shards at --data (a pack, shards written by others, a Hugging Face dataset's
-    tables), checked (shards/source.py, shards/tables.py; cached verdicts)."""
+    tables), checked (shards/source.py, shards/tables.py; cached verdicts). `labels` False: shards without
+    cls are read too (predict)."""
     kind = source_kind(data.data, data.cache_dir)
     if kind in TABLE_KINDS:
         return open_tables(data)
     if kind in SHARD_KINDS:
-        return open_shards(data)
+        return open_shards(data, labels=labels)
     if kind == "imagefolder":
         return read_image_folder(local_root(data), val_fraction=data.val_fraction, seed=data.seed)
     return read_manifest(local_root(data), val_fraction=data.val_fraction, seed=data.seed,
@@ -122,15 +123,16 @@ def check_bad_fraction(result: ScanResult, data: DataSettings, output: Path) -> 
 
 
 def prepare(data: DataSettings, output: Path, *, num_threads: int,
-            report_empty: bool = True) -> tuple[Manifest, ScanResult]:
+            report_empty: bool = True, labels: bool = True) -> tuple[Manifest, ScanResult]:
     """Once per node: sync s3:// data, scan, write the report, enforce --max-bad-fraction.
-    Returns the manifest without the bad files, and the scan's result."""
+    Returns the manifest without the bad files, and the scan's result (`labels`: as for read)."""
     kind = source_kind(data.data, data.cache_dir)
     if kind in SHARD_KINDS:  # shards: fetch a pack, index others', sync and check a Hugging Face dataset
         if kind in TABLE_KINDS:
             shards = prepare_tables(data, num_threads=num_threads, workers=SyncSettings.workers)
         else:
-            shards = source.prepare_shards(data, num_threads=num_threads, workers=SyncSettings.workers)
+            shards = source.prepare_shards(data, num_threads=num_threads, workers=SyncSettings.workers,
+                                           labels=labels)
 
         verify_local(shards.everything, data.cache_dir)  # size and sha256 of every local shard, once
         source.report(shards, data.scan, output)
@@ -189,6 +191,7 @@ class DaliDataModule(pl.LightningDataModule):
         self.scan_result: ScanResult | None = None  # what prepare_data's scan found (the main process's)
         self.spans: dict[str, tuple[float, float]] = {}  # perf_counter (start, end) of prepare_data and setup
         self.announce = False  # setup() prints drop_note() (the CLI's start-up summary says it instead)
+        self.labels = True  # False: shards are read without their cls, and may have none (predict)
         self._digest: str | None = None
 
     @property
@@ -257,13 +260,13 @@ class DaliDataModule(pl.LightningDataModule):
         else:
             threads = resources_for_rank(self.pipeline, local_world_size=self._rank()[3]).num_threads
             self.manifest, self.scan_result = prepare(self.data, self.output, num_threads=threads,
-                                                      report_empty=self._output is not None)
+                                                      report_empty=self._output is not None, labels=self.labels)
         self._prepared = True
         self.spans["prepare_data"] = (start, time.perf_counter())
 
     def _read_manifest(self) -> None:
         if self.manifest is None:
-            manifest = read(self.data)
+            manifest = read(self.data, labels=self.labels)
             if isinstance(manifest, ShardSet):
                 self.manifest = manifest
             else:
@@ -323,16 +326,17 @@ class DaliDataModule(pl.LightningDataModule):
         return self._rank()[2] if self.trainer is not None else 0
 
     def _stream_view(self, shards: Shards):
-        """The streaming cache's view for shards read from S3 (None when all are local). One cache per
-        rank, in CACHE_DIR/stream/BUCKET/PREFIX/rank-N, shared by its loaders."""
-        if not any(p.startswith("s3://") for p in shards.paths):
+        """The streaming cache's view for shards read from S3 or HTTP(S) (None when all are local). One cache
+        per rank, in CACHE_DIR/stream/BUCKET/PREFIX/rank-N (HTTP: CACHE_DIR/stream/http/DIGEST/rank-N),
+        shared by its loaders."""
+        if not any(is_remote(p) for p in shards.paths):
             return None
         if getattr(self, "_stream", None) is None:
             rank, _, _, local_world = self._rank()
-            folder = local_target(self.data.data, Path(self.data.cache_dir) / "stream") / f"rank-{rank}"
+            folder = stream_folder(self.data.data, self.data.cache_dir) / f"rank-{rank}"
             remotes = [Remote(p, z, h) for split in (self.manifest.train, self.manifest.val, shards)
                        for p, z, h in zip(split.paths, split.sizes or (None,) * len(split.paths),
-                                          split.sha256 or (None,) * len(split.paths)) if p.startswith("s3://")]
+                                          split.sha256 or (None,) * len(split.paths)) if is_remote(p)]
             remotes = list({r.url: r for r in remotes}.values())
             self._stream = StreamCache(folder, remotes, stream_bound(self.data.stream_cache, folder, local_world),
                                        local_ranks=local_world)

@@ -3,7 +3,8 @@ library imported, so a data mistake is reported at once), and the ecosystem's ow
 
     manifest     dataset.tsv at the root (image_path, optional label and split columns)
     pack         packed.json (python -m dali_pipe pack)
-    shards       .tar files written by WebDataset tools, or a brace pattern of them
+    shards       .tar, .tar.gz or .tgz files written by WebDataset tools: in the folder, or (none there) in its
+                 train/, val/ and test/ subfolders; one such file; a brace pattern of them; https:// URLs
     parquet      .parquet files of a Hugging Face dataset (`Dataset.to_parquet`, the Hub's
                  data/train-00000-of-00004.parquet), in the folder, its data/ or its split folders
     arrow        a `save_to_disk` folder (state.json + data-*.arrow; or dataset_dict.json + one folder per split)
@@ -30,6 +31,9 @@ IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tif
 SPLIT_KEYWORDS = {"train": ("train", "training"), "val": ("validation", "valid", "dev", "val"),
                   "test": ("test", "testing", "eval", "evaluation")}
 _SPLIT_OF = {w: split for split, words in SPLIT_KEYWORDS.items() for w in words}
+URL_SCHEMES = ("s3://", "https://", "http://")  # the URLs --data may be (https:// ones name shards)
+SHARD_SUFFIXES = (".tar", ".tar.gz", ".tgz")  # a shard file or object, as webdataset reads them (any case)
+SHARD_FOLDERS = ("train", "training", "val", "valid", "validation", "test", "testing")  # looked into for shards
 PAIR = {"train": "train", "val": "val", "validation": "val"}  # an ImageFolder pair: train/ and val/ (or validation/)
 PAIR_ALSO = {"test"}  # a test/ beside them is left out (training reads train/ and val/)
 
@@ -37,7 +41,8 @@ FORMS = (
     ("dataset.tsv folder", "DIR/dataset.tsv with an image_path column (label, split optional)"),
     ("ImageFolder", "DIR/CLASS/*.jpg (torchvision's layout; train/ + val/ of them is ImageNet's)"),
     ("pack", "DIR/packed.json and its shards (python -m dali_pipe pack)"),
-    ("WebDataset shards", "DIR/*.tar, or a pattern such as DIR/train-{000000..000099}.tar"),
+    ("WebDataset shards", "DIR/*.tar (.tar.gz, .tgz; or DIR/train/ + DIR/val/ of them), one shard file, a pattern "
+                          "such as DIR/train-{000000..000099}.tar, or https:// shard URLs"),
     ("Parquet (Hugging Face)", "DIR/*.parquet or DIR/data/train-00000-of-00001.parquet (Dataset.to_parquet)"),
     ("save_to_disk (Hugging Face)", "DIR/state.json + data-*.arrow, or DIR/dataset_dict.json (Dataset.save_to_disk)"),
 )
@@ -49,6 +54,40 @@ NAMES = {"manifest": "a dataset.tsv folder", "pack": "a pack", "shards": "WebDat
 def forms_text(indent: str = "\n  ") -> str:
     """Every input form, one per line: what --data may be."""
     return "".join(f"{indent}{name}: {example}" for name, example in FORMS) + f"{indent}or s3://bucket/prefix of any"
+
+
+def is_shard_name(name: str) -> bool:
+    """A shard file or object: `.tar`, `.tar.gz` or `.tgz` (any case)."""
+    return name.lower().endswith(SHARD_SUFFIXES)
+
+
+def shard_files(folder: Path) -> tuple[list[Path], list[Path]]:
+    """(the shard files of a folder: its own, else those of its train/val/test subfolders, sorted; the
+    subfolders they came from). Only split-named subfolders are looked into, and names are matched before
+    anything is stat'ed: a folder of a million images, or of class folders, costs one listing."""
+    def shards(d: Path) -> list[Path]:
+        return sorted(p for p in d.iterdir() if is_shard_name(p.name) and not p.name.startswith(".")
+                      and (p.is_file() or p.is_symlink()))
+
+    own = shards(folder)
+    if own:
+        return own, []
+    subs = sorted(p for p in folder.iterdir() if p.name.lower() in SHARD_FOLDERS and p.is_dir())
+    found = [(d, shards(d)) for d in subs]
+    return [p for _, ps in found for p in ps], [d for d, ps in found if ps]
+
+
+def url_problem(data: str) -> str | None:
+    """Why --data, written as a URL, cannot be read; None for a path or a URL of URL_SCHEMES. Neither the
+    command of a `pipe:` URL nor the rest of another URL is repeated (either may carry a secret)."""
+    if data.startswith("pipe:"):
+        return ("--data: a pipe: URL runs a shell command to read each shard, which is not done here; download the "
+                "shards and pass their folder, or pass their s3:// or https:// URLs")
+    m = re.match(r"([A-Za-z][A-Za-z0-9+.-]*)://", data)
+    if m and not data.startswith(URL_SCHEMES):
+        return (f"--data: {m.group(1)}:// URLs are not read; pass a local folder or file, s3://bucket/prefix, or "
+                "https:// (http://) shard URLs")
+    return None
 
 
 def is_image_name(name: str) -> bool:
@@ -130,7 +169,7 @@ def local_form(path: Path) -> str | None:
         return "manifest"
     if (path / PACKED_NAME).is_file():
         return "pack"
-    if any(f.is_file() for f in path.glob("*.tar")):
+    if shard_files(path)[0]:
         return "shards"
     if is_save_to_disk(path):
         return "arrow"
@@ -160,5 +199,5 @@ def form_problem(data: str) -> str | None:
             return None
     except OSError as e:
         return f"{data!r} cannot be read ({e.strerror}); check its permissions"
-    return (f"{data!r} holds none of the input forms: no dataset.tsv, packed.json, .tar shards, .parquet files, "
-            "save_to_disk files, nor class folders of images. --data may be:" + forms_text("\n    "))
+    return (f"{data!r} holds none of the input forms: no dataset.tsv, packed.json, shards (.tar, .tar.gz, .tgz), "
+            ".parquet files, save_to_disk files, nor class folders of images. --data may be:" + forms_text("\n    "))

@@ -150,7 +150,7 @@ def shard_items(shards, cache_dir: str | Path | None = None) -> list[Item]:
         return [Item(f"{s.name}\n{s.keys[e]}", s.keys[e], s.image_paths[e], s.cls[e], s.split[e], spans[(i, e)])
                 for i, s in enumerate(shards.shards) for e in range(len(s.keys)) if e not in s.bad]
     for s in shards.shards:
-        if s.path.startswith("s3://"):
+        if "://" in s.path:
             raise PackError(f"{s.name} is not on local disk; pack reads shards from local disk (sync them first)")
         for e, entry in enumerate(read_index(s.index_path)):
             if e in s.bad:

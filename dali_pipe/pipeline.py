@@ -83,11 +83,12 @@ class TableGroup:
 @dataclass(frozen=True)
 class Shards:
     """Images in shards: WebDataset tars (a pack, or shards written by others), or row groups of a Hugging
-    Face dataset's tables. Per shard its path (a tar, local or s3://; a local Parquet or Arrow file), its
-    local DALI index file (tables: a name for the group), the usable samples, and a lookup from the shards'
+    Face dataset's tables. Per shard its path (a tar, local, s3:// or https://; a local Parquet or Arrow file),
+    its local DALI index file (tables: a name for the group), the usable samples, and a lookup from the shards'
     class indices to the model's (evaluate; sparse `cls` integers). Per shard, its size and sha256 where
     known; `excluded` holds (shard position, entry position in its index) of the members every reader
-    skips; `groups` (tables) the TableGroup of each shard, None for a tar."""
+    skips; `groups` (tables) the TableGroup of each shard, None for a tar. `labels` False: no `cls` is read
+    (predict; every label is -1), so shards without labels are read too."""
     paths: tuple[str, ...]
     index_paths: tuple[str, ...]
     samples: int
@@ -96,6 +97,7 @@ class Shards:
     sha256: tuple[str | None, ...] | None = None
     excluded: frozenset[tuple[int, int]] = frozenset()
     groups: tuple[TableGroup | None, ...] | None = None
+    labels: bool = True
 
     def __len__(self) -> int:
         return self.samples
@@ -110,7 +112,8 @@ class Shards:
                       self.remap, sizes=per_shard(self.sizes, other.sizes, n, len(other.paths)),
                       sha256=per_shard(self.sha256, other.sha256, n, len(other.paths)),
                       excluded=self.excluded | frozenset((i + n, e) for i, e in other.excluded),
-                      groups=per_shard(self.groups, other.groups, n, len(other.paths)))
+                      groups=per_shard(self.groups, other.groups, n, len(other.paths)),
+                      labels=self.labels and other.labels)
 
 
 

@@ -147,3 +147,21 @@ def test_a_flag_written_as_a_bare_word_suggests_the_flag():
     """`train.py benchmark ...` (the flag without its dashes) is refused suggesting --benchmark."""
     ns, problems = parse(["benchmark", "--model", "tiny"], build_parser("train.py", ""))
     assert any("benchmark (did you mean --benchmark?)" in p for p in problems), problems
+
+
+def test_data_urls_a_pipe_and_shard_files(tmp_path):
+    """--data: a pipe: URL (which runs a command) and a scheme not read are refused in one line each, neither
+    repeating the URL (it may carry a secret); https:// shard URLs, one shard file and a folder of train/ and val/
+    shard folders are taken (not 'not a directory')."""
+    problems = []
+    for data in ("pipe:curl -s -H 'Authorization: Bearer tok3n' https://h/x-{0..3}.tar", "gs://mybkt/x.tar"):
+        with pytest.raises(UsageError) as err:
+            _parse(["--data", data])
+        problems.append(str(err.value))
+    assert "a pipe: URL runs a shell command" in problems[0] and "gs:// URLs are not read" in problems[1]
+    assert not any(s in " ".join(problems) for s in ("tok3n", "mybkt", "curl")), problems
+    (tmp_path / "x.tar.gz").write_bytes(b"")
+    (tmp_path / "train").mkdir()
+    (tmp_path / "train" / "part-0.tgz").write_bytes(b"")
+    for data in ("https://h/shards-{000..009}.tar", str(tmp_path / "x.tar.gz"), str(tmp_path)):
+        _parse(["--data", data])

@@ -42,3 +42,34 @@ def test_predict_a_manifest_without_labels(trained, photo_root, tmp_path, cache_
           "--output", str(out)])
     rows = (out / "predictions.tsv").read_text().splitlines()
     assert rows[0] == "image_path\tlabel\tscore" and len(rows) == 49
+
+
+def test_predict_one_image_a_list_file_and_shards_without_labels(trained, photo_root, tmp_path, cache_dir):
+    """predict takes one image file, a list file of paths (relative to its folder or absolute; blank lines, CRLF and
+    a BOM read as meant; a missing one listed as bad), and one .tar of samples without cls (img2dataset's jpg, txt,
+    json): each row named as the input names it, and one image's label the same whichever form it came in."""
+    import webdataset as wds
+
+    photos = sorted(photo_root.glob("*/*.jpg"))[:4]
+    imgs = tmp_path / "imgs"
+    (imgs / "sub").mkdir(parents=True)
+    shutil.copy(photos[0], imgs / "a.jpg")
+    shutil.copy(photos[1], imgs / "sub" / "b photo.jpg")
+    (imgs / "list.txt").write_bytes(f"\ufeffa.jpg\r\n\r\n  sub/b photo.jpg \r\n{photos[2]}\r\nmissing.jpg\r\n".encode())
+    with wds.TarWriter(str(tmp_path / "laion-000000.tar")) as w:
+        for i, p in enumerate(photos):
+            w.write({"__key__": f"{i:09d}", "jpg": p.read_bytes(), "txt": "a caption", "json": {"url": "x"}})
+
+    def predict(data, name):
+        main(["predict", "--model", str(trained), "--data", str(data), "--device", "cpu", "--output",
+              str(tmp_path / name), "--batch-size", "4"])
+        return dict(r.split("\t")[:2] for r in (tmp_path / name / "predictions.tsv").read_text().splitlines()[1:])
+
+    one = predict(imgs / "a.jpg", "one")
+    listed = predict(imgs / "list.txt", "list")
+    shards = predict(tmp_path / "laion-000000.tar", "shards")
+    assert list(one) == ["a.jpg"] and sorted(listed) == sorted(["a.jpg", "sub/b photo.jpg", str(photos[2])])
+    assert (tmp_path / "list" / "bad_images.tsv").read_text().splitlines()[1:] == ["missing.jpg\tmissing"]
+    assert sorted(shards) == [x["__key__"] for x in wds.WebDataset(str(tmp_path / "laion-000000.tar"),
+                                                                  shardshuffle=False)]
+    assert one["a.jpg"] == listed["a.jpg"] == shards["000000000"]

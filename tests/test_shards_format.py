@@ -116,11 +116,16 @@ def test_dali_reads_every_member_through_our_index_even_with_spaces(tmp_path):
 
 
 def test_brace_patterns_expand_as_webdataset_does():
-    """Shard patterns expand as braceexpand (webdataset's own expander) expands them."""
+    """Shard patterns, nested ones too, expand as braceexpand (webdataset's own expander) expands them; a pattern
+    whose braces do not balance is refused naming it."""
+    import pytest
     from braceexpand import braceexpand
 
-    from dali_pipe.shards.source import expand_braces
+    from dali_pipe.shards.source import ShardSourceError, expand_braces, is_brace_pattern, source_kind
 
     for p in ["s/train-{000000..000012}.tar", "x{1..10}y", "a{01..3}", "{a,b}-{0..2}.tar", "plain.tar", "x{5..1}",
-              "s3://b/p/shard-{0000..0003}.tar"]:
+              "s3://b/p/shard-{0000..0003}.tar", "{train/shard-{000000..000002},val/shard-000000}.tar"]:
         assert expand_braces(p) == list(braceexpand(p)), p
+    assert is_brace_pattern("{train/shard-{000000..000002},val/shard-000000}.tar") and not is_brace_pattern("x{a}.tar")
+    with pytest.raises(ShardSourceError, match=r"'s/x-\{0..3.tar': its braces do not balance"):
+        source_kind("s/x-{0..3.tar") == "shards" and expand_braces("s/x-{0..3.tar")

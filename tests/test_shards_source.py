@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 from conftest import BAD_MEMBERS
@@ -139,7 +140,8 @@ def test_pack_damage_is_an_error_naming_the_file(case, odd_pack, tmp_path):
 
 def test_train_and_predict_on_shards_of_others(peer_dir, tmp_path, cache_dir, monkeypatch, capsys):
     """ShardWriter shards in a folder train: each sample once per epoch with its own label (the bad members never
-    reach the pipeline), the summary says where the class names came from; predict names each sample by its key."""
+    reach the pipeline), the summary says where the class names came from; predict names each sample by its key
+    and labels the samples without a usable cls too."""
     import resume_trace
 
     import train
@@ -156,7 +158,8 @@ def test_train_and_predict_on_shards_of_others(peer_dir, tmp_path, cache_dir, mo
     main(["predict", "--model", str(out), "--data", str(peer_dir), "--device", "cpu", "--output", str(tmp_path / "p"),
           "--scan", "full"])
     rows = [r.split("\t")[0] for r in (tmp_path / "p" / "predictions.tsv").read_text().splitlines()[1:]]
-    assert sorted(rows) == sorted(f"photo {i:03d}" if i % 5 == 0 else f"p{i:03d}" for i in range(48))
+    assert sorted(rows) == sorted([f"photo {i:03d}" if i % 5 == 0 else f"p{i:03d}" for i in range(48)] +
+                                  ["nocls", "textcls"]), "predict reads no cls: a sample without one is labelled too"
 
 
 def test_shards_of_others_on_s3_each_sample_once(photo_root, s3_process, tmp_path):
@@ -196,19 +199,41 @@ def _labels(loader):
     return [i for _, y in loader for i in y.tolist()]
 
 
-def test_a_sample_with_no_member_we_read_is_listed_not_a_traceback(photo_root, tmp_path):
-    """A peer sample whose members are none we read (only a txt; or ShardWriter's dotted key `img.v2`, whose
-    members webdataset names `img` + `v2.jpg`) is left out and listed, the dotted one with the reason."""
-    photo = next(photo_root.glob("*/*.jpg")).read_bytes()
+def test_compound_member_names_are_read_as_webdataset_reads_them(photo_root, tmp_path):
+    """webdataset names a member by all that follows the key's first dot (`KEY.image.jpg` is `image.jpg`, read by
+    `to_tuple('image.jpg', 'label.cls')`): such samples train with those bytes and labels; of several compound images
+    the one named image.* is read (beside a mask); several with none so named, and two dotted keys that webdataset
+    too reads as one sample, are left out naming the members; a sample of no member we read is listed."""
+    import webdataset as wds
+
+    from dali_pipe.shards.format import image_member, label_member, read_index
+
+    photos = [p.read_bytes() for p in sorted(photo_root.glob("*/*.jpg"))[:3]]
     d = tmp_path / "d"
-    _tar(d / "part-0.tar", [*({"__key__": f"k{i}", "jpg": photo, "cls": i % 2} for i in range(4)),
-                            {"__key__": "only", "txt": "no picture, no class"},
-                            {"__key__": "img.v2", "jpg": photo, "cls": 0}])
-    s = _open(d, tmp_path / "c")
+    _tar(d / "part-0.tar", [*({"__key__": f"k{i}", "image.jpg": photos[i % 3], "label.cls": i % 2} for i in range(4)),
+                            {"__key__": "seg", "image.jpg": photos[1], "mask.png": photos[2], "label.cls": 1},
+                            {"__key__": "img.v2", "jpg": photos[0], "cls": 0},  # key `img`, members v2.jpg, v2.cls
+                            {"__key__": "pair", "left.jpg": photos[0], "right.jpg": photos[1], "label.cls": 0},
+                            {"__key__": "dot.v1", "jpg": photos[0], "cls": 0}, {"__key__": "dot.v2", "jpg": photos[1],
+                                                                                "cls": 1},
+                            {"__key__": "only", "txt": "no picture, no class"}])
+    s = _open(d, tmp_path / "c", val_fraction=0)
     bad = {sh.keys[e]: r for sh, e, r in s.bad}
-    assert set(bad) == {"only", "img"} and "no .cls member" in bad["only"], bad
-    assert "v2.cls" in bad["img"] and "first dot" in bad["img"], bad
-    assert s.classes == ["0", "1"] and len(s.train) + len(s.val) == 4
+    assert set(bad) == {"pair", "dot", "only"}, bad
+    assert "several image members (left.jpg, right.jpg)" in bad["pair"] and "dot" not in bad["pair"]
+    assert "several image members (v1.jpg, v2.jpg)" in bad["dot"] and "write keys without dots" in bad["dot"]
+    peer = {x["__key__"]: x for x in wds.WebDataset(str(d / "part-0.tar"), shardshuffle=False)}
+    assert set(peer) == {"k0", "k1", "k2", "k3", "seg", "img", "pair", "dot", "only"}, "webdataset groups them so too"
+    sh, raw = s.shards[0], (d / "part-0.tar").read_bytes()
+    for e, entry in enumerate(read_index(sh.index_path)):
+        if e in sh.bad:
+            continue
+        (ioff, isize), (coff, csize) = entry.members[image_member(entry.members)], entry.members[label_member(
+            entry.members)]
+        want = peer[entry.key]
+        assert raw[ioff:ioff + isize] == want.get("image.jpg", want.get("v2.jpg"))
+        assert int(raw[coff:coff + csize]) == int(want.get("label.cls", want.get("v2.cls"))) == sh.cls[e]
+    assert len(s.train) == 6 and s.classes == ["0", "1"]
 
 
 def test_a_dangling_shard_link_is_named_not_skipped(photo_root, tmp_path):
@@ -247,7 +272,9 @@ def test_a_brace_pattern_over_train_and_val_folders_splits_by_folder(photo_root,
 
 def test_an_s3_brace_pattern_may_span_folders(photo_root, s3, tmp_path):
     """`s3://bucket/shards/{train,val}/part-0.tar` finds the shards in both folders (each folder listed once) and
-    the val folder's shard is the validation set; a shard the pattern names and S3 lacks is named."""
+    the val folder's shard is the validation set; a shard the pattern names and S3 lacks is named. The plain prefix
+    finds the train/ and val/ sub-prefixes' shards (a .tar.gz among them, decompressed into the cache dir) and
+    names the object beside them that is not read."""
     from dali_pipe.sync import make_client
 
     photo = next(photo_root.glob("*/*.jpg")).read_bytes()
@@ -260,6 +287,17 @@ def test_an_s3_brace_pattern_may_span_folders(photo_root, s3, tmp_path):
     assert len(s.train) == 4 and len(s.val) == 4 and s.shards[1].path == "s3://data/shards/val/part-0.tar"
     with pytest.raises(ShardSourceError, match=r"not in S3, e.g. s3://data/shards/test/part-0.tar"):
         _open("s3://data/shards/{train,test}/part-0.tar", tmp_path / "c")
+
+    import gzip
+
+    client.delete_object(Bucket="data", Key="shards/val/part-0.tar")
+    client.put_object(Bucket="data", Key="shards/val/part-0.tar.gz", Body=gzip.compress((tmp_path / "val.tar").read_bytes()))
+    client.put_object(Bucket="data", Key="shards/notes.txt", Body=b"x")
+    s = _open("s3://data/shards", tmp_path / "c")
+    assert [sh.name for sh in s.shards] == ["s3://data/shards/train/part-0.tar", "s3://data/shards/val/part-0.tar.gz"]
+    assert len(s.train) == 4 and len(s.val) == 4 and s.unused == ["notes.txt"]
+    assert s.shards[1].path.startswith(str(tmp_path / "c" / "gunzip")) and _sha(Path(s.shards[1].path)) == _sha(
+        tmp_path / "val.tar")
 
 
 def test_temporary_files_of_a_killed_indexer_are_removed(photo_root, tmp_path):
@@ -281,3 +319,180 @@ def test_temporary_files_of_a_killed_indexer_are_removed(photo_root, tmp_path):
     live.write_text("{")
     _open(d, tmp_path / "c")
     assert not left.exists() and live.exists()
+
+
+def _writer(pattern, **kw):
+    import webdataset as wds
+
+    Path(pattern).parent.mkdir(parents=True, exist_ok=True)
+    return wds.ShardWriter(str(pattern), verbose=0, **kw)
+
+
+def _photo_samples(photo_root, indices):
+    photos = sorted(photo_root.glob("*/*.jpg"))
+    return [{"__key__": f"p{i:03d}", "jpg": photos[i].read_bytes(), "cls": i} for i in indices]
+
+
+def _epoch_labels(loader) -> list[int]:
+    return sorted(i for _, y in loader for i in y.tolist())
+
+
+def test_train_val_test_subfolders_mixing_tar_and_tar_gz_each_sample_once(photo_root, tmp_path, capsys):
+    """A plain folder whose train/ and val/ subfolders hold .tar, .tar.gz and .tgz shards (ShardWriter's) trains on
+    all of them, the val folder's shards being the validation set and the test folder's neither; every file neither
+    data nor a known sidecar is named at start-up; each sample comes once per epoch, as webdataset's reader has it."""
+    import webdataset as wds
+    from helpers import datamodule
+
+    from dali_pipe.spec import ImageSpec
+
+    root = tmp_path / "shards"
+    for pattern, indices in ((root / "train" / "a-%06d.tar", range(0, 16)), (root / "train" / "b-%06d.tar.gz",
+                             range(16, 32)), (root / "val" / "v-%06d.tgz", range(32, 36)),
+                             (root / "test" / "t-%06d.tar", range(36, 40))):
+        with _writer(pattern, maxcount=8) as w:
+            for sample in _photo_samples(photo_root, indices):
+                w.write(sample)
+    for name in ("notes.txt", "README.md", "train/a-000000_stats.json", "train/a-000000.idx", "train/old.tar.bz2"):
+        (root / name).write_text("x")
+    (root / "train" / "more").mkdir()
+    s = _open(root, tmp_path / "cache")
+    assert sorted(sh.name for sh in s.shards) == ["test/t-000000.tar", "train/a-000000.tar", "train/a-000001.tar",
+                                                  "train/b-000000.tar.gz", "train/b-000001.tar.gz", "val/v-000000.tgz"]
+    assert s.unused == ["notes.txt", "train/more/ (a folder)",
+                        "train/old.tar.bz2 (only .tar, .tar.gz and .tgz shards are read)"], s.unused
+    assert "1 test shard(s) (test/t-000000.tar) are neither trained on nor validated" in s.held_out
+    assert len(s.test) == 4
+    peer = {x["__key__"]: int(x["cls"]) for f in sorted(root.rglob("*")) if f.name.endswith((".tar", ".gz", ".tgz"))
+            for x in wds.WebDataset(str(f), shardshuffle=False)}  # webdataset reads .tar.gz and .tgz itself
+    assert {sh.keys[e]: sh.cls[e] for sh in s.shards for e in range(len(sh.keys))} == peer and len(peer) == 40
+
+    dm = datamodule(root, tmp_path / "out", batch_size=8, cache_dir=tmp_path / "cache",
+                    spec=ImageSpec(16, 16, (0.5,) * 3, (0.5,) * 3))
+    dm.prepare_data()
+    assert "data: not read: notes.txt; train/more/ (a folder); train/old.tar.bz2" in capsys.readouterr().err
+    dm.setup()
+    assert _epoch_labels(dm.train_dataloader()) == list(range(32)), "every training sample once, .tar and .tar.gz"
+    assert _epoch_labels(dm.val_dataloader()) == list(range(32, 36))
+
+
+def test_a_gzipped_shard_is_decompressed_once_checked_and_redone(photo_root, tmp_path, monkeypatch, capsys):
+    """One .tar.gz given as --data is decompressed once into CACHE/gunzip (its copy's sha256 that of the tar inside)
+    and read from there; a rerun decompresses nothing; a damaged or deleted copy is made again; a broken gzip and a
+    cache disk without room for the copies are refused naming them."""
+    import gzip
+    import hashlib
+
+    from helpers import small_disk
+
+    import dali_pipe.shards.source as source
+
+    gz = tmp_path / "one.tar.gz"
+    with _writer(tmp_path / "one-%01d.tar.gz", maxcount=100) as w:
+        for sample in _photo_samples(photo_root, range(6)):
+            w.write(sample)
+    (tmp_path / "one-0.tar.gz").rename(gz)
+    cache = tmp_path / "cache"
+    s = _open(gz, cache)
+    copy = Path(s.shards[0].path)
+    assert copy.parent == cache / "gunzip" and s.shards[0].name == "one.tar.gz" and len(s.train) + len(s.val) == 6
+    assert s.shards[0].sha256 == hashlib.sha256(gzip.decompress(gz.read_bytes())).hexdigest() == _sha(copy)
+    real = source.Gunzip
+    monkeypatch.setattr(source, "Gunzip", lambda raw: pytest.fail("decompressed twice"))
+    _open(gz, cache)
+    monkeypatch.setattr(source, "Gunzip", real)
+    data = bytearray(copy.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    copy.write_bytes(bytes(data))
+    assert _open(gz, cache).shards[0].sha256 == _sha(copy) and "decompressing it again" in capsys.readouterr().err
+    copy.unlink()
+    assert _open(gz, cache).shards[0].sha256 == _sha(copy)
+    with small_disk(tmp_path / "small", "2m") as small:
+        with pytest.raises(ShardSourceError, match=r"1 gzipped shard\(s\) decompress to about .* free space"):
+            _open(gz, small / "cache")
+    gz.write_bytes(gz.read_bytes()[:-200])
+    with pytest.raises(ShardSourceError, match=r"one.tar.gz: not a readable gzip"):
+        _open(gz, cache)
+
+
+def _sha(path):
+    import hashlib
+
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@pytest.fixture
+def http_root(tmp_path):
+    """A plain http.server on 127.0.0.1 serving a fresh folder: (folder, base URL)."""
+    import functools
+    import threading
+    from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
+
+    class Quiet(SimpleHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+    www = tmp_path / "www"
+    www.mkdir()
+    server = ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(Quiet, directory=str(www)))
+    server.daemon_threads = True
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield www, f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+def test_https_shards_through_faults_each_sample_once(photo_root, http_root, tmp_path, capsys):
+    """Shards named by http(s):// URLs, with a nested brace pattern (expanded as braceexpand does): indexed with one
+    streaming GET each (a cut one read again), classes.txt read beside them, trained through the streaming cache
+    with each sample once per epoch (a damaged transfer refetched after its sha256 check, a cut one read again); a
+    missing shard is named
+    with its status; a presigned URL's signature reaches no message and no file name."""
+    from braceexpand import braceexpand
+    from faultproxy import FaultProxy
+    from helpers import datamodule
+
+    from dali_pipe.shards.cache import HttpFetcher, Remote, ShardError, local_name
+    from dali_pipe.spec import ImageSpec
+
+    www, url = http_root
+    for pattern, indices in ((www / "train" / "shard-%06d.tar", range(20)), (www / "val" / "shard-%06d.tar",
+                                                                           range(20, 24))):
+        with _writer(pattern, maxcount=10) as w:
+            for sample in _photo_samples(photo_root, indices):
+                w.write(sample)
+    (www / "classes.txt").write_text("".join(f"c{i}\n" for i in range(24)))
+    proxy = FaultProxy(url).start()
+    try:
+        data = f"{proxy.url}/{{train/shard-{{000000..000001}},val/shard-000000}}.tar"
+        proxy.arm("cut", "train/shard-000001", times=1)
+        cache = tmp_path / "cache"
+        s = _open(data, cache)
+        assert [sh.path for sh in s.shards] == list(braceexpand(data)) and proxy.applied("cut") == 1
+        assert s.classes == [f"c{i}" for i in range(24)] and len(s.train) == 20 and len(s.val) == 4
+
+        dm = datamodule(data, tmp_path / "out", batch_size=5, cache_dir=cache, spec=ImageSpec(16, 16, (0.5,) * 3,
+                                                                                               (0.5,) * 3))
+        dm.prepare_data()
+        dm.setup()
+        proxy.arm("flip", "train/shard-000000", times=1)
+        proxy.arm("cut", "val/shard-000000", times=1)
+        try:
+            assert _epoch_labels(dm.train_dataloader()) == list(range(20))
+            assert _epoch_labels(dm.val_dataloader()) == list(range(20, 24))
+        finally:
+            dm.teardown()
+        assert proxy.applied("flip") == 1, "the damaged copy was caught by its sha256 and fetched again"
+        assert proxy.applied("cut") == 2, "the cut transfer was read again"
+    finally:
+        proxy.stop()
+    with pytest.raises(ShardSourceError, match=r"1 of its 1 shard\(s\) cannot be read, e.g. .*/shard-000009.tar: HTTP "
+                                               r"404; the object is not there"):
+        _open(f"{url}/train/shard-000009.tar", cache)
+    signed = f"{url}/val/shard-000000.tar?X-Amz-Signature=0123secret4567&X-Amz-Credential=AKIDsecret"
+    s = _open(signed, cache)
+    with pytest.raises(ShardError, match="changed after it was indexed") as err:  # its sha256 check fails
+        HttpFetcher().fetch(Remote(signed, s.shards[0].size, "0" * 64), tmp_path / "copy" / local_name(signed))
+    shown = str(err.value) + capsys.readouterr().err + s.shards[0].name
+    assert "secret" not in shown and not [p for p in tmp_path.rglob("*") if "secret" in p.name], shown

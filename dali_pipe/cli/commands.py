@@ -40,22 +40,28 @@ PACK_DOC = ("Pack a dataset (SRC: any --data form, docs/data.md: class subfolder
 EVALUATE_DOC = ("Evaluate a trained model (the folder train.py wrote) on a labelled dataset, through the same DALI "
                 "validation pipeline as training: accuracy, top-5, loss, per-class precision/recall/F1 and the "
                 "confusion matrix in OUTPUT/metrics.json, the matrix drawn in OUTPUT/confusion.png.")
-PREDICT_DOC = ("Label images with a trained model: a folder of images, a dataset folder or .tsv manifest "
-               "(image_path column; labels ignored), a pack (python -m dali_pipe pack; rows named by their key), or "
-               "s3://bucket/prefix holding a dataset.tsv or a pack. Writes OUTPUT/predictions.tsv (image_path, "
-               "label, score and the next --top-k); unreadable images are listed in OUTPUT/bad_images.tsv.")
+PREDICT_DOC = ("Label images with a trained model: a folder of images (class subfolders too), one image file, a list "
+               "file (one image path per line, relative to the list's folder or absolute), a dataset folder or .tsv "
+               "manifest (image_path column; labels ignored), a pack or WebDataset shards, with or without cls (a "
+               "folder, a shard file, a brace pattern, https:// URLs; rows named by their key), a Hugging Face "
+               "dataset (Parquet, save_to_disk), or s3://bucket/prefix of one (docs/data.md). Writes "
+               "OUTPUT/predictions.tsv (image_path, label, score and the next --top-k); unreadable images are listed "
+               "in OUTPUT/bad_images.tsv.")
 TRAINED = "the trained model: the folder train.py wrote (its --output), or a hub id of an image classifier; required"
 HELPS = {  # where a command reads a setting otherwise than training does, its own help text
     "evaluate": {"data": "the labelled images, local or s3://bucket/prefix: class subfolders (ImageFolder), a "
-                         "dataset.tsv folder, a pack, WebDataset shards, Parquet files or a save_to_disk folder of a "
-                         "Hugging Face dataset (docs/data.md); required",
+                         "dataset.tsv folder, a pack, WebDataset shards (a folder, a shard file, a brace pattern, "
+                         "https:// URLs; .tar, .tar.gz, .tgz), Parquet files or a save_to_disk folder of a Hugging "
+                         "Face dataset (docs/data.md); required",
                  "model": TRAINED,
                  "val_fraction": "the --val-fraction of training: with no split column it decides which images are "
                                  "the val split",
                  "seed": "the --seed of training: with no split column it decides which images are the val split"},
-    "predict": {"data": "what to label, local or s3://bucket/prefix: a folder of images (class subfolders too), a "
-                        "dataset.tsv folder or .tsv manifest, a pack, WebDataset shards, Parquet files or a "
-                        "save_to_disk folder of a Hugging Face dataset (docs/data.md); required",
+    "predict": {"data": "what to label, local or s3://bucket/prefix: a folder of images (class subfolders too), an "
+                        "image file, a list file of image paths (one per line), a dataset.tsv folder or .tsv "
+                        "manifest, a pack, WebDataset shards with or without cls (a folder, a shard file, a brace "
+                        "pattern, https:// URLs), Parquet files or a save_to_disk folder of a Hugging Face dataset "
+                        "(docs/data.md); required",
                 "model": TRAINED,
                 "scan": "pre-flight image scan; predict always checks the headers (off reads as fast), and lists "
                         "unreadable images instead of stopping"},

@@ -29,10 +29,10 @@ def run(s: Settings) -> dict:
     dm = DaliDataModule(s.data, s.pipeline, ImageSpec.from_processor(load_processor(s.model.model)), out)
     dm.prepare_data()  # sync, scan, EVAL/bad_images.tsv
     manifest = dm.manifest
-    test = getattr(manifest, "test", None)  # a Hugging Face dataset's test files (shards/tables.py)
+    test = getattr(manifest, "test", None)  # a Hugging Face dataset's test files, shards named test
     if s.eval.split == "test" and not test:
-        raise UserError("--split test: --data has no test split (only a Hugging Face dataset's test-* files make "
-                        "one); pass --split val, train or all")
+        raise UserError("--split test: --data has no test split (only a Hugging Face dataset's test-* files, or "
+                        "shards named test beside others, make one); pass --split val, train or all")
     everything = getattr(manifest, "everything", None) or manifest.train + manifest.val  # shards: test files too
     samples = {"val": manifest.val, "train": manifest.train, "test": test, "all": everything}[s.eval.split]
     if not samples:

@@ -20,7 +20,9 @@ from pathlib import Path
 from ..config import Settings, SyncSettings, cores, resolve
 from ..datamodule import missing_reasons, prepare
 from ..forms import form_problem, forms_text
+from ..https import is_http
 from ..pack import PROGRESS_NAME, PackError, finished, pack_manifest, pack_settings, pack_shards, same_pack
+from ..shards.cache import Remote, http_copies, local_name, sync_shards
 from ..shards.format import PACKED_NAME
 from ..shards.source import ShardSet, source_kind
 from ..sync import (
@@ -220,7 +222,14 @@ def _counts(meta: dict) -> str:
 
 def _local_tars(source, data) -> None:
     """Shards of others on S3 are read from a copy in the cache dir (CACHE/s3/...), fetched with ranged GETs,
-    folder by folder (a brace pattern may span several)."""
+    folder by folder (a brace pattern may span several); https:// ones from CACHE/http/DIGEST, each checked
+    against the size and sha256 it was indexed with."""
+    web = [s for s in source.shards if is_http(s.path)]
+    if web:
+        local = http_copies(data.data, data.cache_dir)
+        sync_shards([Remote(s.path, s.size, s.sha256) for s in web], local, cache_dir=data.cache_dir)
+        for s in web:
+            s.path = str((local / local_name(s.path)).resolve())
     folders: dict[str, list] = {}
     for s in source.shards:
         if s.path.startswith("s3://"):

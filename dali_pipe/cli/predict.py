@@ -1,6 +1,9 @@
-"""`python -m dali_pipe predict`: label a folder of images (or a manifest's image_path rows, or shards)
-with a trained model, through the same DALI validation pipeline as training. Writes PRED/predictions.tsv,
-one row per readable image; unreadable ones go to PRED/bad_images.tsv instead of stopping the run."""
+"""`python -m dali_pipe predict`: label images with a trained model, through the same DALI validation
+pipeline as training. What --data can be: a folder of images (every image file under it), one image file,
+a list file (one image path per line, relative to the list's folder or absolute), a manifest (a .tsv with an
+image_path column, or a dataset folder holding dataset.tsv), or shards (a pack, or shards written by others,
+with or without `cls`). Writes PRED/predictions.tsv, one row per readable image, named as --data names it;
+unreadable ones go to PRED/bad_images.tsv instead of stopping the run."""
 from __future__ import annotations
 
 import dataclasses
@@ -16,22 +19,58 @@ from ..errors import UserError
 from ..forms import IMG_EXTENSIONS
 from ..imagefolder import sync_image_folder
 from ..manifest import MANIFEST_NAME, Sample, absolute_path, read_table, safe_relpath
-from ..scan import scan, write_report
+from ..scan import scan, sniff, write_report
 from ..shards.source import SHARD_KINDS, source_kind
 from ..spec import ImageSpec
 from ..workdir import writing
 from .infer import prepared, run_model
 
 IMAGE_EXTENSIONS = set(IMG_EXTENSIONS)  # torchvision's, as an ImageFolder lists them
+TABLE_SUFFIXES = {".tsv", ".csv"}  # always read as a manifest (whose errors then say what is wrong)
+LIST_SUFFIXES = {".txt", ".lst", ".list"}  # never taken for an image, whatever their first bytes
 
 
 class InputError(UserError):
     """--data names nothing to predict."""
 
 
+def file_kind(path: Path) -> str:
+    """What a file given as --data is: "image" (an image extension, or an image's first bytes outside a
+    text file's name), "manifest" (a .tsv or .csv, or a first line that is a tab-separated header or names
+    image_path) or "list" (any other text: one image path per line)."""
+    suffix = path.suffix.lower()
+    if suffix in IMAGE_EXTENSIONS:
+        return "image"
+    if suffix in TABLE_SUFFIXES:
+        return "manifest"
+    with open(path, "rb") as f:
+        head = f.read(4096)
+    if suffix not in LIST_SUFFIXES and sniff(head) is not None:
+        return "image"
+    first = head.split(b"\n", 1)[0].removeprefix(b"\xef\xbb\xbf").strip().lower()
+    return "manifest" if b"\t" in first or first == b"image_path" else "list"
+
+
+def read_list(path: Path) -> list[str]:
+    """The image paths of a list file, one per line as written (padding spaces and blank lines dropped,
+    a BOM and CRLF read as meant, a path listed twice kept once)."""
+    try:
+        text = path.read_text(encoding="utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise InputError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start}); a list file holds one image path "
+                         "per line") from None
+    paths = [line.strip() for line in text.splitlines() if line.strip()]
+    if not paths:
+        raise InputError(f"{path}: lists no image path (one per line, relative to {path.parent} or absolute)")
+    bad = next((n for n, line in enumerate(text.splitlines(), 1) if "\x00" in line), None)
+    if bad is not None:
+        raise InputError(f"{path}: line {bad} holds a NUL byte; a list file holds one image path per line")
+    return list(dict.fromkeys(paths))
+
+
 def list_images(data: str, cache_dir: str) -> tuple[Path, list[str]]:
-    """(root, image paths relative to it): a manifest's image_path rows (a dataset dir, a .tsv file or
-    s3://bucket/prefix), or every image file under a folder."""
+    """(root, image paths relative to it, or absolute): a manifest's image_path rows (a dataset dir, a .tsv
+    file or s3://bucket/prefix), one image file, a list file's lines, or every image file under a folder."""
     if data.startswith("s3://"):
         root = s3.local_target(data, Path(cache_dir))
         if source_kind(data, cache_dir) == "imagefolder":  # class folders of images, no dataset.tsv
@@ -41,6 +80,11 @@ def list_images(data: str, cache_dir: str) -> tuple[Path, list[str]]:
     else:
         p = Path(data)
         if p.is_file():
+            kind = file_kind(p)
+            if kind == "image":
+                return p.parent, [p.name]
+            if kind == "list":
+                return p.parent, read_list(p)
             root, tsv = p.parent, p
         elif (p / MANIFEST_NAME).is_file():
             root, tsv = p, p / MANIFEST_NAME
@@ -52,7 +96,8 @@ def list_images(data: str, cache_dir: str) -> tuple[Path, list[str]]:
                 raise InputError(f"--data {data!r} holds no image files ({', '.join(sorted(IMAGE_EXTENSIONS))})")
             return p, rels
         else:
-            raise InputError(f"--data {data!r} is neither a folder of images, a dataset folder, nor a .tsv manifest")
+            raise InputError(f"--data {data!r} does not exist; pass a folder of images, an image file, a list file of "
+                             "image paths (one per line), a .tsv manifest, or shards")
     df = read_table(tsv)
     if "image_path" not in df.columns:
         raise InputError(f"{tsv}: no 'image_path' column; add a header line with image_path")
@@ -72,6 +117,7 @@ def run(s: Settings) -> dict:
     dm = DaliDataModule(s.data, s.pipeline, ImageSpec.from_processor(load_processor(s.model.model)), out)
 
     if source_kind(s.data.data, s.data.cache_dir) in SHARD_KINDS:
+        dm.labels = False  # shards without cls (img2dataset, LAION) are labelled too
         return _predict_shards(s, dm, model, out)
     root, rels = list_images(s.data.data, s.data.cache_dir)
     paths = [absolute_path(root, r) for r in rels]
@@ -81,7 +127,7 @@ def run(s: Settings) -> dict:
     write_report(bad, root.resolve(), out)
     good = [(r, p) for r, p in zip(rels, paths) if p not in bad]
     if not good:
-        raise InputError(f"none of the {len(rels)} image(s) under {s.data.data!r} is readable; see "
+        raise InputError(f"none of the {len(rels)} image(s) that --data {s.data.data!r} names is readable; see "
                          f"{out / 'bad_images.tsv'}")
     loader = dm.loader([Sample(p, i, i) for i, (_, p) in enumerate(good)], training=False)
     logits, index = run_model(model, loader, s.pipeline.device, s.model.precision)

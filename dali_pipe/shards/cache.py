@@ -22,12 +22,19 @@ decoded.
   optimal rule, not a guess. DDP: each rank fetches the shards of its own share (the plan splits
   the data by rank), into its own folder, with bound / local ranks; ranks fetch disjoint data,
   so fetching once per node would save only the few shards cut by a rank boundary.
+- Shards of others on S3 or at an https:// server are streamed the same way (their sizes and
+  sha256 from indexing); gzipped ones were decompressed into the cache dir while indexed
+  (shards/source.py) and are local files here.
 
 Faults: S3 throttling (503 SlowDown), a cut connection and a stalled body (read timeout) are
 retried by the transfer engine (obstore), then by one more whole attempt here;
 an attempt that moves no byte for STALL seconds, or runs past its deadline, is cancelled, so a
-silent endpoint is named after about a minute. What still fails is a
-ShardFetchError naming the endpoint and the key.
+silent endpoint is named after about a minute. HTTP(S) (`HttpFetcher`, over dali_pipe/https.py)
+has the same bounds: retries of refused connections, timeouts, 429 and 5xx per request, a cut
+body continued with a Range request (or read again where the server takes no ranges), an attempt
+given up after STALL seconds without a byte or past its deadline, ATTEMPTS whole attempts, the
+size and sha256 checked before the rename. What still fails is a ShardFetchError naming the
+endpoint and the key (or the URL, redacted).
 
 The bytes move through the same engine as a dataset's small files (ranged parallel GETs, retries,
 temporary files removed on failure); what is ours here is the order (the plan), the bound, the
@@ -35,6 +42,7 @@ eviction and the checks.
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import json
@@ -53,6 +61,7 @@ import numpy as np
 
 from ..config import default_cache_dir
 from ..errors import UserError
+from ..https import HttpError, Stopped, cache_name, download, is_http, shown
 from ..redact import redact
 from ..sync import (
     SyncError,
@@ -129,13 +138,14 @@ class Verdicts:
 
     def save(self) -> None:
         with self._lock:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
             tmp = self.path.with_name(f".{self.path.name}.tmp-{os.getpid()}")
             try:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
                 tmp.write_text(json.dumps(self.data))
                 os.replace(tmp, self.path)
-            except OSError:  # a full disk: the verdicts are only a cache; the next run hashes again
-                tmp.unlink(missing_ok=True)
+            except OSError:  # a full or read-only disk: the verdicts are only a cache; the next run hashes again
+                with contextlib.suppress(OSError):
+                    tmp.unlink(missing_ok=True)
 
 
 def _path_key(path: str | Path) -> str:
@@ -167,7 +177,7 @@ def verify_local(shards, cache_dir: str | Path, *, progress: bool = True) -> Non
 
     sizes = shards.sizes or (None,) * len(shards.paths)
     sums = shards.sha256 or (None,) * len(shards.paths)
-    todo = list(dict.fromkeys((p, z, h) for p, z, h in zip(shards.paths, sizes, sums) if not p.startswith("s3://")))
+    todo = list(dict.fromkeys((p, z, h) for p, z, h in zip(shards.paths, sizes, sums) if not is_remote(p)))
     # (once per file: the row groups of one Parquet file are shards of one path)
     if not todo:
         return
@@ -203,8 +213,13 @@ def _split(url: str) -> tuple[str, str]:
     return parse_s3_uri(url)
 
 
+def is_remote(path: str) -> bool:
+    """Whether a shard path is an object to fetch (s3://, https://, http://) rather than a local file."""
+    return path.startswith("s3://") or is_http(path)
+
+
 def _where(url: str) -> str:
-    return f"{url} (endpoint {endpoint()})"
+    return shown(url) if is_http(url) else f"{url} (endpoint {endpoint()})"
 
 
 class Fetcher:
@@ -230,6 +245,10 @@ class Fetcher:
             for future in list(self._futures):
                 future.cancel()
             self.engine.close()
+
+    def listed(self, remotes: list["Remote"]) -> list["Remote"]:
+        """The shards with their sizes and ETags from S3 (`listed`)."""
+        return listed(remotes, self.engine)
 
     def size_of(self, url: str) -> int:
         bucket, key = _split(url)
@@ -314,6 +333,84 @@ class Fetcher:
             self._futures.discard(future)
 
 
+class HttpFetcher:
+    """https:// (and http://) shards, with the bounds of Fetcher: one streaming GET per attempt into a
+    temporary name, continued with a Range request where a connection is cut (https.download), ATTEMPTS
+    whole attempts, each cancelled past ATTEMPT_DEADLINE + size / MIN_RATE or when the run ends (a stalled
+    body fails within the read timeout); size and sha256 checked before the rename."""
+
+    def __init__(self):
+        self._stop = threading.Event()
+
+    def listed(self, remotes: list[Remote]) -> list[Remote]:
+        """The shards as indexed (their sizes and sha256 are known: each fetch checks both)."""
+        return list(remotes)
+
+    def close(self) -> None:
+        self._stop.set()
+
+    def fetch(self, remote: Remote, dest: Path, *, stop: threading.Event | None = None,
+              verdicts: Verdicts | None = None, on_bytes=None) -> int:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        deadline_s = ATTEMPT_DEADLINE + (remote.size or 0) / MIN_RATE
+        mismatch, failure = None, None
+        for _ in range(ATTEMPTS):
+            if (stop is not None and stop.is_set()) or self._stop.is_set():
+                raise ShardFetchError(f"{_where(remote.url)}: the fetch was stopped")
+            tmp = temp_path(dest)
+            stopping = _Either(stop, self._stop)
+            try:
+                with open(tmp, "wb") as f:
+                    download(remote.url, f, size=remote.size, deadline=time.monotonic() + deadline_s, stop=stopping,
+                             on_bytes=on_bytes)
+                problem = check_file(tmp, remote.size, remote.sha256)
+                if problem is None:
+                    os.replace(tmp, dest)
+                    if verdicts is not None and remote.sha256 is not None:
+                        verdicts.record(dest, remote.sha256)
+                    return os.stat(dest).st_size
+                mismatch = problem
+            except Stopped as e:
+                if stopping.is_set():
+                    raise ShardFetchError(f"{_where(remote.url)}: the fetch was stopped") from None
+                failure = e.reason
+            except HttpError as e:
+                if e.status is not None:  # the server answered: 404, 403, ...; asking again changes nothing
+                    raise ShardFetchError(str(e)) from None
+                failure = e.reason
+            except OSError as e:
+                if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                    raise ShardError(f"the disk of {dest.parent} is full ({_where(remote.url)} did not fit); free "
+                                     "space, or lower --stream-cache, or pass another --cache-dir") from None
+                raise
+            finally:
+                tmp.unlink(missing_ok=True)
+        if mismatch is not None and failure is None:
+            raise ShardError(f"{_where(remote.url)} {mismatch}, twice: the object at the server changed after it "
+                             "was indexed (or the network damages data); rerun to index it again")
+        raise ShardFetchError(redact(f"{_where(remote.url)} could not be fetched in {ATTEMPTS} attempts "
+                                     f"({failure or mismatch}); check the server and the network, then rerun"))
+
+
+class _Either:
+    """is_set() of either of two events (the caller's and the fetcher's own)."""
+
+    def __init__(self, a, b):
+        self.a, self.b = a, b
+
+    def is_set(self) -> bool:
+        return (self.a is not None and self.a.is_set()) or self.b.is_set()
+
+
+def fetcher_for(remotes: list[Remote]):
+    """The fetcher of these shards' scheme (S3, or HTTP(S)); one scheme per run."""
+    schemes = {"http" if is_http(r.url) else "s3" for r in remotes}
+    if len(schemes) > 1:
+        raise ShardFetchError("these shards are partly on S3 and partly at an HTTP(S) server; give them one "
+                              "source (copy them to one place)")
+    return HttpFetcher() if schemes == {"http"} else Fetcher()
+
+
 # -- the streaming cache -------------------------------------------------------------------------
 class StreamCacheError(ShardError):
     """--stream-cache cannot hold what the epoch plan reads at once, or the disk cannot hold --stream-cache."""
@@ -328,6 +425,19 @@ def _mb(n: float, *, up: bool = False) -> str:
         if n < scale * 1000 or unit == "GB":
             v = n / scale
             return f"{math.ceil(v * 10) / 10 if up else v:.1f} {unit}"
+
+
+def stream_folder(data: str, cache_dir: str | Path) -> Path:
+    """Where the streaming cache of --data lives: CACHE/stream/BUCKET/PREFIX for s3://, CACHE/stream/http/
+    DIGEST for https:// (a digest of --data: its query string may carry a secret)."""
+    if is_http(data):
+        return http_copies(data, Path(cache_dir) / "stream")
+    return local_target(data, Path(cache_dir) / "stream")
+
+
+def http_copies(data: str, cache_dir: str | Path) -> Path:
+    """CACHE/http/DIGEST: where whole copies of --data's https:// shards are kept (pack reads them there)."""
+    return Path(cache_dir) / "http" / hashlib.sha256(data.encode("utf-8", "surrogatepass")).hexdigest()[:16]
 
 
 def stream_bound(setting: int | None, folder: Path, local_ranks: int = 1) -> int:
@@ -402,8 +512,8 @@ class StreamCache:
         self.folder.mkdir(parents=True, exist_ok=True)
         lock(self.folder, "run streaming these shards", "wait for it to finish, or pass another --cache-dir")
         remove_dead_temps(self.folder, ".*.part-*")
-        self.fetcher = Fetcher()
-        self.remotes = {r.url: r for r in listed(remotes, self.fetcher.engine)}
+        self.fetcher = fetcher_for(remotes)
+        self.remotes = {r.url: r for r in self.fetcher.listed(remotes)}
         self.names = _local_names(list(self.remotes))
         self.verdicts = Verdicts(self.folder)
         self.resident: dict[str, int] = {}
@@ -621,7 +731,7 @@ class CacheView:
 
     def path(self, shard: int, reader) -> str:
         p = self.paths[shard]
-        return self.cache.path(p, reader) if p.startswith("s3://") else p
+        return self.cache.path(p, reader) if is_remote(p) else p
 
     def advance(self, reader, epoch: int, position: int) -> None:
         self.cache.advance(reader, epoch, position)
@@ -651,12 +761,18 @@ def listed(remotes: list[Remote], engine: Engine) -> list[Remote]:
     return out
 
 
+def local_name(url: str) -> str:
+    """The file name of a shard's local copy: the key's base name (S3), or a digest and the base name
+    without the query string, which may carry a signature (HTTP)."""
+    return cache_name(url) if is_http(url) else (url.rsplit("/", 1)[-1] or "shard")
+
+
 def _local_names(urls: list[str]) -> dict[str, str]:
-    """A file name per URL: the key's base name, prefixed by a number where two share one."""
+    """A file name per URL (local_name), prefixed by a number where two share one."""
     names: dict[str, str] = {}
     seen: dict[str, int] = {}
     for u in urls:
-        base = u.rsplit("/", 1)[-1] or "shard"
+        base = local_name(u)
         n = seen.get(base, 0)
         seen[base] = n + 1
         names[u] = base if n == 0 else f"{n}-{base}"
@@ -721,14 +837,14 @@ def sync_shards(remotes: list[Remote], local: Path, *, cache_dir: str | Path, pr
         remove_dead_temps(local, ".*.part-*")
         todo = []
         for r in remotes:
-            dest = local / r.url.rsplit("/", 1)[-1]
+            dest = local / local_name(r.url)
             if dest.is_file() and check_file(dest, r.size, r.sha256, verdicts) is None:
                 continue
             todo.append((r, dest))
         bar = tqdm(total=sum(r.size or 0 for r, _ in todo), unit="B", unit_scale=True, unit_divisor=1024,
                    desc="sync shards", disable=not progress or not todo, file=sys.stderr, mininterval=0.5)
-        fetcher, stop = Fetcher(), threading.Event()
-        todo = list(zip(listed([r for r, _ in todo], fetcher.engine), [d for _, d in todo])) if todo else []
+        fetcher, stop = fetcher_for([r for r, _ in todo] or remotes), threading.Event()
+        todo = list(zip(fetcher.listed([r for r, _ in todo]), [d for _, d in todo])) if todo else []
         pool = ThreadPoolExecutor(FETCH_PARALLEL, thread_name_prefix="shard-sync")
         done = 0
         try:

@@ -2,7 +2,10 @@
 
 A shard is a WebDataset tar: the members of one sample share a key (`KEY.jpg`, `KEY.cls`, `KEY.json`),
 grouped consecutively, the key being the member name up to the first dot of its last path segment
-(webdataset's `base_plus_ext`, DALI's `split_name`). What this project writes per sample:
+(webdataset's `base_plus_ext`, DALI's `split_name`), so `KEY.image.jpg` is the member `image.jpg`
+(`pick_member` says which member a reader takes as the image, the label and the metadata). Shards of
+others may be gzipped (`.tar.gz`, `.tgz`): `Gunzip` gives their tar. What this project writes per
+sample:
 
 - `KEY.jpg`: the image;
 - `KEY.cls`: the class index as plain decimal ASCII (`b"7"`), as webdataset, img2dataset and timm
@@ -29,11 +32,13 @@ names skipped), and hands each member's bytes to the caller on the way (labels, 
 """
 from __future__ import annotations
 
+import gzip
 import hashlib
 import json
 import posixpath
 import re
 import tarfile
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import unquote
@@ -44,7 +49,7 @@ INDEX_VERSION = "v1.2"
 PACKED_NAME = "packed.json"
 FORMAT = "dali_pipe-packed/2"  # plain-decimal .cls, a json member per sample, image_paths per shard
 READABLE_FORMATS = ("dali_pipe-packed/1", FORMAT)  # /1: six-digit .cls, keys with dots replaced, no json
-IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")  # a sample's image: the first of these present (any case)
+IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")  # a sample's image: the first of these present (any case; pick_member)
 LABEL_EXT = "cls"
 META_EXT = "json"
 CLS_MAX_BYTES = 9  # the widest .cls today's DALI reader parses (an int32 holds any 9-digit index)
@@ -178,27 +183,55 @@ def json_image_path(raw: bytes | None) -> str | None:
     return meta["image_path"] if isinstance(meta, dict) and isinstance(meta.get("image_path"), str) else None
 
 
+def _last(ext: str) -> str:
+    """The last part of a member's extension, lower case (`image.JPG` -> `jpg`)."""
+    return ext.rsplit(".", 1)[-1].lower()
+
+
 def used_member(ext: str) -> bool:
-    """Whether a member with this extension is one a reader uses (image, label or metadata)."""
-    return ext.lower() in IMAGE_EXTS or ext.lower() in (LABEL_EXT, META_EXT)
+    """Whether a member with this extension is one a reader may use (image, label or metadata), plain
+    (`jpg`) or compound (`image.jpg`)."""
+    return _last(ext) in IMAGE_EXTS or _last(ext) in (LABEL_EXT, META_EXT)
 
 
-def _find(members, wanted: tuple[str, ...]) -> str | None:
-    lower = {ext.lower(): ext for ext in reversed(list(members))}  # the first member of each spelling wins
-    return next((lower[w] for w in wanted if w in lower), None)
+def pick_member(members, exts: tuple[str, ...], names: tuple[str, ...]) -> tuple[str | None, list[str]]:
+    """(the member extension a sample's image, label or metadata is read from, or None; the compound
+    candidates). webdataset names a member by everything after the key's first dot, so `KEY.image.jpg`
+    is member `image.jpg` (`to_tuple('image.jpg', 'label.cls')`). The rule, in this order:
+
+    1. a plain member: the first of `exts` present, in any case (`jpg` before `png`), as before;
+    2. else the one compound member whose last part is one of `exts` (`image.jpg`, `label.cls`);
+    3. else, of several, the one whose first part is one of `names` (`image.jpg` beside `mask.png`);
+    4. else none: the sample is ambiguous (`left.jpg` and `right.jpg`) and left out, naming them."""
+    lower: dict[str, str] = {}
+    for ext in members:
+        lower.setdefault(ext.lower(), ext)  # the first member of each spelling wins
+    plain = next((lower[w] for w in exts if w in lower), None)
+    if plain is not None:
+        return plain, []
+    compound = [ext for low, ext in lower.items() if "." in low and _last(low) in exts]
+    if len(compound) == 1:
+        return compound[0], compound
+    named = [ext for ext in compound if ext.lower().split(".", 1)[0] in names]
+    return (named[0] if len(named) == 1 else None), compound
+
+
+IMAGE_NAMES = ("image", "img")  # the first part that picks the image among compound members (rule 3)
+LABEL_NAMES = ("label", "cls", "class")
+META_NAMES = ("json", "meta", "metadata")
 
 
 def image_member(members) -> str | None:
-    """The extension of a sample's image member: the first of IMAGE_EXTS present, in any case."""
-    return _find(members, IMAGE_EXTS)
+    """The extension of a sample's image member (pick_member): plain jpg, jpeg, png or webp first."""
+    return pick_member(members, IMAGE_EXTS, IMAGE_NAMES)[0]
 
 
 def label_member(members) -> str | None:
-    return _find(members, (LABEL_EXT,))
+    return pick_member(members, (LABEL_EXT,), LABEL_NAMES)[0]
 
 
 def meta_member(members) -> str | None:
-    return _find(members, (META_EXT,))
+    return pick_member(members, (META_EXT,), META_NAMES)[0]
 
 
 # -- index files -----------------------------------------------------------------------------------
@@ -258,15 +291,17 @@ def format_index(entries: list[IndexEntry]) -> str:
 
 # -- indexing a tar ---------------------------------------------------------------------------------
 class _Hashing:
-    """A read-only stream that hashes and counts what passes through it."""
+    """A read-only stream that hashes and counts what passes through it (and writes it to `copy`)."""
 
-    def __init__(self, raw):
-        self.raw, self.h, self.n = raw, hashlib.sha256(), 0
+    def __init__(self, raw, copy=None):
+        self.raw, self.h, self.n, self.copy = raw, hashlib.sha256(), 0, copy
 
     def read(self, n: int = -1) -> bytes:
         data = self.raw.read(n) if n is not None and n >= 0 else self.raw.read()
         self.h.update(data)
         self.n += len(data)
+        if self.copy is not None:
+            self.copy.write(data)
         return data
 
     def drain(self) -> None:
@@ -275,7 +310,33 @@ class _Hashing:
 
 
 class TarFormatError(ValueError):
-    """A shard that is not a readable tar; the message says what is wrong."""
+    """A shard that is not a readable tar (or gzip); the message says what is wrong."""
+
+
+class Counting:
+    """A read-only stream that counts the bytes read from it (a compressed shard's own size)."""
+
+    def __init__(self, raw):
+        self.raw, self.n = raw, 0
+
+    def read(self, n: int = -1) -> bytes:
+        data = self.raw.read(n) if n is not None and n >= 0 else self.raw.read()
+        self.n += len(data)
+        return data
+
+
+class Gunzip:
+    """The decompressed bytes of a gzip stream (`.tar.gz`, `.tgz`, several members too, as gzip writes
+    them), a damaged one as TarFormatError. The stdlib's gzip: what tarfile and webdataset use."""
+
+    def __init__(self, raw):
+        self._gz = gzip.GzipFile(fileobj=raw, mode="rb")
+
+    def read(self, n: int = -1) -> bytes:
+        try:
+            return self._gz.read(n)
+        except (gzip.BadGzipFile, zlib.error, EOFError) as e:
+            raise TarFormatError(f"not a readable gzip ({type(e).__name__}: {str(e)[:100]})") from None
 
 
 @dataclass
@@ -286,13 +347,14 @@ class IndexedTar:
     duplicates: dict[int, str]  # entry position -> the member extension that appeared twice in it
 
 
-def index_tar(stream, on_member=None, wanted=lambda ext: True) -> IndexedTar:
-    """Index a tar read once from `stream` (a local file or an S3 body), as DALI's `wds2idx` does:
-    regular files only, consecutive members with the same key make one sample, names whose last
-    segment has no dot or starts with one are skipped. `on_member(position, key, ext, data)` sees every
-    member: its bytes as they pass when its extension is `wanted`, else None (the bytes skipped unread).
+def index_tar(stream, on_member=None, wanted=lambda ext: True, copy_to=None) -> IndexedTar:
+    """Index a tar read once from `stream` (a local file, an S3 or HTTP body, or a Gunzip of one), as
+    DALI's `wds2idx` does: regular files only, consecutive members with the same key make one sample,
+    names whose last segment has no dot or starts with one are skipped. `on_member(position, key, ext,
+    data)` sees every member: its bytes as they pass when its extension is `wanted`, else None (the bytes
+    skipped unread). Every byte of the stream is written to `copy_to` (a binary file) when given.
     Returns the entries with the size and sha256 of the whole stream."""
-    src = _Hashing(stream)
+    src = _Hashing(stream, copy_to)
     entries: list[IndexEntry] = []
     duplicates: dict[int, str] = {}
     try:

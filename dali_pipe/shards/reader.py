@@ -57,7 +57,8 @@ class ShardEntries:
 
 def read_entries(shards) -> list[ShardEntries]:
     """Each shard's image and label members from its DALI index file (a table group: its rows), minus
-    `shards.excluded`. A sample without an image or a cls member stops here, naming its shard and key."""
+    `shards.excluded`. A sample without an image or (unless `shards.labels` is False) a cls member stops
+    here, naming its shard and key."""
     out = []
     excluded_by_shard: dict[int, set[int]] = {}
     for sh, entry in shards.excluded:
@@ -81,11 +82,12 @@ def read_entries(shards) -> list[ShardEntries]:
         for i, e in enumerate(entries):
             if i in excluded:
                 continue
-            ext, cls = image_member(e.members), label_member(e.members)
-            if ext is None or cls is None:
+            ext, cls = image_member(e.members), label_member(e.members) if shards.labels else None
+            if ext is None or (cls is None and shards.labels):
                 what = "an image (jpg, jpeg, png or webp)" if ext is None else "a cls member"
                 raise ShardReadError(f"{path}: sample {e.key!r} has no {what}; pack the data again")
-            image[i], label[i] = e.members[ext], e.members[cls]
+            image[i] = e.members[ext]
+            label[i] = e.members[cls] if cls is not None else (e.members[ext][0], 0)  # no label: nothing to read
         usable = np.array([i for i in range(len(entries)) if i not in excluded], np.int64)
         out.append(ShardEntries([e.key for e in entries], image, label, usable))
     return out
@@ -223,6 +225,8 @@ class ShardReader:
             image, cls = os.pread(fd, int(isize), int(ioff)), os.pread(fd, int(csize), int(coff))
             if len(image) != isize or len(cls) != csize:
                 self._short(shard, e.keys[entry])
+        if not self.shards.labels:
+            return np.frombuffer(image, np.uint8), -1
         try:
             label = parse_cls(cls)
         except LabelFormatError as err:

@@ -6,48 +6,81 @@
   index file, sample count, size, sha256 and the image_path of each sample; a folder or s3:// prefix
   (`shards.cache.fetch` brings it local);
 - shards written by others (webdataset's `ShardWriter`, img2dataset, any WebDataset tool) with no
-  packed.json and no dataset.tsv: a folder of `.tar` files, a brace pattern
-  (`shards/train-{000000..000099}.tar`), or an s3:// prefix of `.tar` objects. Each shard is indexed
-  once (`format.index_tar`, one pass; on S3 one streaming GET) into CACHE_DIR/shards, with its size
-  and sha256; the user's folder or bucket is never written. Images are the first of jpg, jpeg, png
-  and webp in a sample, labels its integer `cls`. Classes are the `cls` integers, named by a
-  `classes.txt` beside the shards (one name per line, in index order), else by the `label` of each
-  sample's `json`, else by the integers themselves. The split: shards named `val`/`validation` are
-  validation and the rest training; when no shard is so named, a sample goes to validation when a
-  hash of its key and --seed falls below --val-fraction (so adding shards never moves a sample).
+  packed.json and no dataset.tsv, as `.tar`, `.tar.gz` or `.tgz`: a folder of them (or, when it holds
+  none itself, its train/, val/ and test/ subfolders of them), one shard file, a brace pattern
+  (`shards/train-{000000..000099}.tar`, nested groups too, expanded by braceexpand as webdataset
+  does), an s3:// prefix (or its train/ and val/ sub-prefixes), or https:// URLs (one, or a brace
+  pattern: a server lists no folder). Each shard is indexed once (`format.index_tar`, one pass; on S3
+  or HTTP one streaming GET) into CACHE_DIR/shards, with its size and sha256; the user's folder or
+  bucket is never written. A gzipped shard is decompressed in that same pass into CACHE_DIR/gunzip
+  (one copy per source, refused up front when the copies would not fit on the cache disk with
+  cache.HEADROOM spare, bounded while written), and read from there: checked by sha256 on every run
+  (a cached verdict: a stat), made again when gone or damaged. Images and labels: the members
+  `format.pick_member` chooses (plain jpg, jpeg, png, webp and `cls`; else compound names such as
+  `image.jpg` and `label.cls`, as webdataset's `to_tuple` reads them). Classes are the `cls`
+  integers, named by a `classes.txt` beside the shards (one name per line, in index order), else by
+  the `label` of each sample's `json`, else by the integers themselves; predict reads no `cls`, so
+  shards without labels (img2dataset, LAION) are labelled too. The split: shards named
+  `val`/`validation` (in their path below the folder that holds them all) are validation and the rest
+  training, shards named `test` neither (said at start-up); when no shard is named val, a sample goes
+  to validation when a hash of its key and --seed falls below --val-fraction (so adding shards never
+  moves a sample). Every file beside the shards that is neither a shard nor a known sidecar (indexes,
+  classes.txt, img2dataset's per-shard parquet and stats, a README) is named at start-up.
 
 Every shard's samples are then checked before any pipeline is built, their verdicts cached by shard
 (path, size, mtime; or URL, size, ETag): the `.cls` of each (outside the classes of a pack: an error
 naming the shard and key), and with `--scan fast|full` its image, with the checks the file scan uses
 (headers; or a decode with DALI's CPU decoder). Bad members of peer shards (no `.cls`, a non-integer
-one, no image, a duplicate key, an image that fails the scan) and bad images of packs are kept out
-of the pipeline through `Shards.excluded` and listed in bad_images.tsv with shard and key, under the
-same --max-bad-fraction bound as files.
+one, no image, several candidates and none to prefer, a duplicate key, an image that fails the scan)
+and bad images of packs are kept out of the pipeline through `Shards.excluded` and listed in
+bad_images.tsv with shard and key, under the same --max-bad-fraction bound as files.
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import json
 import os
 import posixpath
 import re
+import shutil
 import sys
 import tarfile
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import urlsplit
+
+from braceexpand import UnbalancedBracesError, braceexpand
 
 from ..config import DataSettings
 from ..errors import UserError
-from ..forms import is_image_name, local_form, split_of
+from ..forms import (
+    SHARD_FOLDERS,
+    SHARD_SUFFIXES,
+    is_image_name,
+    is_shard_name,
+    local_form,
+    shard_files,
+    split_of,
+    url_problem,
+)
+from ..https import HttpError, head, is_http, open_stream, read_small, shown
 from ..pipeline import Shards
 from ..scan import DaliDecoder, ScanResult, check_bytes
 from ..sync import SyncError, explain, local_target, make_client, parse_s3_uri, read_object
-from ..workdir import remove_dead_temps
-from .cache import fetch
+from ..workdir import human_bytes, remove_dead_temps
+from .cache import HEADROOM, Verdicts, check_file, fetch, is_remote
 from .format import (
+    IMAGE_EXTS,
+    IMAGE_NAMES,
+    LABEL_EXT,
+    LABEL_NAMES,
     PACKED_NAME,
+    Counting,
+    Gunzip,
     IndexEntry,
     IndexFormatError,
     PackedFormatError,
@@ -62,14 +95,25 @@ from .format import (
     meta_member,
     parse_cls,
     parse_packed,
+    pick_member,
     read_index,
     used_member,
 )
 
 CLASSES_NAME = "classes.txt"
-S3_ATTEMPTS = 3  # streaming GETs of one shard while indexing it, when the connection is cut
+S3_ATTEMPTS = 3  # streaming GETs of one shard (S3 or HTTP) while indexing it, when the connection is cut
 VAL_WORDS = {"val", "valid", "validation"}
+TEST_WORDS = {"test", "testing"}
+GZIP_SUFFIXES = (".tar.gz", ".tgz")
+GUNZIP_DIR = "gunzip"  # CACHE/gunzip: the decompressed copies of gzipped shards
+UNUSED_SHOWN = 8  # unread files named at start-up (then a count)
+_UNSAFE_NAME = re.compile(r"[^A-Za-z0-9_.-]")
 MANIFEST_NAME = "dataset.tsv"
+# files beside shards that are not data and not worth a word (lower case): what others' tools write next to
+# their shards (indexes, img2dataset's NNNNN.parquet and NNNNN_stats.json, named after a shard), docs
+SIDECAR_NAMES = {CLASSES_NAME, PACKED_NAME, MANIFEST_NAME, "bad_images.tsv", "stats.json", "readme", "readme.md",
+                 "readme.txt", "license", "license.txt", "license.md", "dataset_info.json"}
+SIDECAR_SUFFIXES = (".idx", ".index", ".wids.json")
 
 
 class ShardSourceError(UserError):
@@ -78,46 +122,62 @@ class ShardSourceError(UserError):
 
 # -- what --data is -----------------------------------------------------------------------------
 def is_brace_pattern(data: str) -> bool:
-    return bool(re.search(r"\{[^{}]*(\.\.|,)[^{}]*\}", data))
+    """Whether --data is a brace pattern (`shards-{000..099}.tar`, nested too) that names several shards."""
+    if "{" not in data:
+        return False
+    try:
+        return _expand(data) != [data]
+    except UnbalancedBracesError:
+        return True  # taken as a pattern, so that expand_braces names what is wrong with it
 
 
 def expand_braces(pattern: str) -> list[str]:
-    """webdataset's shard patterns: `{000..099}` (zero padding kept, as braceexpand does) and
-    `{a,b,c}`, several groups allowed, not nested. Hand-written: a dependency for these few lines
-    would be one more package in the image (tests check it against braceexpand)."""
-    m = re.search(r"\{([^{}]*)\}", pattern)
-    if not m:
-        return [pattern]
-    body, head, tail = m.group(1), pattern[:m.start()], pattern[m.end():]
-    r = re.fullmatch(r"(-?\d+)\.\.(-?\d+)(?:\.\.(-?\d+))?", body)
-    if r:
-        a, b = int(r.group(1)), int(r.group(2))
-        step = abs(int(r.group(3) or 1)) or 1
-        width = max(len(r.group(1)), len(r.group(2))) if (
-            r.group(1).lstrip("-").startswith("0") or r.group(2).lstrip("-").startswith("0")) else 0
-        values = range(a, b + 1, step) if a <= b else range(a, b - 1, -step)
-        items = [f"{v:0{width}d}" for v in values]
-    elif "," in body:
-        items = body.split(",")
-    else:
-        return [head + "{" + body + "}" + t for t in expand_braces(tail)]
-    return [head + item + t for item in items for t in expand_braces(tail)]
+    """The shards a brace pattern names, in order, exactly as webdataset expands them (it uses braceexpand:
+    `{000..099}` keeps the zero padding, `{a,b}`, nested groups, several groups). Unbalanced braces are
+    refused, naming the pattern."""
+    try:
+        return _expand(pattern)
+    except UnbalancedBracesError:
+        raise ShardSourceError(f"--data {shown(pattern)!r}: its braces do not balance; write a pattern such as "
+                               "shards/train-{000000..000099}.tar") from None
+
+
+def _expand(pattern: str) -> list[str]:
+    return list(braceexpand(pattern))
+
+
+def is_gzip(name: str) -> bool:
+    return name.lower().endswith(GZIP_SUFFIXES)
+
+
+def _stem(name: str) -> str:
+    """A shard's name without its suffix (`val-000000.tar.gz` -> `val-000000`)."""
+    low = name.lower()
+    return name[: -len(next(x for x in SHARD_SUFFIXES if low.endswith(x)))] if is_shard_name(name) else name
 
 
 SHARD_KINDS = ("pack", "shards", "parquet", "arrow")  # read as encoded bytes through the shard reader
 
 
 def source_kind(data: str, cache_dir: str | None = None) -> str:
-    """What --data is, as the readers split it: 'pack', 'shards' (written by others), 'parquet' or 'arrow' (a
-    Hugging Face dataset: Parquet files, or a save_to_disk folder), all read through the shard reader; or
-    'imagefolder' (class subfolders) or 'files' (a dataset.tsv and image files, or anything else: a folder of
-    images for predict), both read as files. An s3:// prefix is asked once per process; a pack already
-    fetched is known from the cache dir."""
+    """What --data is, as the readers split it: 'pack', 'shards' (written by others: a folder, a shard file, a
+    brace pattern, https:// URLs), 'parquet' or 'arrow' (a Hugging Face dataset: Parquet files, or a
+    save_to_disk folder), all read through the shard reader; or 'imagefolder' (class subfolders) or 'files'
+    (a dataset.tsv and image files, or anything else: a folder of images, an image or a list file for
+    predict), both read as files. An s3:// prefix is asked once per process; a pack already fetched is known
+    from the cache dir. A URL of another scheme (`pipe:`, `gs://`, ...) is refused."""
+    problem = url_problem(data)
+    if problem:
+        raise ShardSourceError(problem)
+    if is_http(data):
+        return "shards"
     if data.startswith("s3://"):
         return _s3_kind(data, cache_dir)
     if is_brace_pattern(data):
         return "shards"
     p = Path(data)
+    if p.is_file():
+        return "shards" if is_shard_name(p.name) else "files"
     if not p.is_dir():
         return "files"
     form = local_form(p)
@@ -138,11 +198,15 @@ def _s3_kind(data: str, cache_dir: str | None) -> str:
     bucket, prefix = parse_s3_uri(data)
     base = f"{prefix}/" if prefix else ""
     client = make_client(4)
-    names = _list_top(client, bucket, base, pages=1)  # one page: enough to tell, whatever the prefix holds
+    folders: list[str] = []
+    names = _list_top(client, bucket, base, pages=1, folders=folders)  # one page: enough to tell
     if MANIFEST_NAME in names:
         return "files"
-    if any(n.endswith(".tar") for n in names):
+    if any(is_shard_name(n) for n in names):
         return "shards"
+    for sub in (f for f in folders if f.lower() in SHARD_FOLDERS):  # train/ and val/ sub-prefixes of shards
+        if any(is_shard_name(n) for n in _list_top(client, bucket, f"{base}{sub}/", pages=1)):
+            return "shards"
     keys = list_first(client, bucket, base)  # the folders too: data/*.parquet, CLASS/IMAGE
     if "dataset_dict.json" in keys or {"state.json", "dataset_info.json"} <= set(keys):
         return "arrow"
@@ -173,8 +237,10 @@ def parquet_keys(keys) -> list[str]:
     return sorted(k for k in keys if found(k))
 
 
-def _list_top(client, bucket: str, base: str, pages: int | None = None) -> dict[str, tuple[int, str]]:
-    """{name: (size, ETag)} of the objects directly under s3://bucket/base (not in its sub-folders)."""
+def _list_top(client, bucket: str, base: str, pages: int | None = None,
+              folders: list | None = None) -> dict[str, tuple[int, str]]:
+    """{name: (size, ETag)} of the objects directly under s3://bucket/base (not in its sub-folders); the
+    sub-folders' names are appended to `folders` when given."""
     from botocore.exceptions import BotoCoreError, ClientError
 
     out: dict[str, tuple[int, str]] = {}
@@ -183,6 +249,8 @@ def _list_top(client, bucket: str, base: str, pages: int | None = None) -> dict[
                                                                                  Delimiter="/")):
             for obj in page.get("Contents", []):
                 out[obj["Key"][len(base):]] = (obj["Size"], obj["ETag"].strip('"'))
+            if folders is not None:
+                folders += [p["Prefix"][len(base):].rstrip("/") for p in page.get("CommonPrefixes", [])]
             if pages is not None and n + 1 >= pages:
                 break
     except (BotoCoreError, ClientError) as e:
@@ -208,9 +276,13 @@ class Shard:
     image_paths: list[str]  # what bad_images.tsv and predict call each sample
     cls: list[int | None]  # the class index in each .cls (None: unknown or bad)
     bad: dict[int, str] = field(default_factory=dict)  # entry -> reason it is left out
-    split: list[str] = field(default_factory=list)  # "train" or "val" per entry
+    split: list[str] = field(default_factory=list)  # "train", "val" or "test" (left out of both) per entry
     label_names: list[str | None] = field(default_factory=list)  # json labels (shards of others)
     group: object = None  # a table shard's pipeline.TableGroup (Hugging Face datasets, shards/tables.py)
+    origin: str = ""  # where the user keeps it (a .tar.gz's path, where `path` is its decompressed copy)
+
+    def __post_init__(self):
+        self.origin = self.origin or self.path
 
 
 @dataclass
@@ -226,6 +298,9 @@ class ShardSet:
     meta: dict = field(default_factory=dict)
     missing: list[str] = field(default_factory=list)
     unscanned: int = 0  # shards read from S3 as needed, whose members could not be checked beforehand
+    unused: list[str] = field(default_factory=list)  # what --data holds and is not read (said at start-up)
+    held_out: str = ""  # shards named test, neither trained on nor validated (said at start-up)
+    labels: bool = True  # False: predict, which reads no cls (shards without labels are read too)
     train: Shards = field(init=False)
     val: Shards = field(init=False)
     test: Shards = field(init=False)
@@ -246,7 +321,7 @@ class ShardSet:
         return Shards(paths=tuple(s.path for s in chosen), index_paths=tuple(s.index_path for s in chosen),
                       samples=sum(len(s.keys) for s in chosen) - len(excluded), remap=self.remap,
                       sizes=tuple(s.size for s in chosen), sha256=tuple(s.sha256 for s in chosen), excluded=excluded,
-                      groups=groups)
+                      groups=groups, labels=self.labels)
 
     @property
     def total(self) -> int:
@@ -296,20 +371,20 @@ def open_packed(data: str, cache_dir: str | Path) -> ShardSet:
     return _open_pack(DataSettings(data=data, cache_dir=str(cache_dir), scan="off"), members=False)
 
 
-def open_shards(data, *, num_threads: int = 1, progress: bool = False) -> ShardSet:
+def open_shards(data, *, num_threads: int = 1, progress: bool = False, labels: bool = True) -> ShardSet:
     """The shards at --data (a pack or shards of others), checked; verdicts are cached, so only the
-    first call reads the shards."""
+    first call reads the shards. `labels` False: a sample needs no cls (predict)."""
     kind = source_kind(data.data, data.cache_dir)
     if kind == "pack":
         return _open_pack(data, members=True, num_threads=num_threads, progress=progress)
-    return _open_peer(data, num_threads=num_threads, progress=progress)
+    return _open_peer(data, num_threads=num_threads, progress=progress, labels=labels)
 
 
-def prepare_shards(data, *, num_threads: int, workers: int) -> ShardSet:
+def prepare_shards(data, *, num_threads: int, workers: int, labels: bool = True) -> ShardSet:
     """Once per node: fetch a pack from S3 (shards.cache.fetch), index shards of others, check every member."""
     if source_kind(data.data, data.cache_dir) == "pack":
         fetch(data.data, data.cache_dir, mode=data.packed_s3, workers=workers)
-    return open_shards(data, num_threads=num_threads, progress=True)
+    return open_shards(data, num_threads=num_threads, progress=True, labels=labels)
 
 
 def _pack_root(data: str, cache_dir) -> Path:
@@ -388,7 +463,7 @@ def _check_pack_members(shards: list[Shard], classes: list[str], data, *, num_th
             bar.update(1)
             continue
         checked = _cached_check(s, Path(data.cache_dir), level, data.max_pixels, num_threads)
-        for e, raw_problem in checked["problems"].items():
+        for e, raw_problem in {**checked["labels"], **checked["problems"]}.items():
             raise ShardSourceError(f"{s.name}: sample {s.keys[int(e)]!r} {raw_problem} (in {s.index_path}); the pack "
                                    "is damaged: pack the data again")
         recorded = s.image_paths if s.image_paths != s.keys else [None] * len(s.keys)  # packed/1: no image_paths
@@ -424,7 +499,8 @@ class _Collector:
         self.cls: dict[int, int | None] = {}
         self.names: dict[int, str | None] = {}
         self.paths: dict[int, str | None] = {}  # the json member's image_path (packs)
-        self.problems: dict[int, str] = {}
+        self.problems: dict[int, str] = {}  # no image, several candidates, a member not where the index says
+        self.labels: dict[int, str] = {}  # no usable cls (only training and evaluation need one)
         self.images: dict[int, str] = {}
         self._pos, self._key, self._members, self._batch = None, "", {}, {}
         self._decoder = None
@@ -433,7 +509,7 @@ class _Collector:
 
     def reset(self) -> None:
         """Forget what was collected (the shard is read again from its start)."""
-        self.cls, self.names, self.paths, self.problems, self.images = {}, {}, {}, {}, {}
+        self.cls, self.names, self.paths, self.problems, self.labels, self.images = {}, {}, {}, {}, {}, {}
         self._pos, self._key, self._members, self._batch = None, "", {}, {}
 
     def member(self, pos: int, key: str, ext: str, data: bytes | None) -> None:
@@ -452,22 +528,19 @@ class _Collector:
             return
 
         pos, m = self._pos, self._members
-        ext = label_member(m)
+        img, images = pick_member(m, IMAGE_EXTS, IMAGE_NAMES)
+        ext, labels = pick_member(m, (LABEL_EXT,), LABEL_NAMES)
         raw = m.get(ext) if ext else None
-        problem = cls_problem(raw)
+        problem = cls_problem(raw) if ext or len(labels) < 2 else self._several("label", labels, images)
         self.cls[pos] = parse_cls(raw) if problem is None else None
         if problem:
-            dotted = sorted(x for x in m if "." in x and used_member(x.rsplit(".", 1)[1]))
-            if dotted and raw is None:  # ShardWriter's key `img.v2`: members `img` + `v2.jpg`, as webdataset reads them
-                problem += (f"; its members are named {self._key}.{dotted[0]}: a key ends at the first dot of a "
-                            "member's name (as webdataset and DALI read it), so write keys without dots")
-            self.problems.setdefault(pos, problem)
+            self.labels.setdefault(pos, problem)
         meta = meta_member(m)
         self.names[pos] = json_label(m[meta]) if meta else None
         self.paths[pos] = json_image_path(m[meta]) if meta else None
-        img = image_member(m)
         if img is None:
-            self.problems.setdefault(pos, "has no image member (jpg, jpeg, png or webp)")
+            self.problems.setdefault(pos, self._several("image", images, labels) if len(images) > 1 else
+                                     "has no image member (jpg, jpeg, png or webp)")
         elif self.level != "off":
             reason = check_bytes(m[img], self.max_pixels)
             if reason:
@@ -477,6 +550,17 @@ class _Collector:
                 if len(self._batch) >= self._decoder.batch_size:
                     self._flush()
         self._pos, self._members = None, {}
+
+    def _several(self, what: str, members: list[str], others: list[str]) -> str:
+        """Why a sample with several compound members for its image (or label) and no plain one is left out."""
+        named = {"image": "image.jpg", "label": "label.cls"}[what]
+        reason = (f"holds several {what} members ({', '.join(members[:4])}) and no plain one; name the one to read "
+                  f"KEY.{named.split('.')[1]} or KEY.{named}")
+        if {x.split(".", 1)[0] for x in members} & {x.split(".", 1)[0] for x in others}:  # v1.jpg + v1.cls, v2.jpg ...
+            reason += (f" (if these are samples whose keys hold a dot, {self._key}.{members[0].split('.')[0]} and so on, "
+                       "webdataset reads them as one sample too: a key ends at the first dot, so write keys without "
+                       "dots)")
+        return reason
 
     def _flush(self) -> None:
         if self._batch:
@@ -494,6 +578,7 @@ class _Collector:
         return {"cls": [self.cls.get(e) for e in range(n)], "names": [self.names.get(e) for e in range(n)],
                 "paths": [self.paths.get(e) for e in range(n)],
                 "problems": {str(e): r for e, r in self.problems.items()},
+                "labels": {str(e): r for e, r in self.labels.items()},
                 "images": {str(e): r for e, r in self.images.items()}, "level": self.level,
                 "max_pixels": self.max_pixels}
 
@@ -537,11 +622,13 @@ def write_atomic(path: Path, text: str) -> None:
         tmp.write_text(text, encoding="utf-8", errors="surrogateescape")
         os.replace(tmp, path)
     except OSError as e:
-        tmp.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
         if e.errno in (errno.ENOSPC, errno.EDQUOT):
             raise ShardSourceError(f"no space left to write {path} ({e.strerror}); free space there, or pass "
                                    "another --cache-dir / --output") from None
-        raise
+        raise ShardSourceError(f"cannot write {path} ({e.strerror or e}); make its folder writable, or pass another "
+                               "--cache-dir / --output") from None
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
@@ -555,8 +642,9 @@ def load_json(path: Path) -> dict | None:
 
 
 def _covers(checked: dict | None, level: str, max_pixels: int, n: int) -> bool:
-    return bool(checked) and len(checked["cls"]) == n and LEVELS[checked["level"]] >= LEVELS[level] and (
-        level == "off" or checked["max_pixels"] == max_pixels)
+    """Whether a cached check holds what this run needs (a check without "labels" is of an older version)."""
+    return bool(checked) and "labels" in checked and len(checked["cls"]) == n and LEVELS[checked["level"]] >= LEVELS[
+        level] and (level == "off" or checked["max_pixels"] == max_pixels)
 
 
 def _cached_check(s: Shard, cache_dir: Path, level: str, max_pixels: int, num_threads: int) -> dict:
@@ -577,43 +665,111 @@ def _cached_check(s: Shard, cache_dir: Path, level: str, max_pixels: int, num_th
 # -- shards written by others -------------------------------------------------------------------
 @dataclass
 class _Listed:
-    name: str  # file name or URL, for messages
-    path: str  # local absolute path or s3:// URL
+    name: str  # file name or URL (redacted), for messages
+    path: str  # local absolute path, s3:// or https:// URL
     identity: str  # what the cached index is valid for
-    size: int | None
+    size: int | None  # of the file or object as stored (compressed, for a .tar.gz)
+    copy: Path | None = None  # a gzipped shard: where its decompressed tar is kept (CACHE/gunzip)
+    reuse: bool = True  # False: indexed again on every run (a server that gives no ETag or Last-Modified)
 
 
-def _list_peer(data: str) -> tuple[list[_Listed], str | None]:
-    """The shards --data names, in order, and the text of its classes.txt (or None)."""
-    if data.startswith("s3://"):
-        return _list_s3(data)
+@dataclass
+class _Found:
+    """What --data names: its shards, the text of its classes.txt, and the files beside them that are not read."""
+    items: list[_Listed]
+    classes_txt: str | None = None
+    unused: list[str] = field(default_factory=list)
+
+
+def _gunzip_copy(cache_dir: Path, item: _Listed) -> _Listed:
+    """A gzipped shard's decompressed tar lives at one place per source (a digest of its path or URL), so a
+    shard that changed replaces its own copy and the folder holds one copy per shard ever read."""
+    if is_gzip(item.path.split("?", 1)[0]):
+        digest = hashlib.sha256(item.path.encode("utf-8", "surrogatepass")).hexdigest()[:16]
+        base = _stem(item.path.split("?", 1)[0].rsplit("/", 1)[-1])
+        item.copy = cache_dir / GUNZIP_DIR / f"{digest}-{_UNSAFE_NAME.sub('_', base)[:80]}.tar"
+    return item
+
+
+def _list_peer(data: str, cache_dir: Path) -> _Found:
+    """The shards --data names, in order, with their classes.txt and the unread files beside them."""
+    if is_http(data):
+        found = _list_http(data)
+    elif data.startswith("s3://"):
+        found = _list_s3(data)
+    else:
+        found = _list_local(data)
+    found.items = [_gunzip_copy(cache_dir, it) for it in found.items]
+    return found
+
+
+def _list_local(data: str) -> _Found:
+    folders: list[Path] = []
     if is_brace_pattern(data):
         paths = [Path(p) for p in expand_braces(data)]
         missing = [str(p) for p in paths if not p.is_file()]
         if missing:
             raise ShardSourceError(f"--data {data!r}: {len(missing)} of its {len(paths)} shard(s) do not exist, e.g. "
                                    f"{missing[0]}; fix the pattern or the files")
-        folder = paths[0].parent
+        folder = Path(posixpath.commonpath([str(p.parent) for p in paths])) if len(paths) > 1 else paths[0].parent
+    elif Path(data).is_file():
+        paths, folder = [Path(data)], Path(data).parent
     else:
         folder = Path(data)
-        dangling = sorted(p for p in folder.glob("*.tar") if p.is_symlink() and not p.exists())
-        if dangling:
-            raise ShardSourceError(f"{dangling[0]} is a dangling symbolic link (-> {os.readlink(dangling[0])}); "
-                                   f"{len(dangling)} shard link(s) in {folder} point nowhere: fix or remove them")
-        paths = sorted(p for p in folder.glob("*.tar") if p.is_file())
+        paths, folders = shard_files(folder)
+    dangling = [p for p in paths if p.is_symlink() and not p.exists()]
+    if dangling:
+        raise ShardSourceError(f"{dangling[0]} is a dangling symbolic link (-> {os.readlink(dangling[0])}); "
+                               f"{len(dangling)} shard link(s) in {dangling[0].parent} point nowhere: fix or remove them")
     listed = []
     for p in paths:
         st = p.stat()
         path = str(p.resolve())
-        listed.append(_Listed(p.name, path, f"file\0{path}\0{st.st_size}\0{st.st_mtime_ns}", st.st_size))
+        listed.append(_Listed(str(p.relative_to(folder)), path,  # `val/part-0.tar` beside `train/part-0.tar`
+                              f"file\0{path}\0{st.st_size}\0{st.st_mtime_ns}", st.st_size))
+    unused = _unread_local(folder, paths, folders) if Path(data).is_dir() else []
     classes = folder / CLASSES_NAME
-    return listed, classes.read_text(encoding="utf-8-sig") if classes.is_file() else None  # -sig: a BOM is no name
+    return _Found(listed, classes.read_text(encoding="utf-8-sig") if classes.is_file() else None,  # -sig: a BOM
+                  unused)
 
 
-def _list_s3(data: str) -> tuple[list[_Listed], str | None]:
+def _unread(names: list[tuple[str, bool]], used: set[str], stems: set[str], prefix: str = "") -> list[str]:
+    """Of (name, is a folder) in a folder, those neither used nor a sidecar (hidden names aside), as
+    `prefix + name` with why where it helps."""
+    out = []
+    for name, is_dir in names:
+        if name.startswith(".") or name in used:
+            continue
+        low = name.lower()
+        if not is_dir and (low in SIDECAR_NAMES or low.endswith(SIDECAR_SUFFIXES)
+                           or name.split(".", 1)[0].removesuffix("_stats") in stems):
+            continue
+        if is_dir:
+            out.append(f"{prefix}{name}/ (a folder)")
+        elif re.search(r"\.(tar\.(bz2|xz|zst|lz4)|tbz2?|txz|zip|7z|rar)$", low):
+            out.append(f"{prefix}{name} (only .tar, .tar.gz and .tgz shards are read)")
+        else:
+            out.append(prefix + name)
+    return out
+
+
+def _unread_local(folder: Path, paths: list[Path], subfolders: list[Path]) -> list[str]:
+    stems = {_stem(p.name) for p in paths}
+    used = {p.name for p in paths} | {d.name for d in subfolders}
+    out = _unread([(p.name, p.is_dir()) for p in sorted(folder.iterdir())], used, stems)
+    for d in subfolders:
+        out += _unread([(p.name, p.is_dir()) for p in sorted(d.iterdir())], used | {CLASSES_NAME}, stems,
+                       prefix=f"{d.name}/")
+        if (d / CLASSES_NAME).is_file() and not (folder / CLASSES_NAME).is_file():
+            out.append(f"{d.name}/{CLASSES_NAME} (classes.txt is read beside the subfolders: move it up)")
+    return out
+
+
+def _list_s3(data: str) -> _Found:
     from botocore.exceptions import BotoCoreError, ClientError
 
     client = make_client(4)
+    unused: list[str] = []
     if is_brace_pattern(data):  # its shards may lie in several folders (`{train,val}/part-0.tar`): each listed once
         urls = expand_braces(data)
         folders: dict[str, dict] = {}
@@ -630,11 +786,27 @@ def _list_s3(data: str) -> tuple[list[_Listed], str | None]:
         base = f"{prefix}/" if prefix else ""
         remote = folders[urls[0].rsplit("/", 1)[0]]
         found = [(u, folders[u.rsplit("/", 1)[0]][u.rsplit("/", 1)[1]]) for u in urls]
+        names = [u.rsplit("/", 1)[1] for u in urls]
     else:
         bucket, prefix = parse_s3_uri(data)
         base = f"{prefix}/" if prefix else ""
-        remote = _list_top(client, bucket, base)
-        found = [(f"s3://{bucket}/{base}{n}", remote[n]) for n in sorted(n for n in remote if n.endswith(".tar"))]
+        subs: list[str] = []
+        remote = _list_top(client, bucket, base, folders=subs)
+        names = sorted(n for n in remote if is_shard_name(n))
+        found = [(f"s3://{bucket}/{base}{n}", remote[n]) for n in names]
+        used_subs = []
+        if not found:  # train/ and val/ sub-prefixes of shards
+            for sub in sorted(f for f in subs if f.lower() in SHARD_FOLDERS):
+                inside = _list_top(client, bucket, f"{base}{sub}/")
+                shard_names = sorted(n for n in inside if is_shard_name(n))
+                if shard_names:
+                    used_subs.append(sub)
+                    found += [(f"s3://{bucket}/{base}{sub}/{n}", inside[n]) for n in shard_names]
+                    names += [f"{sub}/{n}" for n in shard_names]
+                    unused += _unread([(n, False) for n in sorted(inside)], set(shard_names) | {CLASSES_NAME},
+                                      {_stem(n) for n in shard_names}, prefix=f"{sub}/")
+        unused = _unread([(n, False) for n in sorted(remote)] + [(f, True) for f in sorted(subs)],
+                         set(names) | set(used_subs), {_stem(n.rsplit("/", 1)[-1]) for n in names}) + unused
     listed = []
     for url, (size, etag) in found:
         b, key = parse_s3_uri(url)
@@ -645,87 +817,237 @@ def _list_s3(data: str) -> tuple[list[_Listed], str | None]:
             classes = client.get_object(Bucket=bucket, Key=base + CLASSES_NAME)["Body"].read().decode("utf-8-sig")
         except (BotoCoreError, ClientError) as e:
             raise SyncError(explain(e, bucket, base + CLASSES_NAME)) from None
-    return listed, classes
+    return _Found(listed, classes, unused)
 
 
-def _index_peer(item: _Listed, cache_dir: Path, level: str, max_pixels: int, num_threads: int) -> dict:
+def _list_http(data: str) -> _Found:
+    """https:// shards: one URL or a brace pattern of them (a server lists no folder). One HEAD each gives
+    the size and validator a cached index is kept for; classes.txt is looked for beside the first shard."""
+    urls = expand_braces(data) if is_brace_pattern(data) else [data]
+    if not all(is_http(u) for u in urls):
+        raise ShardSourceError(f"--data {shown(data)!r}: a pattern names shards of one source: all https:// (or "
+                               "http://) URLs, or all local, or all s3://")
+    named = [u for u in urls if not is_shard_name(urlsplit(u).path)]
+    if named:
+        raise ShardSourceError(f"--data {shown(named[0])!r} names no shard: https:// URLs are read as WebDataset "
+                               "shards (.tar, .tar.gz, .tgz), one URL or a brace pattern (a server lists no folder); "
+                               "sync other data to a folder or S3 first")
+    with ThreadPoolExecutor(min(8, len(urls))) as pool:
+        heads = list(pool.map(_head, urls))
+    missing = [(u, e) for u, e in zip(urls, heads) if isinstance(e, HttpError)]
+    if missing:
+        raise ShardSourceError(f"--data {shown(data)!r}: {len(missing)} of its {len(urls)} shard(s) cannot be read, "
+                               f"e.g. {missing[0][1]}")
+    listed = [_Listed(shown(u), u, f"http\0{u}\0{size}\0{validator}", size, reuse=validator is not None)
+              for u, (size, validator) in zip(urls, heads)]
+    parts = [urlsplit(u) for u in urls]
+    common = posixpath.commonpath([posixpath.dirname(p.path) for p in parts]) if all(
+        p.netloc == parts[0].netloc for p in parts) else posixpath.dirname(parts[0].path)
+    raw = read_small(parts[0]._replace(path=posixpath.join(common, CLASSES_NAME), query="", fragment="").geturl())
+    return _Found(listed, raw.decode("utf-8-sig") if raw is not None else None)
+
+
+def _head(url: str):
+    try:
+        return head(url)
+    except HttpError as e:
+        return e
+
+
+def _gz_room(items: list[_Listed], cache_dir: Path) -> None:
+    """Refuse, before decompressing anything, gzipped shards whose copies would not fit on the cache disk
+    with HEADROOM to spare; a local one's size is read from its gzip trailer, a remote one's taken as its
+    compressed size (JPEG members barely compress)."""
+    todo = [it for it in items if it.copy is not None and not it.copy.is_file()]
+    if not todo:
+        return
+    need = sum(_gunzipped_size(it) for it in todo)
+    try:
+        (cache_dir / GUNZIP_DIR).mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ShardSourceError(f"cannot make {cache_dir / GUNZIP_DIR} for the decompressed copies of the gzipped "
+                               f"shards ({e.strerror or e}); make the cache dir writable, or pass another "
+                               "--cache-dir") from None
+    free = shutil.disk_usage(cache_dir / GUNZIP_DIR).free
+    if need + HEADROOM > free:
+        raise ShardSourceError(
+            f"{len(todo)} gzipped shard(s) decompress to about {human_bytes(need)} in {cache_dir / GUNZIP_DIR}, whose "
+            f"disk has {human_bytes(free)} free (keeping {human_bytes(HEADROOM)} spare); free space, pass another "
+            "--cache-dir, or decompress the shards yourself (gunzip) and pass the .tar files")
+
+
+def _gunzipped_size(item: _Listed) -> int:
+    size = item.size or 0
+    if is_remote(item.path):
+        return size
+    try:
+        with open(item.path, "rb") as f:  # gzip's ISIZE: the decompressed size modulo 4 GiB
+            f.seek(-4, os.SEEK_END)
+            return max(size, int.from_bytes(f.read(4), "little"))
+    except OSError:
+        return size
+
+
+def _index_peer(item: _Listed, cache_dir: Path, level: str, max_pixels: int, num_threads: int,
+                verdicts: Verdicts) -> dict:
     """Index one shard written by others (once: cached by its identity) and check its members at
-    `level` (at least the fast header checks, which cost nothing while its bytes pass)."""
+    `level` (at least the fast header checks, which cost nothing while its bytes pass). A gzipped shard
+    is decompressed into its copy in the same pass; a copy that is gone or no longer matches its sha256 is
+    made again."""
     idx = cache_file(cache_dir, item.identity, ".idx")
     meta_path = cache_file(cache_dir, item.identity, ".json")
-    meta = load_json(meta_path)
+    meta = load_json(meta_path) if item.reuse else None
     if meta and idx.is_file() and _covers(meta.get("checked"), level, max_pixels, meta["entries"]):
-        return {**meta, "index": str(idx)}
+        if item.copy is None:
+            return {**meta, "index": str(idx), "path": item.path}
+        problem = check_file(item.copy, meta["size"], meta["sha256"], verdicts)
+        if problem is None:
+            return {**meta, "index": str(idx), "path": str(item.copy)}
+        if item.copy.exists():
+            print(f"shards: the decompressed copy of {item.name} ({item.copy}) {problem}; decompressing it again",
+                  file=sys.stderr)
     level = "fast" if level == "off" else level
     collector = _Collector(level, max_pixels, num_threads)
     try:
-        if item.path.startswith("s3://"):
-            indexed = _index_s3(item, collector)
-        else:
-            with open(item.path, "rb") as f:
-                indexed = index_tar(f, collector.member, used_member)
+        indexed, stored = _read_source(item, collector)
     except TarFormatError as e:
         raise ShardSourceError(f"{item.name}: {e}; check the file, or leave it out of --data") from None
-    if item.size is not None and indexed.size != item.size:
-        raise ShardSourceError(f"{item.name} changed while it was read ({indexed.size} bytes, listed as {item.size}); "
+    if item.size is not None and stored != item.size:
+        raise ShardSourceError(f"{item.name} changed while it was read ({stored} bytes, listed as {item.size}); "
                                "rerun when it no longer changes")
+    if item.copy is not None:
+        verdicts.record(item.copy, indexed.sha256)
     checked = collector.close(len(indexed.entries))
     for e, ext in indexed.duplicates.items():
         checked["problems"].setdefault(str(e), f"holds two {ext} members (a key that repeats)")
     write_atomic(idx, format_index(indexed.entries))
     meta = {"source": item.name, "entries": len(indexed.entries), "size": indexed.size, "sha256": indexed.sha256,
-            "keys": [e.key for e in indexed.entries], "checked": checked}
+            "stored": stored, "keys": [e.key for e in indexed.entries], "checked": checked}
     write_atomic(meta_path, json.dumps(meta))
-    return {**meta, "index": str(idx)}
+    return {**meta, "index": str(idx), "path": str(item.copy or item.path)}
 
 
-def _index_s3(item: _Listed, collector: _Collector):
-    """One streaming GET of the shard, indexed and checked as it passes; nothing of it is stored."""
+def _read_source(item: _Listed, collector: _Collector):
+    """(the index of the shard read once from its source, the bytes read from it), decompressed into its
+    copy on the way for a gzipped one. An S3 or HTTP stream cut or short is read again from the start
+    (S3_ATTEMPTS in all); nothing of it is stored but the copy."""
     from botocore.exceptions import BotoCoreError, ClientError
 
-    bucket, key = parse_s3_uri(item.path)
-    client = make_client(1)
-    for attempt in range(S3_ATTEMPTS):  # a cut connection or a short body: read it again from the start
+    attempts = S3_ATTEMPTS if is_remote(item.path) else 1
+    for attempt in range(attempts):
+        last = attempt + 1 == attempts
         collector.reset()
         try:
-            indexed = index_tar(client.get_object(Bucket=bucket, Key=key)["Body"], collector.member, used_member)
-            if indexed.size == item.size or attempt + 1 == S3_ATTEMPTS:
-                return indexed
-        except (BotoCoreError, ClientError) as e:
-            if isinstance(e, ClientError) or attempt + 1 == S3_ATTEMPTS:
+            with _open_source(item) as raw:
+                counted = Counting(raw)
+                indexed = _index_stream(counted, item, collector)
+            if item.size is None or counted.n == item.size or last:
+                return indexed, counted.n
+        except ClientError as e:
+            bucket, key = parse_s3_uri(item.path)
+            raise SyncError(f"indexing {item.name}: {explain(e, bucket, key)}") from None
+        except BotoCoreError as e:
+            if last:
+                bucket, key = parse_s3_uri(item.path)
                 raise SyncError(f"indexing {item.name}: {explain(e, bucket, key)}") from None
+        except HttpError as e:
+            if e.status is not None or last:
+                raise ShardSourceError(f"indexing {e}") from None
         except TarFormatError:
-            if attempt + 1 == S3_ATTEMPTS:
+            if last:
                 raise
 
 
-def _open_peer(data, *, num_threads: int, progress: bool) -> ShardSet:
-    listed, classes_txt = _list_peer(data.data)
-    if not listed:
-        raise ShardSourceError(f"--data {data.data!r} holds no .tar shards, no dataset.tsv and no packed.json; pass a "
-                               "dataset folder, a pack, or a folder / brace pattern / s3:// prefix of WebDataset shards")
-    cache_dir = Path(data.cache_dir)
+@contextmanager
+def _open_source(item: _Listed):
+    if item.path.startswith("s3://"):
+        bucket, key = parse_s3_uri(item.path)
+        body = make_client(1).get_object(Bucket=bucket, Key=key)["Body"]
+        try:
+            yield body
+        finally:
+            body.close()
+    elif is_http(item.path):
+        body, _, _ = open_stream(item.path)
+        with body:
+            yield body
+    else:
+        with open(item.path, "rb") as f:
+            yield f
 
+
+def _index_stream(raw, item: _Listed, collector: _Collector):
+    if item.copy is None:
+        return index_tar(raw, collector.member, used_member)
+    tmp = item.copy.with_name(f".{item.copy.name}.tmp-{os.getpid()}")
+    try:
+        item.copy.parent.mkdir(parents=True, exist_ok=True)
+        with open(tmp, "wb") as out:
+            room = shutil.disk_usage(item.copy.parent).free - HEADROOM
+            indexed = index_tar(Gunzip(raw), collector.member, used_member, copy_to=_Bounded(out, room, item))
+        os.replace(tmp, item.copy)
+        return indexed
+    except OSError as e:
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise ShardSourceError(f"no space left to decompress {item.name} into {item.copy.parent} ({e.strerror}); "
+                                   "free space there, or pass another --cache-dir") from None
+        raise ShardSourceError(f"cannot write the decompressed copy of {item.name} in {item.copy.parent} "
+                               f"({e.strerror or e}); make it writable, or pass another --cache-dir") from None
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+class _Bounded:
+    """A copy being written that may not pass `room` bytes (what the disk has free, HEADROOM kept): a shard that
+    decompresses to more than its gzip trailer said (or than a remote one's size suggested) stops there."""
+
+    def __init__(self, f, room: int, item: _Listed):
+        self.f, self.room, self.item, self.n = f, room, item, 0
+
+    def write(self, data: bytes) -> None:
+        self.n += len(data)
+        if self.n > self.room:
+            raise ShardSourceError(f"{self.item.name} decompresses to more than the {human_bytes(max(0, self.room))} "
+                                   f"free for it in {self.item.copy.parent} (keeping {human_bytes(HEADROOM)} spare); "
+                                   "free space, or pass another --cache-dir")
+        self.f.write(data)
+
+
+def _open_peer(data, *, num_threads: int, progress: bool, labels: bool = True) -> ShardSet:
+    cache_dir = Path(data.cache_dir)
+    found = _list_peer(data.data, cache_dir)
+    listed = found.items
+    if not listed:
+        raise ShardSourceError(f"--data {shown(data.data)!r} holds no shards (.tar, .tar.gz, .tgz), no dataset.tsv and "
+                               "no packed.json; pass a dataset folder, a pack, or a folder / file / brace pattern / "
+                               "s3:// prefix / https:// URL of WebDataset shards")
     remove_dead_temps(cache_dir / "shards", ".*.tmp-*")  # what a writer killed with -9 left half written
+    remove_dead_temps(cache_dir / GUNZIP_DIR, ".*.tmp-*")
+    _gz_room(listed, cache_dir)
+    verdicts = Verdicts(cache_dir)
     bar = progress_bar(len(listed), "index shards", progress)
     metas = []
-    if listed[0].path.startswith("s3://") and len(listed) > 1:
-        with ThreadPoolExecutor(min(4, len(listed))) as pool:
-            for meta in pool.map(lambda it: _index_peer(it, cache_dir, data.scan, data.max_pixels, 1), listed):
-                metas.append(meta)
+    try:
+        if is_remote(listed[0].path) and len(listed) > 1:
+            with ThreadPoolExecutor(min(4, len(listed))) as pool:
+                for meta in pool.map(lambda it: _index_peer(it, cache_dir, data.scan, data.max_pixels, 1, verdicts),
+                                     listed):
+                    metas.append(meta)
+                    bar.update(1)
+        else:
+            for it in listed:
+                metas.append(_index_peer(it, cache_dir, data.scan, data.max_pixels, num_threads, verdicts))
                 bar.update(1)
-    else:
-        for it in listed:
-            metas.append(_index_peer(it, cache_dir, data.scan, data.max_pixels, num_threads))
-            bar.update(1)
-    bar.close()
+    finally:
+        bar.close()
+        verdicts.save()
     shards, seen = [], {}
     for it, meta in zip(listed, metas):
         checked = meta["checked"]
         bad = {int(e): r for e, r in checked["problems"].items()}
-        for e, c in enumerate(checked["cls"]):  # a verdict cached by an earlier version may lack the reason
-            if c is None:
-                bad.setdefault(e, "no .cls member (the class index)")
+        if labels:
+            for e, r in checked["labels"].items():
+                bad.setdefault(int(e), r)
         if data.scan != "off":
             for e, r in checked["images"].items():
                 bad.setdefault(int(e), r)
@@ -733,11 +1055,15 @@ def _open_peer(data, *, num_threads: int, progress: bool) -> ShardSet:
             if key in seen and e not in bad:
                 bad[e] = f"duplicate key (also in {seen[key]})"
             seen.setdefault(key, it.name)
-        shards.append(Shard(it.name, it.path, meta["index"], meta["size"], meta["sha256"], meta["keys"],
-                            list(meta["keys"]), checked["cls"], bad, label_names=checked["names"]))
-    classes, remap, note = _peer_classes(shards, classes_txt, data.data)
-    _peer_split(shards, data.val_fraction, data.seed)
-    return ShardSet(data.data, "shards", classes, shards, remap=remap, note=note)
+        shards.append(Shard(it.name, meta["path"], meta["index"], meta["size"], meta["sha256"], meta["keys"],
+                            list(meta["keys"]), checked["cls"], bad, label_names=checked["names"], origin=it.path))
+    if labels:
+        classes, remap, note = _peer_classes(shards, found.classes_txt, data.data)
+    else:  # predict: the model names the classes; the shards' labels, where there are any, are not read
+        classes, remap, note = [], None, ""
+    held_out = _peer_split(shards, data.val_fraction, data.seed)
+    return ShardSet(data.data, "shards", classes, shards, remap=remap, note=note, unused=found.unused,
+                    held_out=held_out, labels=labels)
 
 
 def _peer_classes(shards: list[Shard], classes_txt: str | None, data: str):
@@ -746,8 +1072,9 @@ def _peer_classes(shards: list[Shard], classes_txt: str | None, data: str):
     used = sorted({c for _, _, c in good})
     if not used:
         seen = "; ".join([f"{s.name} {s.keys[e]!r}: {r}" for s in shards for e, r in list(s.bad.items())[:2]][:3])
-        raise ShardSourceError(f"--data {data!r}: no sample has a usable image and an integer cls (e.g. {seen}); "
-                               "write the shards with KEY.jpg (or jpeg, png, webp) and KEY.cls members")
+        raise ShardSourceError(f"--data {shown(data)!r}: no sample has a usable image and an integer cls (e.g. {seen}); "
+                               "training and evaluation need KEY.jpg (or jpeg, png, webp) and KEY.cls members "
+                               "(predict labels shards without cls)")
     if classes_txt is not None:
         names = [line.strip() for line in classes_txt.splitlines()]
         while names and not names[-1]:
@@ -786,22 +1113,34 @@ def unit_hash(key: str, seed: int) -> float:
     return int.from_bytes(digest[:8], "big") / 2**64
 
 
-def _peer_split(shards: list[Shard], val_fraction: float, seed: int) -> None:
-    """Shards named val/validation are validation; without any, a hash of (seed, key) per sample. A shard's
-    name is its path below the folder that holds them all (`val/part-0` for `shards/{train,val}/part-0.tar`)."""
-    paths = [s.path.split("://", 1)[-1] for s in shards]
+def _peer_split(shards: list[Shard], val_fraction: float, seed: int) -> str:
+    """Shards named val/validation are validation; without any, a hash of (seed, key) per sample. Shards
+    named test are neither trained on nor validated (unless every shard is): a line saying so is returned.
+    A shard's name is its path below the folder that holds them all (`val/part-0` for
+    `shards/{train,val}/part-0.tar`), as the user wrote it (not its decompressed copy's)."""
+    paths = [urlsplit(s.origin).path if is_http(s.origin) else s.origin.split("://", 1)[-1] for s in shards]
     common = posixpath.commonpath(paths) if len(paths) > 1 else posixpath.dirname(paths[0])
     common = posixpath.dirname(common) if common in paths else common  # one shard, or the same shard twice
 
     def words(path: str) -> set[str]:
-        return set(re.split(r"[^a-z0-9]+", path[len(common):].lower().removesuffix(".tar")))
+        return set(re.split(r"[^a-z0-9]+", _stem(path[len(common):]).lower()))
 
+    test = [bool(words(p) & TEST_WORDS) and not words(p) & VAL_WORDS for p in paths]
+    if all(test):
+        test = [False] * len(paths)
     named = [bool(words(p) & VAL_WORDS) for p in paths]
-    for s, is_val in zip(shards, named):
-        if any(named):
+    for s, is_val, is_test in zip(shards, named, test):
+        if is_test:
+            s.split = ["test"] * len(s.keys)
+        elif any(named):
             s.split = ["val" if is_val else "train"] * len(s.keys)
         else:
             s.split = ["val" if unit_hash(k, seed) < val_fraction else "train" for k in s.keys]
+    tests = [s.name for s, t in zip(shards, test) if t]
+    if not tests:
+        return ""
+    return (f"data: {len(tests)} test shard(s) ({', '.join(tests[:3])}{', ...' if len(tests) > 3 else ''}) are neither "
+            "trained on nor validated; evaluate them with --split test")
 
 
 # -- reporting ------------------------------------------------------------------------------------
@@ -834,6 +1173,12 @@ def report(shards: ShardSet, scan: str, out: Path) -> None:
     if shards.unscanned:
         print(f"scan: {shards.unscanned} shard(s) are read from S3 as needed; their members were not checked "
               "beforehand (pass --packed-s3 sync to check them)", file=sys.stderr)
+    if shards.held_out:
+        print(shards.held_out, file=sys.stderr)
+    if shards.unused:
+        print(f"data: not read: {'; '.join(shards.unused[:UNUSED_SHOWN])}"
+              f"{f'; and {len(shards.unused) - UNUSED_SHOWN} more' if len(shards.unused) > UNUSED_SHOWN else ''} "
+              "(neither shards nor a file known to lie beside them)", file=sys.stderr)
 
 
 def progress_bar(total: int, desc: str, progress: bool):

@@ -590,7 +590,8 @@ def validate(s: Settings, groups=TRAIN_GROUPS, problems: list[str] = ()) -> None
             if Path(data).is_file() and is_shard_name(data):
                 pass  # one shard
             elif not Path(data).is_dir():
-                problems.append(f"--data: {data!r} is not a directory; --data may be:" + forms_text("\n    "))
+                what = "is not a directory" if os.path.lexists(data) else "does not exist"
+                problems.append(f"--data: {data!r} {what}; --data may be:" + forms_text("\n    "))
             else:
                 problem = form_problem(data)
                 if problem:

@@ -122,10 +122,11 @@ def check_bad_fraction(result: ScanResult, data: DataSettings, output: Path) -> 
                         "--max-bad-fraction.")
 
 
-def prepare(data: DataSettings, output: Path, *, num_threads: int,
-            report_empty: bool = True, labels: bool = True) -> tuple[Manifest, ScanResult]:
+def prepare(data: DataSettings, output: Path, *, num_threads: int, report_empty: bool = True, labels: bool = True,
+            manifest: Manifest | None = None) -> tuple[Manifest, ScanResult]:
     """Once per node: sync s3:// data, scan, write the report, enforce --max-bad-fraction.
-    Returns the manifest without the bad files, and the scan's result (`labels`: as for read)."""
+    Returns the manifest without the bad files, and the scan's result (`labels`: as for read). `manifest`: the
+    local dataset's, already read (the CLI reads it before the heavy imports), so it is not read again."""
     kind = source_kind(data.data, data.cache_dir)
     if kind in SHARD_KINDS:  # shards: fetch a pack, index others', sync and check a Hugging Face dataset
         if kind in TABLE_KINDS:
@@ -143,7 +144,7 @@ def prepare(data: DataSettings, output: Path, *, num_threads: int,
         sync_image_folder(data.data, local_root(data), workers=SyncSettings.workers)
     elif data.data.startswith("s3://"):
         sync(data.data, local_root(data), workers=SyncSettings.workers, skip_missing=data.skip_missing, rows=True)
-    manifest = read(data)
+    manifest = manifest or read(data)
     result = scan_manifest(manifest, data, num_threads=num_threads, progress=True)
     report(manifest, result, data, output, empty=report_empty)
     check_bad_fraction(result, data, output)
@@ -179,12 +180,15 @@ def check_batch(n: int, batch_size: int, num_shards: int) -> None:
 class DaliDataModule(pl.LightningDataModule):
     """The DALI loaders for Lightning, built from resolved settings (see `dali_pipe.DaliDataModule` for
     the keyword form). `output` is where reports go (None: the Trainer's default_root_dir); a device of
-    "auto" follows the Trainer's accelerator once one is attached."""
+    "auto" follows the Trainer's accelerator once one is attached; `manifest`: the local dataset's, when the
+    caller has read it already (it is then not read again)."""
 
-    def __init__(self, data: DataSettings, pipeline: PipelineSettings, spec: ImageSpec, output: Path | None = None):
+    def __init__(self, data: DataSettings, pipeline: PipelineSettings, spec: ImageSpec, output: Path | None = None,
+                 manifest: Manifest | None = None):
         super().__init__()
         self.data, self.pipeline, self.spec = data, pipeline, spec
         self._output = None if output is None else Path(output)
+        self._described = manifest
         self.manifest: Manifest | None = None
         self._train = self._val = None
         self._prepared = False
@@ -260,13 +264,14 @@ class DaliDataModule(pl.LightningDataModule):
         else:
             threads = resources_for_rank(self.pipeline, local_world_size=self._rank()[3]).num_threads
             self.manifest, self.scan_result = prepare(self.data, self.output, num_threads=threads,
-                                                      report_empty=self._output is not None, labels=self.labels)
+                                                      report_empty=self._output is not None, labels=self.labels,
+                                                      manifest=self._described)
         self._prepared = True
         self.spans["prepare_data"] = (start, time.perf_counter())
 
     def _read_manifest(self) -> None:
         if self.manifest is None:
-            manifest = read(self.data, labels=self.labels)
+            manifest = self._described or read(self.data, labels=self.labels)
             if isinstance(manifest, ShardSet):
                 self.manifest = manifest
             else:

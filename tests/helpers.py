@@ -17,11 +17,12 @@ def cpu_options(batch_size: int, *, threads: int = 1, training: bool = True, aug
                            **kw)
 
 
-def datamodule(data, output, *, batch_size: int, cache_dir, spec, device: str = "cpu", threads: int = 1, **data_kw):
+def datamodule(data, output, *, batch_size: int, cache_dir, spec, device: str = "cpu", threads: int = 1, manifest=None,
+               **data_kw):
     from dali_pipe.datamodule import DaliDataModule
 
     return DaliDataModule(DataSettings(data=str(data), batch_size=batch_size, cache_dir=str(cache_dir), **data_kw),
-                          PipelineSettings(device=device, num_threads=threads), spec, Path(output))
+                          PipelineSettings(device=device, num_threads=threads), spec, Path(output), manifest=manifest)
 
 
 def tiny_settings(**kw) -> ModelSettings:

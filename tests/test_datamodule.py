@@ -106,3 +106,21 @@ def test_trainer_test_and_predict_run_over_the_validation_split(photo_root, tmp_
                                     model="tiny", batch_size=2, device="cpu", num_threads=1)
     with pytest.raises(UserError, match="the validation split is empty"):
         trainer.predict(Module(), datamodule=none)
+
+
+def test_a_manifest_read_already_is_not_read_again(photo_root, tmp_path, cache_dir):
+    """The manifest given to the DataModule (the CLI reads it before the heavy imports) is the one it scans and
+    trains on, in the main process and in the other local ranks' (which read it without scanning)."""
+    import os
+    from unittest import mock
+
+    from dali_pipe.manifest import read_manifest
+
+    m = read_manifest(photo_root, val_fraction=0.25, seed=0, skip_missing=False)
+    m.train = m.train[:20]  # differs from the folder's: a second read would undo it
+    for local_rank in ("0", "1"):
+        dm = datamodule(photo_root, tmp_path / "out", batch_size=8, cache_dir=cache_dir, spec=SPEC, val_fraction=0.25,
+                        manifest=m)
+        with mock.patch.dict(os.environ, {"LOCAL_RANK": local_rank}):
+            dm.prepare_data()
+        assert [s.path for s in dm.manifest.train] == [s.path for s in m.train], local_rank

@@ -240,3 +240,81 @@ def test_steps_per_epoch_count_the_step_of_an_epochs_last_partial_accumulation(p
     trainer.fit(Tiny(), data)
     assert fit.steps_per_epoch(s, read(s.data)) == trainer.global_step == 2
     assert "2 steps per epoch" in fit.summary(s, read(s.data), None, 250_000)
+
+
+def _dataset(root: Path, photo_root: Path, tsv: str) -> Path:
+    """A dataset root whose class folders are photo_root's (linked), with its own dataset.tsv."""
+    root.mkdir(parents=True)
+    for folder in ("astronaut", "chelsea", "coffee", "rocket"):
+        (root / folder).symlink_to(photo_root / folder)
+    (root / "dataset.tsv").write_text(tsv)
+    return root
+
+
+DATA_MISTAKES = {  # name -> (dataset.tsv from photo_root's rows, the message's words)
+    "misspelt header": (lambda rows: "imagepath\n" + "".join(f"{r}\n" for r in rows),
+                        r"dataset.tsv: line 1: column 'imagepath' looks like a typo of 'image_path'"),
+    "a CSV file": (lambda rows: "image_path,label\n" + "".join(f"{r},{r.split('/')[0]}\n" for r in rows),
+                   r"dataset.tsv: line 1: the header 'image_path,label' is comma-separated: this is a CSV file"),
+    "no train rows": (lambda rows: "image_path\tsplit\n" + "".join(f"{r}\tval\n" for r in rows),
+                      r"dataset.tsv: the 'split' column marks no row train \(all 48 say val, lines 2 to 49\)"),
+    "a missing file": (lambda rows: "image_path\n" + "".join(f"{r}\n" for r in rows + ["rocket/gone.jpg"]),
+                       r"dataset.tsv: 1 listed file\(s\) missing .*'rocket/gone.jpg'"),
+}
+
+
+def test_data_mistakes_are_told_before_torch_and_lightning_load(photo_root, tmp_path):
+    """Each data mistake is one message naming the file and line, given before torch, Lightning, transformers
+    or pandas load (~10 s here): train.py, evaluate and pack read the manifest first, in the main process; a
+    path that does not exist says so (pack's SRC included)."""
+    import re
+
+    rows = (photo_root / "dataset.tsv").read_text().split()[1:]
+    cases = {}
+    for i, (name, (tsv, _)) in enumerate(DATA_MISTAKES.items()):
+        root = str(_dataset(tmp_path / f"d{i}", photo_root, tsv(rows)))
+        cases[name] = ["train", "--data", root, "--model", "tiny", "--output", str(tmp_path / "out")]
+    cases["a CSV file (evaluate)"] = ["commands", "evaluate", "--model", "tiny", "--data", cases["a CSV file"][2]]
+    cases["a CSV file (pack)"] = ["commands", "pack", cases["a CSV file"][2], str(tmp_path / "packed")]
+    cases["pack /nonexistent"] = ["commands", "pack", str(tmp_path / "nonexistent"), str(tmp_path / "packed")]
+    cases["evaluate --data /nonexistent"] = ["commands", "evaluate", "--model", "tiny", "--data",
+                                             str(tmp_path / "nonexistent")]
+    cases["--data /nonexistent"] = ["train", "--data", str(tmp_path / "nonexistent")]
+    code = ("import json, sys\nimport train\nfrom dali_pipe.cli import commands\nfrom dali_pipe.errors import UserError\n"
+            "out = {}\n"
+            f"for name, argv in {cases!r}.items():\n"
+            "    try:\n"
+            "        (train.main if argv[0] == 'train' else commands.main)(argv[1:])\n"
+            "        out[name] = ['no error', []]\n"
+            "    except UserError as e:\n"
+            "        out[name] = [str(e), [m for m in ('torch', 'pytorch_lightning', 'transformers', 'pandas', "
+            "'nvidia.dali') if m in sys.modules]]\n"
+            "print(json.dumps(out))\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120,
+                       env={**__import__("os").environ, "DALI_PIPE_CACHE": str(tmp_path / "cache")})
+    assert r.returncode == 0, r.stderr
+    told = json.loads(r.stdout)
+    expected = {name: words for name, (_, words) in DATA_MISTAKES.items()}
+    expected.update({"a CSV file (evaluate)": expected["a CSV file"], "a CSV file (pack)": expected["a CSV file"],
+                     "pack /nonexistent": r"SRC '.*/nonexistent' does not exist",
+                     "evaluate --data /nonexistent": r"--data '.*/nonexistent' does not exist",
+                     "--data /nonexistent": r"--data: '.*/nonexistent' does not exist"})
+    for name, words in expected.items():
+        message, loaded = told[name]
+        assert re.search(words, message), (name, message)
+        assert loaded == [], (name, loaded)
+    assert not (tmp_path / "out").exists() and not (tmp_path / "packed").exists()
+
+
+def test_train_reads_the_manifest_once_and_hands_it_to_the_command(photo_root, tmp_path, monkeypatch):
+    """The manifest the CLI checked first is the one the command trains on: it is read once."""
+    from dali_pipe import manifest as manifest_module
+    from dali_pipe.cli import fit
+
+    reads, seen = [], {}
+    real = manifest_module.read_table
+    monkeypatch.setattr(manifest_module, "read_table", lambda tsv: reads.append(tsv) or real(tsv))
+    monkeypatch.setattr(fit, "run", lambda s, manifest=None: seen.update(s=s, manifest=manifest) or {})
+    train.main(["--data", str(photo_root), "--model", "tiny", "--output", str(tmp_path / "o"), "--device", "cpu"])
+    assert reads == [photo_root / "dataset.tsv"]
+    assert len(seen["manifest"].train) + len(seen["manifest"].val) == 48

@@ -1,6 +1,7 @@
 """`python -m dali_pipe COMMAND`: the data commands, with flags generated from the settings."""
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -9,6 +10,7 @@ from ..imagefolder import write_manifest
 from ..shards.cache import fetch_to
 from ..shards.source import is_packed
 from ..sync import ManifestMissing, sync
+from . import described
 
 SYNC_DOC = ("Download s3://bucket/prefix/dataset.tsv and every file it lists into LOCAL_DIR (or, for a pack, its "
             "packed.json, shards and index files, with parallel ranged GETs). Files already present and unchanged "
@@ -114,13 +116,17 @@ def main(argv: list[str] | None = None) -> int:
             print(f"manifest: {note}", file=sys.stderr)
         print(f"manifest: wrote {path} ({rows} images); training now reads it instead of the folders")
     elif command == "pack":
+        manifest = described(dataclasses.replace(s.data, data=s.pack.src), "SRC")  # before Lightning loads
         from .pack import run  # lazy: a command's module loads Lightning (~10 s); --help must answer at once
 
-        run(s)
-    elif command in ("evaluate", "predict"):
-        if command == "evaluate":
-            from .evaluate import run  # lazy: as above
-        else:
-            from .predict import run  # lazy: as above
+        run(s, manifest)
+    elif command == "evaluate":
+        manifest = described(s.data)  # before torch and Lightning load: a data mistake is told at once
+        from .evaluate import run  # lazy: as above
+
+        run(s, manifest)
+    elif command == "predict":
+        from .predict import run  # lazy: as above
+
         run(s)
     return 0

@@ -106,8 +106,9 @@ def bytes_needed(params: int) -> int:
     return int((2 * 12 + 4 * 4) * params * 1.1)
 
 
-def run(s: Settings) -> dict:
-    """Fit the model and write it to OUTPUT in save_pretrained form. Returns the last epoch's metrics."""
+def run(s: Settings, manifest: Manifest | None = None) -> dict:
+    """Fit the model and write it to OUTPUT in save_pretrained form. Returns the last epoch's metrics.
+    `manifest`: the local dataset's, read already (cli.described), so it is not read again."""
     started = time.perf_counter()  # the --monitor time budget's origin (its start-up share begins here)
     quiet_known_noise()
     out, ckpt_dir = Path(s.run.output), Path(s.run.checkpoint_dir)
@@ -122,7 +123,7 @@ def run(s: Settings) -> dict:
             lock(out, "training run", "wait for it to finish, or pass another --output")
         if main and s.run.report_dir and Path(s.run.report_dir) != out:
             check_writable(s.run.report_dir, "--report-dir")
-        return _fit(s, out, ckpt_dir, main, meeting, started)
+        return _fit(s, out, ckpt_dir, main, meeting, started, manifest)
     except BaseException as e:
         if meeting is not None:
             fail_together(meeting, e)  # tells the others; raises another host's failure when it caused this one
@@ -145,7 +146,7 @@ class Prepared:
     plan: object
 
 
-def preflight(s: Settings, out: Path, ckpt_dir: Path, main: bool) -> Prepared:
+def preflight(s: Settings, out: Path, ckpt_dir: Path, main: bool, manifest: Manifest | None = None) -> Prepared:
     """Outputs writable, data synced and scanned (main process), the run fingerprinted, the resume decided."""
     import pytorch_lightning as pl
 
@@ -157,7 +158,8 @@ def preflight(s: Settings, out: Path, ckpt_dir: Path, main: bool) -> Prepared:
     pl.seed_everything(s.data.seed, workers=True, verbose=False)
     processor = load_processor(s.model.model)
     spec = ImageSpec.from_processor(processor)
-    dm = DaliDataModule(s.data, s.pipeline, spec, Path(s.run.report_dir or out))  # reports: OUT, or output/data
+    dm = DaliDataModule(s.data, s.pipeline, spec, Path(s.run.report_dir or out),  # reports: OUT, or output/data
+                        manifest=manifest)
     if main:
         dm.prepare_data()
     manifest = dm.setup_manifest(world_size(s))
@@ -173,11 +175,11 @@ def preflight(s: Settings, out: Path, ckpt_dir: Path, main: bool) -> Prepared:
 
 
 def _fit(s: Settings, out: Path, ckpt_dir: Path, main: bool, meeting=None,
-         started: float | None = None) -> dict:
+         started: float | None = None, manifest: Manifest | None = None) -> dict:
     from pytorch_lightning.callbacks import LearningRateMonitor
     from pytorch_lightning.utilities.exceptions import SIGTERMException
 
-    p = preflight(s, out, ckpt_dir, main)
+    p = preflight(s, out, ckpt_dir, main, manifest)
     if meeting is not None:  # every host synced and scanned: meet (bounded), then Lightning's rendezvous is quick
 
         meeting.arrive(plan_text(p.plan), p.fingerprint)

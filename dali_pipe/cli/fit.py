@@ -29,7 +29,7 @@ from model.checkpoint import SpotSafeCheckpoint, plan_resume, read_meta
 from model.export import remove_dead
 from model.loading import load_processor, parameter_count
 from model.module import ImageClassifier
-from model.progress import PlainProgressBar
+from model.progress import PlainProgressBar, TerminalProgressBar
 from model.selection import BestModel, recover
 
 from ..config import Settings
@@ -199,7 +199,7 @@ def _fit(s: Settings, out: Path, ckpt_dir: Path, main: bool, meeting=None,
                               cli={"checkpoint_every_steps": s.run.checkpoint_every_steps,
                                    "val_fraction": s.data.val_fraction}) if s.run.monitor else None
     callbacks = [ckpt, best, LearningRateMonitor(logging_interval="step"), DaliMemoryLog()]
-    callbacks += [PlainProgressBar()] if not sys.stderr.isatty() else []  # lines in logs; tqdm on a terminal
+    callbacks += [TerminalProgressBar() if sys.stderr.isatty() else PlainProgressBar()]  # a bar on a terminal
     callbacks += [monitor] if monitor else []
     trainer = make_trainer(s, callbacks, log_every_n_steps=max(1, min(LOG_EVERY, steps_per_epoch(s, p.manifest))))
     try:

@@ -574,6 +574,11 @@ def validate(s: Settings, groups=TRAIN_GROUPS, problems: list[str] = ()) -> None
     if "bench" in groups and isinstance(s.bench.loaders, str) and "packed" in s.bench.loaders.split(","):
         if not s.bench.packed:
             problems.append("--loaders: 'packed' needs --packed, a pack of --data (python -m dali_pipe pack DATA DIR)")
+    if ("model" in groups or "--model" in groups) and isinstance(s.model.model, str) and is_path(s.model.model) \
+            and not os.path.lexists(os.path.expanduser(s.model.model)):
+        problems.append(f"--model: {s.model.model!r} does not exist; pass the folder a training run wrote (train.py's "
+                        "--output: config.json, the weights and preprocessor_config.json), or a hub id such as "
+                        f"{DEFAULT_MODEL}")
     if "model" in groups:
         if s.model.model == "none" and not s.bench.benchmark:
             problems.append("--model: 'none' only makes sense with --benchmark (it times the loaders without a model)")
@@ -600,6 +605,11 @@ def validate(s: Settings, groups=TRAIN_GROUPS, problems: list[str] = ()) -> None
         problems.append("--device: 'gpu' but no CUDA GPU is visible; use --device cpu (or auto)")
     if problems:
         raise UsageError("invalid arguments:\n  " + "\n  ".join(problems))
+
+
+def is_path(name: str) -> bool:
+    """A --model that can only be a local folder (absolute, or starting with ., .. or ~), never a hub id."""
+    return name.startswith(("/", "./", "../", "~")) or name in (".", "..")
 
 
 def _cuda_available() -> bool:

@@ -318,3 +318,33 @@ def test_train_reads_the_manifest_once_and_hands_it_to_the_command(photo_root, t
     train.main(["--data", str(photo_root), "--model", "tiny", "--output", str(tmp_path / "o"), "--device", "cpu"])
     assert reads == [photo_root / "dataset.tsv"]
     assert len(seen["manifest"].train) + len(seen["manifest"].val) == 48
+
+
+def test_a_failed_run_leaves_no_empty_folder_of_ours(photo_root, tmp_path, cache_dir):
+    """A run that fails after its pre-flight made OUT and OUT/checkpoints (a batch larger than the data) removes
+    the folders it made that are still empty; a folder that was there before stays, and so does what is in it."""
+    from dali_pipe.datamodule import BatchTooLargeError
+
+    argv = ["--data", str(photo_root), "--model", "tiny", "--device", "cpu", "--batch-size", "64", "--num-threads", "1"]
+    with pytest.raises(BatchTooLargeError):
+        train.main(argv + ["--output", str(tmp_path / "runs" / "new")])
+    assert list(tmp_path.iterdir()) == [cache_dir]  # neither runs/new/checkpoints, nor runs/new, nor runs
+    (tmp_path / "mine").mkdir()
+    with pytest.raises(BatchTooLargeError):
+        train.main(argv + ["--output", str(tmp_path / "mine")])
+    assert [p.name for p in (tmp_path / "mine").iterdir()] == ["bad_images.tsv"]  # the scan's report is kept
+
+
+def test_python_m_dali_pipe_train_is_train_py():
+    """`python -m dali_pipe train FLAGS` is `python train.py FLAGS` (it was "invalid choice"): the same parser,
+    help and messages."""
+    from dali_pipe.cli import commands
+
+    with pytest.raises(train.UsageError, match=r"--epochs: 'x' is not an integer"):
+        commands.main(["train", "--epochs", "x"])
+    r = subprocess.run([sys.executable, "-m", "dali_pipe", "train", "--help"], capture_output=True, text=True,
+                       cwd=ROOT, timeout=60)
+    assert r.returncode == 0 and r.stdout.startswith("usage: python train.py"), r.stdout[:200] + r.stderr
+    r = subprocess.run([sys.executable, "-m", "dali_pipe", "--help"], capture_output=True, text=True, cwd=ROOT,
+                       timeout=60)
+    assert "train     train a model: the same as python train.py" in r.stdout

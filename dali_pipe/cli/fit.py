@@ -39,8 +39,9 @@ from ..manifest import Manifest
 from ..monitor import DaliMemoryLog, MonitorCallback
 from ..prescribe import prescription
 from ..redact import redact
+from ..scan import is_empty_report
 from ..spec import ImageSpec
-from ..workdir import OutputError, check_writable, lock, unlock
+from ..workdir import OutputError, check_writable, lock, no_empty_folders_on_failure, unlock
 from .hosts import fail_together, join, plan_text
 from .noise import quiet_known_noise
 
@@ -117,20 +118,22 @@ def run(s: Settings, manifest: Manifest | None = None) -> dict:
     meeting = None
     if main and s.run.num_nodes > 1:
         meeting = join(s.run.num_nodes, s.run.dist_timeout)
-    try:
-        if writes_out:
-            check_writable(out, "--output")
-            lock(out, "training run", "wait for it to finish, or pass another --output")
-        if main and s.run.report_dir and Path(s.run.report_dir) != out:
-            check_writable(s.run.report_dir, "--report-dir")
-        return _fit(s, out, ckpt_dir, main, meeting, started, manifest)
-    except BaseException as e:
-        if meeting is not None:
-            fail_together(meeting, e)  # tells the others; raises another host's failure when it caused this one
-        raise
-    finally:
-        if writes_out:
-            unlock(out)
+    ours = (out, ckpt_dir, s.run.report_dir, s.run.log_dir) if main else ()
+    with no_empty_folders_on_failure(*ours, blank=is_empty_report):  # a failed run leaves no empty OUT/checkpoints/
+        try:
+            if writes_out:
+                check_writable(out, "--output")
+                lock(out, "training run", "wait for it to finish, or pass another --output")
+            if main and s.run.report_dir and Path(s.run.report_dir) != out:
+                check_writable(s.run.report_dir, "--report-dir")
+            return _fit(s, out, ckpt_dir, main, meeting, started, manifest)
+        except BaseException as e:
+            if meeting is not None:
+                fail_together(meeting, e)  # tells the others; raises another host's failure when it caused this one
+            raise
+        finally:
+            if writes_out:
+                unlock(out)
 
 
 @dataclass

@@ -96,8 +96,9 @@ def described(data: DataSettings, what: str = "--data") -> Manifest | None:
     return read_manifest(root, val_fraction=data.val_fraction, seed=data.seed, skip_missing=data.skip_missing)
 
 
-def main(argv: list[str] | None = None) -> dict:
-    """train.py as a library: `main([...flags])` trains or benchmarks and returns the result dict."""
+def main(argv: list[str] | None = None, style: str = "flag") -> dict:
+    """train.py as a library: `main([...flags])` trains or benchmarks and returns the result dict. `style`:
+    how the user named the settings (config.named; "hyperparameter" under SageMaker), for the advice printed."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] in (["train"], ["serve"]) or not argv:  # a first argument only: a flag's value never lands here
         from . import sagemaker  # lazy: a command's module loads Lightning (~10 s); --help must answer at once
@@ -117,7 +118,7 @@ def main(argv: list[str] | None = None) -> dict:
         return run(s, manifest)
     from .fit import run  # lazy: as above, the training command loads Lightning
 
-    return run(s, manifest)
+    return run(s, manifest, style)
 
 
 class Terminated(SystemExit):

@@ -32,7 +32,7 @@ from model.module import ImageClassifier
 from model.progress import PlainProgressBar, TerminalProgressBar
 from model.selection import BestModel, recover
 
-from ..config import Settings
+from ..config import Settings, named
 from ..datamodule import DaliDataModule, drop_note
 from ..errors import UserError
 from ..manifest import Manifest
@@ -107,9 +107,10 @@ def bytes_needed(params: int) -> int:
     return int((2 * 12 + 4 * 4) * params * 1.1)
 
 
-def run(s: Settings, manifest: Manifest | None = None) -> dict:
+def run(s: Settings, manifest: Manifest | None = None, style: str = "flag") -> dict:
     """Fit the model and write it to OUTPUT in save_pretrained form. Returns the last epoch's metrics.
-    `manifest`: the local dataset's, read already (cli.described), so it is not read again."""
+    `manifest`: the local dataset's, read already (cli.described), so it is not read again; `style`: how the
+    user names settings, for the summary's advice (config.named)."""
     started = time.perf_counter()  # the --monitor time budget's origin (its start-up share begins here)
     quiet_known_noise()
     out, ckpt_dir = Path(s.run.output), Path(s.run.checkpoint_dir)
@@ -126,7 +127,7 @@ def run(s: Settings, manifest: Manifest | None = None) -> dict:
                 lock(out, "training run", "wait for it to finish, or pass another --output")
             if main and s.run.report_dir and Path(s.run.report_dir) != out:
                 check_writable(s.run.report_dir, "--report-dir")
-            return _fit(s, out, ckpt_dir, main, meeting, started, manifest)
+            return _fit(s, out, ckpt_dir, main, meeting, started, manifest, style)
         except BaseException as e:
             if meeting is not None:
                 fail_together(meeting, e)  # tells the others; raises another host's failure when it caused this one
@@ -178,7 +179,7 @@ def preflight(s: Settings, out: Path, ckpt_dir: Path, main: bool, manifest: Mani
 
 
 def _fit(s: Settings, out: Path, ckpt_dir: Path, main: bool, meeting=None,
-         started: float | None = None, manifest: Manifest | None = None) -> dict:
+         started: float | None = None, manifest: Manifest | None = None, style: str = "flag") -> dict:
     from pytorch_lightning.callbacks import LearningRateMonitor
     from pytorch_lightning.utilities.exceptions import SIGTERMException
 
@@ -189,7 +190,7 @@ def _fit(s: Settings, out: Path, ckpt_dir: Path, main: bool, meeting=None,
     if p.plan.done_step is not None:
         return finished(s, p, out, ckpt_dir)
     if main:
-        print(summary(s, p.manifest, p.dm.scan_result, p.params))
+        print(named(summary(s, p.manifest, p.dm.scan_result, p.params), style))  # its advice in the user's words
         note = resume_line(s, p) or p.plan.note
         if note:
             print(note)

@@ -359,7 +359,7 @@ def flag_of(name: str) -> str:
 
 STYLES = ("flag", "keyword", "hyperparameter")  # how a user names settings: CLI, library, SageMaker
 _FLAG_IN_TEXT = re.compile(r"(?<![\w-])(?P<flag>--[a-z][a-z0-9-]*)(?![\w-])(?P<colon>:)?"
-                           r"(?P<value> (?:-?\d[\w.+-]*|'[^']*'))?")
+                           r"(?P<value> (?:-?\d[\w.+-]*|'[^']*'|\([^()]*\)))?")
 
 
 def named(text: str, style: str, names=None) -> str:

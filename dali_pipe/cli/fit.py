@@ -33,7 +33,7 @@ from model.progress import PlainProgressBar, TerminalProgressBar
 from model.selection import BestModel, recover
 
 from ..config import Settings, named
-from ..datamodule import DaliDataModule, drop_note
+from ..datamodule import DaliDataModule, data_line, drop_note
 from ..errors import UserError
 from ..manifest import Manifest
 from ..monitor import DaliMemoryLog, MonitorCallback
@@ -303,15 +303,11 @@ def summary(s: Settings, manifest, scan_result, params: int) -> str:
     world = world_size(s)
     steps = steps_per_epoch(s, manifest)
     total = steps * s.model.epochs if s.model.max_steps < 0 else min(steps * s.model.epochs, s.model.max_steps)
-    names = ", ".join(manifest.classes[:6]) + (", ..." if len(manifest.classes) > 6 else "")
-    scan = (f"scan {s.data.scan}: {len(scan_result.bad)} of {scan_result.total} excluded" if scan_result
-            else f"scan {s.data.scan}")
     effective = s.data.batch_size * world * s.model.grad_accum
 
     drop = drop_note(len(manifest.train), s.data.batch_size, world)
     return "\n".join([
-        f"data: {len(manifest.classes)} classes ({names}); {len(manifest.train)} train + {len(manifest.val)} val "
-        f"images; {scan}" + (f"; {manifest.note}" if getattr(manifest, "note", "") else ""),
+        data_line(manifest, s.data.scan, scan_result),
         f"device: {s.pipeline.device}, precision {s.model.precision}, {world} process(es)",
         f"model: {s.model.model}, {params / 1e6:.2f} M parameters",
         f"batch: {s.data.batch_size} per process x {world} process(es) x {s.model.grad_accum} accumulation = "

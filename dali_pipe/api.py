@@ -113,7 +113,8 @@ def timm_spec(config) -> tuple[ImageSpec | None, list[str]]:
         problems.append(f"data_config: input_size {size!r} is not (3, height, width) in pixels")
     elif size[1] != size[2]:
         problems.append(f"data_config: input_size {tuple(size)!r} is not square; timm's evaluation crop keeps the "
-                        "aspect ratio there (ResizeKeepRatio), which the pipeline does not do: pass image_size= instead")
+                        "aspect ratio there (ResizeKeepRatio), which the pipeline does not do: pass image_size= "
+                        "instead")
     interp = config.get("interpolation", "bilinear")
     if interp not in INTERPOLATIONS and interp not in ALIASES:
         problems.append(f"data_config: interpolation {interp!r} is not one of bilinear, bicubic, nearest, lanczos "

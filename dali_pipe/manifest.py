@@ -156,8 +156,8 @@ def read_table(tsv: Path | str) -> Table:
         raise ManifestError(f"{tsv}: the file is empty; it needs a header line with 'image_path'.")
     twice = sorted({c for c in header if header.count(c) > 1 and c})
     if twice:
-        raise ManifestError(f"{tsv}: line {header_line}: column(s) {', '.join(map(repr, twice))} appear more than once in the "
-                            "header (names are case-insensitive); keep one of each.")
+        raise ManifestError(f"{tsv}: line {header_line}: column(s) {', '.join(map(repr, twice))} appear more than "
+                            "once in the header (names are case-insensitive); keep one of each.")
     if problems:
         raise ManifestError(f"{tsv}: not a tab-separated table: " + "; ".join(problems[:5])
                             + (f"; ... and {len(problems) - 5} more" if len(problems) > 5 else "")

@@ -314,7 +314,7 @@ def test_train_reads_the_manifest_once_and_hands_it_to_the_command(photo_root, t
     reads, seen = [], {}
     real = manifest_module.read_table
     monkeypatch.setattr(manifest_module, "read_table", lambda tsv: reads.append(tsv) or real(tsv))
-    monkeypatch.setattr(fit, "run", lambda s, manifest=None: seen.update(s=s, manifest=manifest) or {})
+    monkeypatch.setattr(fit, "run", lambda s, manifest=None, style="flag": seen.update(manifest=manifest) or {})
     train.main(["--data", str(photo_root), "--model", "tiny", "--output", str(tmp_path / "o"), "--device", "cpu"])
     assert reads == [photo_root / "dataset.tsv"]
     assert len(seen["manifest"].train) + len(seen["manifest"].val) == 48
@@ -348,3 +348,17 @@ def test_python_m_dali_pipe_train_is_train_py():
     r = subprocess.run([sys.executable, "-m", "dali_pipe", "--help"], capture_output=True, text=True, cwd=ROOT,
                        timeout=60)
     assert "train     train a model: the same as python train.py" in r.stdout
+
+
+def test_with_several_nodes_the_manifest_is_read_after_the_hosts_meet(photo_root, tmp_path, monkeypatch):
+    """--num-nodes 2: the CLI does not read the manifest first (a host failing before it joins the meeting would
+    leave the others waiting for --dist-timeout); the DataModule reads it after the meeting, as before."""
+    from dali_pipe import cli
+    from dali_pipe.cli import fit
+
+    seen = {}
+    monkeypatch.setattr(cli, "described", lambda data, what="--data": pytest.fail("read before the meeting"))
+    monkeypatch.setattr(fit, "run", lambda s, manifest=None, style="flag": seen.update(manifest=manifest) or {})
+    train.main(["--data", str(photo_root), "--model", "tiny", "--device", "cpu", "--num-nodes", "2",
+                "--output", str(tmp_path / "o")])
+    assert seen == {"manifest": None}

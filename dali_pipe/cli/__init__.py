@@ -110,7 +110,9 @@ def main(argv: list[str] | None = None, style: str = "flag") -> dict:
                 print("sagemaker: started with no command inside a training job: running the training contract")
             return sagemaker.run_sagemaker(argv[1:], main)
     s = parse_train(argv)
-    manifest = described(s.data)  # before torch and Lightning load: a data mistake is told at once
+    # before torch and Lightning load, a data mistake is told at once; with several nodes the DataModule reads
+    # it after this host has joined the others, so that a mistake stops them all at once (cli/hosts.py)
+    manifest = described(s.data) if s.run.num_nodes == 1 else None
     s = prepared(s)
     if s.bench.benchmark:
         from .bench import run  # lazy: as above, the benchmark command loads Lightning

@@ -11,7 +11,8 @@ model, one epoch). Each case runs as a user runs it (a fresh `python train.py ..
 dali_pipe ...`, wall time to its exit), alternating between this checkout and `--against` (e.g. the main
 branch's) round by round, so both see the same machine load. Prints each case's median and min-max per
 checkout, the ratio of medians, and each case's first line of output; the exit status of every run is
-checked (2 for a mistake, 0 for nothing to do).
+checked (2 for a mistake, 0 for nothing to do). `train.py --help` is timed too, for scale: what starting
+the interpreter and reading the settings costs on this machine now.
 """
 from __future__ import annotations
 
@@ -52,6 +53,7 @@ def mistakes(base: Path) -> dict[str, tuple[list[str], int]]:
     out, nowhere = str(base / "out"), str(base / "nonexistent")
     train = ["train.py", "--model", "tiny", "--device", "cpu", "--output", out]
     return {
+        "train.py --help (for scale)": (["train.py", "--help"], 0),  # the interpreter and the settings alone
         "misspelt header": (train + ["--data", typo], 2),
         "CSV as dataset.tsv": (train + ["--data", csv], 2),
         "split without train rows": (train + ["--data", split], 2),
@@ -71,8 +73,13 @@ def run(checkout: Path, argv: list[str], env: dict) -> tuple[float, int, str]:
     start = time.perf_counter()
     r = subprocess.run([sys.executable, *argv], cwd=checkout, env=env, capture_output=True, text=True, timeout=900)
     took = time.perf_counter() - start
-    lines = [ln for ln in (r.stderr + r.stdout).splitlines() if ln.startswith(("error:", "  ", "nothing to do"))]
-    return took, r.returncode, (lines[0] if lines else (r.stderr or r.stdout).strip().splitlines()[-1:] or [""])[0]
+    text = (r.stderr + r.stdout).splitlines()
+    said = next((i for i, ln in enumerate(text) if ln.startswith(("error:", "nothing to do", "usage:"))), None)
+    if said is None:
+        return took, r.returncode, text[-1] if text else ""
+    line = text[said]  # "error: invalid arguments:" is followed by the problem, indented
+    return took, r.returncode, line + (" " + text[said + 1].strip() if line.endswith(":") and said + 1 < len(text)
+                                        else "")
 
 
 def main() -> int:

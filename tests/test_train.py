@@ -132,10 +132,10 @@ def test_local_model_path_finetunes_and_missing_path_is_clear(photo_root, tmp_pa
     train.main(args + ["--model", "tiny", "--output", str(first)])
     res = train.main(args + ["--model", str(first), "--output", str(tmp_path / "second")])
     assert res["global_step"] == 43 // 8  # 43 train, 5 val at the default --val-fraction
-    from model.loading import ModelLoadError
-
-    with pytest.raises(ModelLoadError, match="local directory.*--model tiny"):
+    with pytest.raises(train.UsageError, match=r"--model: '.*no-such-model' does not exist; pass the folder a "
+                                               r"training run wrote"):
         train.main(args + ["--model", str(tmp_path / "no-such-model"), "--output", str(tmp_path / "x")])
+    assert not (tmp_path / "x").exists()
 
 
 def test_week_one_recipe_trains_and_the_best_epoch_is_selected(photo_root, tmp_path, cache_dir, capsys):

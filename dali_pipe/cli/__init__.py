@@ -30,6 +30,7 @@ from ..config import (
 )
 from ..demo import demo_dataset
 from ..errors import UserError, dali_missing
+from ..forms import forms_text
 from ..manifest import MANIFEST_NAME, Manifest, read_manifest
 from ..redact import RedactingStream, redact
 from ..workdir import is_disk_full
@@ -89,8 +90,7 @@ def described(data: DataSettings, what: str = "--data") -> Manifest | None:
     kind = source_kind(data.data, data.cache_dir or str(default_cache_dir()))
     root = Path(data.data)
     if kind == "files" and not os.path.lexists(root):
-        raise NoDataError(f"{what} {data.data!r} does not exist; pass the folder that holds {MANIFEST_NAME} (or a "
-                          "pack, or shards), or s3://bucket/prefix")
+        raise NoDataError(f"{what} {data.data!r} does not exist; {what} may be:" + forms_text("\n    "))
     if kind != "files" or not (root / MANIFEST_NAME).is_file():
         return None
     return read_manifest(root, val_fraction=data.val_fraction, seed=data.seed, skip_missing=data.skip_missing)

@@ -15,10 +15,15 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import math
 import os
 import sys
 import textwrap
+import types
+import typing
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Literal, Optional, Union
 
 import pytorch_lightning as pl
 
@@ -31,13 +36,14 @@ from .config import (
     DataSettings,
     PipelineSettings,
     flag_of,
+    named,
     resolve,
     settings_from_keywords,
     validate,
 )
 from .datamodule import DaliDataModule as _SettingsDataModule
 from .demo import demo_dataset
-from .errors import RunMismatchError
+from .errors import RunMismatchError, UserError
 from .spec import ImageSpec
 
 _KEYWORDS = [f.name for cls in (DataSettings, PipelineSettings) for f in dataclasses.fields(cls)]
@@ -57,6 +63,19 @@ _ELSEWHERE = {  # train.py flags that a DataModule does not take: where they go 
     "monitor": "run: add dali_pipe.MonitorCallback() to the Trainer's callbacks",
 }
 INTERPOLATIONS = ("nearest", "linear", "cubic", "lanczos")
+ALIASES = {"bilinear": "linear", "bicubic": "cubic"}  # PIL's and timm's names for two of them
+KEYWORD_NAMES = [*_KEYWORDS, "model", "output"]  # what our messages name by flag, and the library by keyword
+
+
+@contextmanager
+def keywords():
+    """A UserError raised inside names the settings as the library takes them (batch_size=64), not as the CLI's
+    flags (--batch-size 64): our messages are written once, with flags (config.named)."""
+    try:
+        yield
+    except UserError as e:
+        e.args = (named(str(e), "keyword", KEYWORD_NAMES),) + e.args[1:]
+        raise
 
 
 def _spec_problems(image_size, mean, std, interpolation) -> list[str]:
@@ -72,9 +91,50 @@ def _spec_problems(image_size, mean, std, interpolation) -> list[str]:
         values = value if isinstance(value, (tuple, list)) else (value,)
         if not (len(values) in (1, 3) and all(isinstance(v, (int, float)) and (v > 0 or not positive) for v in values)):
             out.append(f"{key}: {value!r} is not 1 or 3 {'positive ' if positive else ''}numbers")
-    if interpolation not in INTERPOLATIONS:
-        out.append(f"interpolation: {interpolation!r} is not one of {', '.join(INTERPOLATIONS)}")
+    if interpolation not in INTERPOLATIONS and interpolation not in ALIASES:
+        out.append(f"interpolation: {interpolation!r} is not one of {', '.join(INTERPOLATIONS + tuple(ALIASES))}")
     return out
+
+
+TIMM_CROP_PCT = 0.875  # timm's DEFAULT_CROP_PCT: its evaluation transform's crop when a config has none
+
+
+def timm_spec(config) -> tuple[ImageSpec | None, list[str]]:
+    """The ImageSpec of a timm data config, as `timm.data.resolve_data_config` returns it (input_size (3, H, W),
+    mean, std, interpolation, crop_pct, crop_mode), and the problems with it. Validation then does what timm's
+    evaluation transform does: the shorter side resized to floor(size / crop_pct) with that interpolation, then
+    a center crop of the input size; training crops at the input size with the same interpolation."""
+    if not isinstance(config, dict):
+        return None, [f"data_config: {config!r} is not a dict (timm.data.resolve_data_config(model=...) returns one)"]
+    problems = []
+    size = config.get("input_size")
+    if not (isinstance(size, (tuple, list)) and len(size) == 3 and size[0] == 3 and all(
+            isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in size)):
+        problems.append(f"data_config: input_size {size!r} is not (3, height, width) in pixels")
+    elif size[1] != size[2]:
+        problems.append(f"data_config: input_size {tuple(size)!r} is not square; timm's evaluation crop keeps the "
+                        "aspect ratio there (ResizeKeepRatio), which the pipeline does not do: pass image_size= "
+                        "instead")
+    interp = config.get("interpolation", "bilinear")
+    if interp not in INTERPOLATIONS and interp not in ALIASES:
+        problems.append(f"data_config: interpolation {interp!r} is not one of bilinear, bicubic, nearest, lanczos "
+                        "(the ones DALI resamples with)")
+    crop_pct = config.get("crop_pct") or TIMM_CROP_PCT
+    if not (isinstance(crop_pct, (int, float)) and 0 < crop_pct <= 1):
+        problems.append(f"data_config: crop_pct {crop_pct!r} is not in (0, 1]")
+    if config.get("crop_mode", "center") != "center":
+        problems.append(f"data_config: crop_mode {config['crop_mode']!r}: only 'center' (timm's default) is done")
+    for key, positive in (("mean", False), ("std", True)):
+        value = config.get(key)
+        values = value if isinstance(value, (tuple, list)) else (value,)
+        if not (len(values) in (1, 3) and all(isinstance(v, (int, float)) and not isinstance(v, bool) and
+                                              (v > 0 or not positive) for v in values)):
+            problems.append(f"data_config: {key} {value!r} is not 1 or 3 {'positive ' if positive else ''}numbers")
+    if problems:
+        return None, problems
+    side = int(size[1])
+    return ImageSpec(side, side, _triple(config["mean"]), _triple(config["std"]),
+                     resize_shorter=math.floor(side / crop_pct), interp=ALIASES.get(interp, interp)), []
 
 
 def _triple(v) -> tuple[float, float, float]:
@@ -84,49 +144,93 @@ def _triple(v) -> tuple[float, float, float]:
 
 class DaliDataModule(_SettingsDataModule):
     def __init__(self, data: str | os.PathLike | None = None, *, model: str | None = None, image_size=None,
-                 mean=None, std=None, interpolation: str = "linear", output: str | os.PathLike | None = None,
-                 **settings):
+                 mean=None, std=None, interpolation: str = "linear", data_config: dict | None = None,
+                 output: str | os.PathLike | None = None, **settings):
         """Check and resolve the keywords as the CLI does its flags (see the class documentation)."""
         for key in settings:
             if key in FIELDS and key not in _KEYWORDS:
                 raise TypeError(f"unexpected keyword argument {key!r}: {flag_of(key)} is a train.py setting of the "
                                 f"{_ELSEWHERE.get(key, 'model or the run, not of the data')}; the DataModule takes "
                                 f"the data and pipeline settings: {', '.join(k for k in _KEYWORDS if k != 'data')}")
-        values = {"data": str(data) if isinstance(data, os.PathLike) else data, **settings}
-        s = settings_from_keywords(values, _KEYWORDS)
-        problems = []
-        if image_size is not None:
-            if model is not None:
-                problems.append("model / image_size: pass one of them (image_size= with mean= and std= replaces the "
-                                "model's image processor)")
-            problems += _spec_problems(image_size, mean, std, interpolation)
-        elif mean is not None or std is not None:
-            problems.append("mean / std: they go with image_size=; with model= they come from its image processor")
-        s.model.model = model
-        validate(s, ("data", "pipeline", "--model"), problems)
-        device = s.pipeline.device
-        s = resolve(s)
-        s.pipeline.device = device  # "auto" follows the Trainer's accelerator once one is attached
-        if s.data.data is None:
-            s.data.data = str(demo_dataset(s.data.cache_dir, seed=s.data.seed))
-        if image_size is not None:
-            sizes = tuple(image_size) if isinstance(image_size, (tuple, list)) else (image_size,)
-            spec = ImageSpec(sizes[0], sizes[-1], _triple(mean), _triple(std), interp=interpolation)
-        else:
-            spec = ImageSpec.from_processor(load_processor(s.model.model))
+        with keywords():
+            values = {"data": str(data) if isinstance(data, os.PathLike) else data, **settings}
+            s = settings_from_keywords(values, _KEYWORDS)
+            problems, spec = [], None
+            given = [k for k, v in (("model", model), ("image_size", image_size), ("data_config", data_config)) if
+                     v is not None]
+            if len(given) > 1:
+                problems.append(f"{' / '.join(given)}: pass one of them (model= reads the input size, mean, std and "
+                                "resize rule from its image processor; image_size= with mean= and std= gives them; "
+                                "data_config= takes timm's)")
+            if image_size is not None:
+                problems += _spec_problems(image_size, mean, std, interpolation)
+            elif mean is not None or std is not None:
+                problems.append("mean / std: they go with image_size=; with model= they come from its image "
+                                "processor, with data_config= from timm's config")
+            if data_config is not None:
+                spec, more = timm_spec(data_config)
+                problems += more
+            s.model.model = model
+            validate(s, ("data", "pipeline", "--model"), problems)
+            device = s.pipeline.device
+            s = resolve(s)
+            s.pipeline.device = device  # "auto" follows the Trainer's accelerator once one is attached
+            if s.data.data is None:
+                s.data.data = str(demo_dataset(s.data.cache_dir, seed=s.data.seed))
+            if image_size is not None:
+                sizes = tuple(image_size) if isinstance(image_size, (tuple, list)) else (image_size,)
+                spec = ImageSpec(sizes[0], sizes[-1], _triple(mean), _triple(std),
+                                 interp=ALIASES.get(interpolation, interpolation))
+            elif spec is None:
+                spec = ImageSpec.from_processor(load_processor(s.model.model))
         super().__init__(s.data, s.pipeline, spec, None if output is None else Path(output))
-        self.model_name = s.model.model if image_size is None else None
-        self.announce = True
+        self.model_name = s.model.model if image_size is None and data_config is None else None
+        self.announce, self.style = True, "keyword"
+
+    def prepare_data(self) -> None:
+        with keywords():
+            super().prepare_data()
+
+    def setup(self, stage: str | None = None) -> None:
+        with keywords():
+            super().setup(stage)
+
+
+def _keyword_type(name: str):
+    """The type a keyword takes, from its setting: the field's type, its choices as a Literal (so that a
+    LightningCLI or jsonargparse checks them), and str beside int where the CLI reads text (sizes: "64MB")."""
+    _, f, tp = FIELDS[name]
+    union = typing.get_origin(tp) in (Union, types.UnionType)
+    args = typing.get_args(tp) if union else (tp,)
+    optional = type(None) in args
+    base = [a for a in args if a is not type(None)]
+    if f.metadata["choices"]:
+        base = [Literal[tuple(f.metadata["choices"])]]
+    elif f.metadata["parse"]:
+        base = [*base, str]
+    out = Union[tuple(base)] if len(base) > 1 else base[0]
+    return Optional[out] if optional else out
+
+
+SPEC_TYPES = {  # the keywords that are not settings of config.py
+    "data": Optional[Union[str, os.PathLike]], "model": Optional[str],
+    "image_size": Optional[Union[int, tuple[int, int]]], "mean": Optional[Union[float, tuple[float, float, float]]],
+    "std": Optional[Union[float, tuple[float, float, float]]],
+    "interpolation": Literal[INTERPOLATIONS + tuple(ALIASES)], "data_config": Optional[dict],
+    "output": Optional[Union[str, os.PathLike]]}
 
 
 def _signature() -> inspect.Signature:
+    """The keyword signature, typed (help() and LightningCLI read it): the settings' from config.py."""
     P = inspect.Parameter
-    params = [P("self", P.POSITIONAL_OR_KEYWORD), P("data", P.POSITIONAL_OR_KEYWORD, default=None)]
-    params += [P(k, P.KEYWORD_ONLY, default=d) for k, d in (("model", None), ("image_size", None), ("mean", None),
-                                                               ("std", None), ("interpolation", "linear"),
-                                                               ("output", None))]
-    params += [P(k, P.KEYWORD_ONLY, default=FIELDS[k][1].default) for k in _KEYWORDS if k != "data"]
-    return inspect.Signature(params)
+    params = [P("self", P.POSITIONAL_OR_KEYWORD),
+              P("data", P.POSITIONAL_OR_KEYWORD, default=None, annotation=SPEC_TYPES["data"])]
+    params += [P(k, P.KEYWORD_ONLY, default=d, annotation=SPEC_TYPES[k])
+               for k, d in (("model", None), ("image_size", None), ("mean", None), ("std", None),
+                            ("interpolation", "linear"), ("data_config", None), ("output", None))]
+    params += [P(k, P.KEYWORD_ONLY, default=FIELDS[k][1].default, annotation=_keyword_type(k))
+               for k in _KEYWORDS if k != "data"]
+    return inspect.Signature(params, return_annotation=None)
 
 
 LIBRARY_HELP = {  # where the DataModule reads a setting otherwise than the training command
@@ -147,6 +251,8 @@ def _keyword_docs() -> str:
 
 
 DaliDataModule.__init__.__signature__ = _signature()
+DaliDataModule.__init__.__annotations__ = {p.name: p.annotation for p in _signature().parameters.values()
+                                           if p.annotation is not inspect.Parameter.empty} | {"return": None}
 DaliDataModule.__doc__ = f"""Feed your own LightningModule from class folders, a dataset.tsv, a pack, shards, a Hugging Face
 dataset or S3, through DALI.
 
@@ -163,15 +269,16 @@ Batches are `(images, labels)`: images (B, 3, H, W) float32, normalised as the m
 Every epoch trains each sample at most once and drops each process's last partial batch (a note
 says so when that exceeds 10% of the images); validation sees every sample exactly once, and so do
 `trainer.test` and `trainer.predict`, which read the validation split too (predict in the order of
-`dm.manifest.val`, whose entries name the files). With several processes (DDP) each rank reads
-its own shard, from the Trainer's ranks. The state saved in a Lightning checkpoint holds every
+`dm.manifest.val`, whose entries name the files; a prediction writer's `batch_indices` are positions
+in it, also under DDP, where each rank reads a contiguous share). With several processes (DDP) each
+rank reads its own shard, from the Trainer's ranks. The state saved in a Lightning checkpoint holds every
 rank's loader position, so with a `ModelCheckpoint(save_last=True, every_n_train_steps=N)` a
 rerun's `trainer.fit(..., ckpt_path="last")` continues mid-epoch at the same sample with the same augmentation; a checkpoint of other data
 (files, labels, split, classes, image size, batch size, processes or seed) is refused
 (RunMismatchError) before anything is restored.
 
-Arguments (the CLI's flags with underscores; defaults and checks are the CLI's, from
-dali_pipe/config.py; a bad value raises UsageError listing every problem):
+Arguments (the CLI's flags with underscores, typed; defaults and checks are the CLI's, from
+dali_pipe/config.py; a bad value raises UsageError listing every problem, named by keyword):
 
     data=None (--data): the images, a folder or s3://bucket/prefix of the same (docs/data.md has the table):
         class subfolders (ImageFolder, as torchvision reads it; train/ + val/ of them is ImageNet's split),
@@ -182,7 +289,11 @@ dali_pipe/config.py; a bad value raises UsageError listing every problem):
         std and resize rule: a hub id, a save_pretrained folder, or 'tiny' / 'vit-b16-random'
         (built in); None: as the CLI ({DEFAULT_MODEL}, or tiny for the demo set)
     image_size=None, mean=None, std=None, interpolation='linear': instead of model=, the input size
-        (an int or (height, width)) and the per-channel mean and std on the [0, 1] scale
+        (an int or (height, width)) and the per-channel mean and std on the [0, 1] scale;
+        interpolation nearest, linear (bilinear), cubic (bicubic) or lanczos
+    data_config=None: instead of model=, timm's data config as timm.data.resolve_data_config returns
+        it (input_size, mean, std, interpolation, crop_pct, crop_mode 'center'): validation resizes the
+        shorter side to floor(size / crop_pct) and crops the center, as timm's evaluation transform does
     output=None: where reports go (bad_images.tsv); None: the Trainer's default_root_dir
 {_keyword_docs()}
 """

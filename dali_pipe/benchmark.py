@@ -32,7 +32,17 @@ import pytorch_lightning as pl
 
 from .baseline import classic_loader
 from .config import LOADERS, UsageError, resolve_precision
-from .monitor import SHARE_WORDS, SHARES, MonitorCallback, Sampler, StepLog, budget_line, diagnose, time_budget
+from .monitor import (
+    SHARE_WORDS,
+    SHARES,
+    MonitorCallback,
+    Sampler,
+    StepLog,
+    budget_line,
+    busy_cores,
+    diagnose,
+    time_budget,
+)
 from .pipeline import Shards
 from .workdir import OutputError, remove_dead_temps
 
@@ -466,10 +476,24 @@ def table(report: dict) -> str:
 
 
 def plot(report: dict, path: Path) -> None:
+    """benchmark.png: the figure of the report, written whole or not at all."""
+    import matplotlib.pyplot as plt
+
+    fig = figure(report)
+    tmp = _png_temp(path)
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    os.replace(tmp, path)
+
+
+def figure(report: dict):
+    """The report drawn: the timeline (GPU utilization, or the time per step), the throughput with its ratios,
+    each loader's time budget, and any warning that makes its figures suspect (busy cores)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     names = list(report["loaders"])
     gpu = report["env"]["gpu"] is not None
@@ -490,6 +514,8 @@ def plot(report: dict, path: Path) -> None:
         ax1.set(xlabel="timed step", ylabel="ms per batch", title="Time per batch, loaders alone (no model, no GPU)")
     else:
         ax1.set(xlabel="timed step", ylabel="ms blocked waiting for the batch", title="Data-wait per step (no GPU)")
+    if not gpu:
+        ax1.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole: no 2.5 or 7.5 on the axis
     ax1.legend(loc="best", fontsize=9)
     ax1.grid(alpha=0.3)
     rounds = [report["loaders"][n]["images_per_sec_rounds"] for n in names]
@@ -509,11 +535,11 @@ def plot(report: dict, path: Path) -> None:
     cfg = report["config"]
     fig.suptitle(f"model {cfg['model']}, batch {cfg['batch_size']}, {report['env']['cpus']} CPU core(s), "
                  f"{report['env']['gpu'] or 'no GPU'}, {cfg['repeat']} round(s)", fontsize=11)
-    fig.tight_layout()
-    tmp = _png_temp(path)
-    fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    os.replace(tmp, path)
+    warnings = [w for n in names for w in [busy_cores(n, report["loaders"][n], report["env"]["cpus"])] if w]
+    fig.tight_layout(rect=(0, 0.06 * len(warnings), 1, 1))
+    for i, w in enumerate(warnings):  # a figure seen without its log says that its figures are low, and why
+        fig.text(0.01, 0.06 * (len(warnings) - i) - 0.045, "warning: " + w, color="#c9302c", fontsize=10)
+    return fig
 
 
 def _png_temp(path: Path) -> Path:

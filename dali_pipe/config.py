@@ -357,6 +357,37 @@ def flag_of(name: str) -> str:
     return meta["flag"] or "--" + name.replace("_", "-")
 
 
+STYLES = ("flag", "keyword", "hyperparameter")  # how a user names settings: CLI, library, SageMaker
+_FLAG_IN_TEXT = re.compile(r"(?<![\w-])(?P<flag>--[a-z][a-z0-9-]*)(?![\w-])(?P<colon>:)?"
+                           r"(?P<value> (?:-?\d[\w.+-]*|'[^']*'|\([^()]*\)))?")
+
+
+def named(text: str, style: str, names=None) -> str:
+    """`text`, one of our messages, with the settings it names by their flags named as the user wrote them:
+    "flag" leaves it as it is (--batch-size 64); "keyword" is the library's (batch_size=64, `scan='deep' is not
+    one of ...`); "hyperparameter" is SageMaker's ("batch-size": 64). `names`: the settings to rename
+    (default every one; a flag of no such setting stays). The messages are written once, with flags, and
+    the library and the SageMaker entry say them in their users' words through this."""
+    if style == "flag":
+        return text
+    flags = {flag_of(n): n for n in (FIELDS if names is None else names)
+             if n in FIELDS and not FIELDS[n][1].metadata["positional"]}
+
+    def say(m: re.Match) -> str:
+        name = flags.get(m["flag"])
+        if name is None:
+            return m[0]
+        value = (m["value"] or "").strip()
+        switch = not value and not m["colon"] and FIELDS[name][2] is bool  # --skip-missing: a switch turned on
+        if style == "keyword":
+            return f"{name}={value}" if value else f"{name}=True" if switch else f"{name}:" if m["colon"] else \
+                f"{name}="
+        key = f'"{m["flag"][2:]}"'
+        return f"{key}: {value}" if value else f'{key}: "true"' if switch else f"{key}:" if m["colon"] else key
+
+    return _FLAG_IN_TEXT.sub(say, text)
+
+
 def _converter(name: str):
     """(str -> value, words for 'is not X'), from the field's parse= or its type."""
     _, f, tp = FIELDS[name]
@@ -574,6 +605,11 @@ def validate(s: Settings, groups=TRAIN_GROUPS, problems: list[str] = ()) -> None
     if "bench" in groups and isinstance(s.bench.loaders, str) and "packed" in s.bench.loaders.split(","):
         if not s.bench.packed:
             problems.append("--loaders: 'packed' needs --packed, a pack of --data (python -m dali_pipe pack DATA DIR)")
+    if ("model" in groups or "--model" in groups) and isinstance(s.model.model, str) and is_path(s.model.model) \
+            and not os.path.lexists(os.path.expanduser(s.model.model)):
+        problems.append(f"--model: {s.model.model!r} does not exist; pass the folder a training run wrote (train.py's "
+                        "--output: config.json, the weights and preprocessor_config.json), or a hub id such as "
+                        f"{DEFAULT_MODEL}")
     if "model" in groups:
         if s.model.model == "none" and not s.bench.benchmark:
             problems.append("--model: 'none' only makes sense with --benchmark (it times the loaders without a model)")
@@ -590,7 +626,8 @@ def validate(s: Settings, groups=TRAIN_GROUPS, problems: list[str] = ()) -> None
             if Path(data).is_file() and is_shard_name(data):
                 pass  # one shard
             elif not Path(data).is_dir():
-                problems.append(f"--data: {data!r} is not a directory; --data may be:" + forms_text("\n    "))
+                what = "is not a directory" if os.path.lexists(data) else "does not exist"
+                problems.append(f"--data: {data!r} {what}; --data may be:" + forms_text("\n    "))
             else:
                 problem = form_problem(data)
                 if problem:
@@ -599,6 +636,11 @@ def validate(s: Settings, groups=TRAIN_GROUPS, problems: list[str] = ()) -> None
         problems.append("--device: 'gpu' but no CUDA GPU is visible; use --device cpu (or auto)")
     if problems:
         raise UsageError("invalid arguments:\n  " + "\n  ".join(problems))
+
+
+def is_path(name: str) -> bool:
+    """A --model that can only be a local folder (absolute, or starting with ., .. or ~), never a hub id."""
+    return name.startswith(("/", "./", "../", "~")) or name in (".", "..")
 
 
 def _cuda_available() -> bool:

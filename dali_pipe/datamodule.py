@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytorch_lightning as pl
 
-from .config import DataSettings, PipelineSettings, SyncSettings, resolve_device
+from .config import DataSettings, PipelineSettings, SyncSettings, named, resolve_device
 from .errors import RunMismatchError, UserError
 from .imagefolder import read_image_folder, sync_image_folder
 from .loader import DaliLoader, ReaderChanged
@@ -122,10 +122,11 @@ def check_bad_fraction(result: ScanResult, data: DataSettings, output: Path) -> 
                         "--max-bad-fraction.")
 
 
-def prepare(data: DataSettings, output: Path, *, num_threads: int,
-            report_empty: bool = True, labels: bool = True) -> tuple[Manifest, ScanResult]:
+def prepare(data: DataSettings, output: Path, *, num_threads: int, report_empty: bool = True, labels: bool = True,
+            manifest: Manifest | None = None) -> tuple[Manifest, ScanResult]:
     """Once per node: sync s3:// data, scan, write the report, enforce --max-bad-fraction.
-    Returns the manifest without the bad files, and the scan's result (`labels`: as for read)."""
+    Returns the manifest without the bad files, and the scan's result (`labels`: as for read). `manifest`: the
+    local dataset's, already read (the CLI reads it before the heavy imports), so it is not read again."""
     kind = source_kind(data.data, data.cache_dir)
     if kind in SHARD_KINDS:  # shards: fetch a pack, index others', sync and check a Hugging Face dataset
         if kind in TABLE_KINDS:
@@ -143,11 +144,20 @@ def prepare(data: DataSettings, output: Path, *, num_threads: int,
         sync_image_folder(data.data, local_root(data), workers=SyncSettings.workers)
     elif data.data.startswith("s3://"):
         sync(data.data, local_root(data), workers=SyncSettings.workers, skip_missing=data.skip_missing, rows=True)
-    manifest = read(data)
+    manifest = manifest or read(data)
     result = scan_manifest(manifest, data, num_threads=num_threads, progress=True)
     report(manifest, result, data, output, empty=report_empty)
     check_bad_fraction(result, data, output)
     return manifest.without(set(result.bad)), result
+
+
+def data_line(manifest: Manifest | ShardSet, scan_mode: str, scan_result: ScanResult | None) -> str:
+    """The data in one line: classes, the split's counts, what the scan excluded (and what the source notes)."""
+    names = ", ".join(manifest.classes[:6]) + (", ..." if len(manifest.classes) > 6 else "")
+    scan = (f"scan {scan_mode}: {len(scan_result.bad)} of {scan_result.total} excluded" if scan_result
+            else f"scan {scan_mode}")
+    return (f"data: {len(manifest.classes)} classes ({names}); {len(manifest.train)} train + {len(manifest.val)} val "
+            f"images; {scan}" + (f"; {manifest.note}" if getattr(manifest, "note", "") else ""))
 
 
 def dropped_per_epoch(n: int, batch_size: int, num_shards: int) -> int:
@@ -179,18 +189,22 @@ def check_batch(n: int, batch_size: int, num_shards: int) -> None:
 class DaliDataModule(pl.LightningDataModule):
     """The DALI loaders for Lightning, built from resolved settings (see `dali_pipe.DaliDataModule` for
     the keyword form). `output` is where reports go (None: the Trainer's default_root_dir); a device of
-    "auto" follows the Trainer's accelerator once one is attached."""
+    "auto" follows the Trainer's accelerator once one is attached; `manifest`: the local dataset's, when the
+    caller has read it already (it is then not read again)."""
 
-    def __init__(self, data: DataSettings, pipeline: PipelineSettings, spec: ImageSpec, output: Path | None = None):
+    def __init__(self, data: DataSettings, pipeline: PipelineSettings, spec: ImageSpec, output: Path | None = None,
+                 manifest: Manifest | None = None):
         super().__init__()
         self.data, self.pipeline, self.spec = data, pipeline, spec
         self._output = None if output is None else Path(output)
+        self._described = manifest
         self.manifest: Manifest | None = None
         self._train = self._val = None
         self._prepared = False
         self.scan_result: ScanResult | None = None  # what prepare_data's scan found (the main process's)
         self.spans: dict[str, tuple[float, float]] = {}  # perf_counter (start, end) of prepare_data and setup
-        self.announce = False  # setup() prints drop_note() (the CLI's start-up summary says it instead)
+        self.announce = False  # prepare_data() prints data_line(), setup() drop_note() (the CLI's summary says both)
+        self.style = "flag"  # how the user names settings in what is printed (config.named: "keyword", the library)
         self.labels = True  # False: shards are read without their cls, and may have none (predict)
         self._digest: str | None = None
 
@@ -260,13 +274,16 @@ class DaliDataModule(pl.LightningDataModule):
         else:
             threads = resources_for_rank(self.pipeline, local_world_size=self._rank()[3]).num_threads
             self.manifest, self.scan_result = prepare(self.data, self.output, num_threads=threads,
-                                                      report_empty=self._output is not None, labels=self.labels)
+                                                      report_empty=self._output is not None, labels=self.labels,
+                                                      manifest=self._described)
+            if self.announce:  # once: a second call (Lightning's, after the user's) returns above
+                print(data_line(self.manifest, self.data.scan, self.scan_result), flush=True)
         self._prepared = True
         self.spans["prepare_data"] = (start, time.perf_counter())
 
     def _read_manifest(self) -> None:
         if self.manifest is None:
-            manifest = read(self.data, labels=self.labels)
+            manifest = self._described or read(self.data, labels=self.labels)
             if isinstance(manifest, ShardSet):
                 self.manifest = manifest
             else:
@@ -289,7 +306,7 @@ class DaliDataModule(pl.LightningDataModule):
         rank, world = self._rank()[:2]
         note = drop_note(len(self.manifest.train), self.data.batch_size, world) if self.announce and rank == 0 else None
         if note:
-            print(note, file=sys.stderr, flush=True)
+            print(named(note, self.style), file=sys.stderr, flush=True)
         self._train = self.loader(self.manifest.train, training=True)
         self._val = self.loader(self.manifest.val, training=False) if self.manifest.val else None
         self.spans["setup"] = (start, time.perf_counter())
@@ -410,14 +427,66 @@ class DaliDataModule(pl.LightningDataModule):
     def predict_dataloader(self):
         """`trainer.predict`: the validation split, unaugmented, every sample once, in the order of
         `dm.manifest.val` (with several processes, each rank a contiguous part of it), so that the
-        outputs map back to its files."""
-        return self._eval_split("predict")
+        outputs map back to its files: a prediction writer (BasePredictionWriter) gets each batch's
+        positions in that order as its `batch_indices`."""
+        loader = self._eval_split("predict")
+        rank, world = self._rank()[:2]
+        return IndexedBatches(loader, split_positions(len(self.manifest.val), rank, world, self.data.batch_size,
+                                                      len(loader)))
 
     def _eval_split(self, stage: str):
         if self._val is None:
             raise EmptySplitError(f"nothing to {stage}: the validation split is empty; give the DataModule a "
                                   "val_fraction= above 0, or val rows in dataset.tsv's split column")
         return self._val
+
+
+def split_positions(n: int, rank: int, world: int, batch: int, batches: int) -> list[list[int]]:
+    """Positions in an evaluation split of n samples of each of `batches` batches that `rank` of `world` reads:
+    its contiguous share [n*rank//world, n*(rank+1)//world) (DALI's file reader shards so, and so does the
+    shard plan's evaluation), in order, `batch` at a time; a rank whose share is one short ends with an empty
+    batch, as its loader does."""
+    lo, hi = n * rank // world, n * (rank + 1) // world
+    return [list(range(min(lo + b * batch, hi), min(lo + (b + 1) * batch, hi))) for b in range(batches)]
+
+
+class IndexedBatches:
+    """A loader's batches, each with its positions in the split, where Lightning's predict loop reads them for
+    prediction writers: the `batch_sampler` it wraps around a torch DataLoader's own (its
+    _IndexBatchSamplerWrapper, Lightning's one hook for this; without it, as before, batch_indices are empty)."""
+
+    def __init__(self, loader, positions: list[list[int]]):
+        self.loader, self.positions = loader, positions
+        self.batch_size = loader.batch_size
+        try:
+            from pytorch_lightning.overrides.distributed import _IndexBatchSamplerWrapper
+        except ImportError:  # another Lightning: prediction writers get no batch_indices
+            self.batch_sampler = None
+        else:
+            self.batch_sampler = _IndexBatchSamplerWrapper(_Positions(positions))
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self):
+        seen = iter(self.batch_sampler) if self.batch_sampler is not None else None
+        for batch in self.loader:
+            if seen is not None:
+                next(seen, None)  # the wrapper records this batch's positions, as it does for a DataLoader
+            yield batch
+
+
+class _Positions:
+    """The batch sampler behind IndexedBatches: the positions of each batch."""
+
+    def __init__(self, positions: list[list[int]]):
+        self.positions = positions
+
+    def __iter__(self):
+        return iter(self.positions)
+
+    def __len__(self) -> int:
+        return len(self.positions)
 
 
 FINGERPRINT_NAMES = {"samples": "the data (files, labels or split)", "classes": "the classes",

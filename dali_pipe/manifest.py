@@ -5,7 +5,7 @@ the files it lists, the scan checks only those, and the pipelines read only thos
 
 Columns (header names are stripped and case-insensitive): `image_path` (required, relative to
 the dataset root), `label` (optional; else the parent folder name; classes sort numerically when
-every label is an integer), `split` (optional, train/val; else a split by a hash of each path and
+every label is an integer), `split` (optional, train, val or validation; else a split by a hash of each path and
 the seed, stratified per class, that stays put as images are added).
 """
 from __future__ import annotations
@@ -13,6 +13,7 @@ from __future__ import annotations
 import csv
 import difflib
 import hashlib
+import io
 import os
 import posixpath
 import warnings
@@ -94,62 +95,118 @@ def safe_relpath(image_path: str, root: Path) -> str:
     return norm
 
 
-def read_table(tsv: Path | str) -> "pandas.DataFrame":  # noqa: F821
-    """Load the TSV as strings, tolerating a BOM, CRLF, padding spaces and blank lines.
+@dataclass
+class Table:
+    """A manifest as read: the header's column names (trimmed, lower-case) and each non-blank row as a dict of
+    trimmed strings by column, with `_line`, its line number in the file (the header is line 1)."""
+    columns: list[str]
+    rows: list[dict]
+    header_line: int = 1
 
-    The returned frame keeps a `_line` column with each row's line number in the file.
+    def __getitem__(self, column: str) -> list:
+        return [r[column] for r in self.rows]
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    @property
+    def empty(self) -> bool:
+        return not self.rows
+
+
+def read_table(tsv: Path | str) -> Table:
+    """Load the TSV as strings, tolerating a BOM, CRLF, padding spaces, blank lines and trailing tabs.
+
+    The standard library's csv reader, not pandas: pandas costs over a second to import, which a data
+    mistake should not wait for (the CLI reads the manifest before torch and Lightning load), and with
+    one field more than the header on the first row it silently takes the first column as the index.
     """
-    import pandas as pd
-
     try:
-        df = pd.read_csv(tsv, sep="\t", dtype=str, keep_default_na=False, encoding="utf-8-sig",
-                         quoting=csv.QUOTE_NONE, skip_blank_lines=False, engine="python")
+        raw = Path(tsv).read_bytes()
     except FileNotFoundError:
         raise ManifestError(f"{tsv}: no such manifest. Put a {MANIFEST_NAME} with an 'image_path' "
                             "column at the dataset root, or pass the right --data.") from None
+    except OSError as e:
+        raise ManifestError(f"{tsv}: cannot be read ({e.strerror or e}).") from None
+    try:
+        text = raw.decode("utf-8-sig")
     except UnicodeDecodeError as e:
-        raise ManifestError(f"{tsv}: not UTF-8 text ({e.reason} at byte {e.start}); save it as UTF-8.") from None
-    except pd.errors.EmptyDataError:
-        raise ManifestError(f"{tsv}: the file is empty; it needs a header line with 'image_path'.") from None
-    except pd.errors.ParserError as e:
-        raise ManifestError(f"{tsv}: not a tab-separated table ({e}). Each line needs the same "
-                            "number of tab-separated fields as the header.") from None
-    df.columns = [str(c).strip().lower() for c in df.columns]
-    df = df.fillna("")  # short lines leave missing fields
-    df["_line"] = range(2, len(df) + 2)
-    for c in df.columns.drop("_line"):
-        df[c] = df[c].str.strip()
-    blank = (df.drop(columns="_line") == "").all(axis=1)
-    return df[~blank].reset_index(drop=True)
+        line = raw[:e.start].count(b"\n") + 1
+        raise ManifestError(f"{tsv}: line {line}: not UTF-8 text ({e.reason} at byte {e.start}); save it as "
+                            "UTF-8.") from None
+    lines = csv.reader(io.StringIO(text, newline=""), delimiter="\t", quoting=csv.QUOTE_NONE, strict=True)
+    header, header_line, rows, problems = None, 1, [], []
+    try:
+        for number, fields in enumerate(lines, start=1):
+            fields = [f.strip() for f in fields]
+            if not any(fields):
+                continue  # a blank line (or only tabs and spaces)
+            if header is None:
+                header, header_line = [f.lower() for f in fields], number
+                continue
+            extra = fields[len(header):]
+            if any(extra):
+                problems.append(f"line {number} has {len(fields)} tab-separated fields, the header {len(header)} "
+                                f"({', '.join(header)})")
+                continue
+            rows.append({**dict(zip(header, fields + [""] * (len(header) - len(fields)))), "_line": number})
+    except csv.Error as e:
+        raise ManifestError(f"{tsv}: line {lines.line_num}: not a tab-separated table ({e}).") from None
+    if header is None:
+        raise ManifestError(f"{tsv}: the file is empty; it needs a header line with 'image_path'.")
+    twice = sorted({c for c in header if header.count(c) > 1 and c})
+    if twice:
+        raise ManifestError(f"{tsv}: line {header_line}: column(s) {', '.join(map(repr, twice))} appear more than "
+                            "once in the header (names are case-insensitive); keep one of each.")
+    if problems:
+        raise ManifestError(f"{tsv}: not a tab-separated table: " + "; ".join(problems[:5])
+                            + (f"; ... and {len(problems) - 5} more" if len(problems) > 5 else "")
+                            + ". Each line needs at most as many tab-separated fields as the header.")
+    return Table(header, rows, header_line)
 
 
 COLUMNS = ("image_path", "label", "split")
 
 
-def check_columns(df, tsv) -> None:
+def check_columns(table: Table, tsv) -> None:
     """Header names are stripped and case-insensitive (read_table lowers them); a column that
-    nearly matches a known one (`lable`, `imagepath`) is a typo, not an extra column."""
-    cols = [c for c in df.columns if c != "_line"]
-    if "image_path" not in cols:
-        raise ManifestError(f"{tsv}: no 'image_path' column (found {cols}). Add a header line whose "
-                            "first field is image_path, tab-separated.")
-    typos = [(c, close[0]) for c in cols if c not in COLUMNS
-             for close in [difflib.get_close_matches(c, COLUMNS, n=1, cutoff=0.75)] if close and close[0] not in cols]
-    if typos:
-        raise ManifestError(f"{tsv}: column(s) " + ", ".join(f"{c!r} (did you mean {k!r}?)" for c, k in typos)
-                            + f"; the known columns are {', '.join(COLUMNS)}.")
-    if df.empty:
+    nearly matches a known one (`lable`, `imagepath`) is a typo, not an extra column; a header of
+    comma-separated names is a CSV file."""
+    check_header(table, tsv)
+    if table.empty:
         raise ManifestError(f"{tsv}: no rows. List at least two classes of images under 'image_path'.")
 
 
-def parse_rows(df, root: Path, tsv) -> tuple[dict[str, tuple[int, str, str | None]], int]:
+def check_header(table: Table, tsv) -> None:
+    """The header names an image_path column and no near-miss of a known one; else one message naming the
+    header's line and what it looks like (a typo of which column, a comma-separated file)."""
+    cols, where = table.columns, f"{tsv}: line {table.header_line}"
+    for sep, name in ((",", "comma"), (";", "semicolon")):
+        if len(cols) == 1 and sep in cols[0]:
+            raise ManifestError(f"{where}: the header {cols[0]!r} is {name}-separated: this is a CSV file, and "
+                                f"{MANIFEST_NAME} is tab-separated. Save it with a tab between the columns (for "
+                                f"example pandas.read_csv({str(tsv)!r}, sep={sep!r}).to_csv(..., sep='\\t', "
+                                "index=False)).")
+    typos = [(c, close[0]) for c in cols if c not in COLUMNS
+             for close in [difflib.get_close_matches(c, COLUMNS, n=1, cutoff=0.75)] if close and close[0] not in cols]
+    if typos:
+        raise ManifestError(f"{where}: " + "; ".join(f"column {c!r} looks like a typo of {k!r}" for c, k in typos)
+                            + f"; rename {'it' if len(typos) == 1 else 'them'} (the known columns are "
+                            f"{', '.join(COLUMNS)}).")
+    if "image_path" in cols:
+        return
+    raise ManifestError(f"{where}: no 'image_path' column (found {cols}). Add a header line whose "
+                        "first field is image_path, tab-separated.")
+
+
+def parse_rows(table: Table, root: Path, tsv) -> tuple[dict[str, tuple[int, str, str | None]], int]:
     """{relative path: (line, label, split)} and the number of duplicate rows dropped."""
     problems: list[str] = []
     rows: dict[str, tuple[int, str, str | None]] = {}
     duplicates = 0
-    labelled = "label" in df.columns and (df["label"] != "").any()
-    has_split = "split" in df.columns
-    for rec in df.to_dict("records"):
+    labelled = "label" in table.columns and any(table["label"])
+    has_split = "split" in table.columns
+    for rec in table.rows:
         line = rec["_line"]
         try:
             rel = safe_relpath(rec["image_path"], root)
@@ -175,7 +232,7 @@ def parse_rows(df, root: Path, tsv) -> tuple[dict[str, tuple[int, str, str | Non
         if has_split and rec["split"]:
             split = SPLITS.get(rec["split"].lower())
             if split is None:
-                problems.append(f"line {line}: split {rec['split']!r} is not one of train/val.")
+                problems.append(f"line {line}: split {rec['split']!r} is not one of train, val (or validation).")
                 continue
         if rel in rows:
             first_line, first_label, first_split = rows[rel]
@@ -204,9 +261,9 @@ def read_manifest(root: Path | str, *, val_fraction: float, seed: int, skip_miss
     """Parse and check `root/dataset.tsv`. Raises ManifestError naming the row/column and the fix."""
     root = Path(root)
     tsv = Path(tsv) if tsv else root / MANIFEST_NAME
-    df = read_table(tsv)
-    check_columns(df, tsv)
-    rows, duplicates = parse_rows(df, root, tsv)
+    table = read_table(tsv)
+    check_columns(table, tsv)
+    rows, duplicates = parse_rows(table, root, tsv)
     if duplicates:
         warnings.warn(f"{tsv}: dropped {duplicates} duplicate row(s) (same image_path, label and split).")
 
@@ -226,7 +283,8 @@ def read_manifest(root: Path | str, *, val_fraction: float, seed: int, skip_miss
     index = {c: i for i, c in enumerate(classes)}
     samples = {rel: Sample(absolute_path(root, rel), index[label], line) for rel, (line, label, _) in rows.items()}
 
-    if "split" in df.columns and any(split for _, _, split in rows.values()):
+    split_column = "split" in table.columns and any(split for _, _, split in rows.values())
+    if split_column:
         unsplit = [rel for rel, (_, _, s) in rows.items() if s is None]
         if unsplit:
             raise ManifestError(f"{tsv}: the 'split' column is empty for {_preview(unsplit)}; "
@@ -235,6 +293,10 @@ def read_manifest(root: Path | str, *, val_fraction: float, seed: int, skip_miss
         val = [samples[r] for r, (_, _, s) in rows.items() if s == "val"]
     else:
         train, val = stratified_split(samples, val_fraction, seed)
+    if not train and split_column:
+        raise ManifestError(f"{tsv}: the 'split' column marks no row train (all {len(val)} say val, lines "
+                            f"{min(s.line for s in val)} to {max(s.line for s in val)}): mark the rows to train on "
+                            "split=train (with a split column, --val-fraction does not apply).")
     if not train:
         raise ManifestError(f"{tsv}: no training rows after the split; lower --val-fraction "
                             "or mark some rows split=train.")

@@ -218,11 +218,20 @@ def diagnose(name: str, m: dict, *, cores: int, model: bool = True) -> list[str]
         out.append(f"{name}: stalls, {st['count']} step(s) took over {STALL_FACTOR:.0f}x the median "
                    f"({st['median_ms']:.0f} ms, worst {st['max_ms']:.0f} ms), checkpoint saves and validation "
                    "not included (the time budget counts those).")
-    other = m.get("other_load_cores")
-    if other is not None and other >= OTHER_LOAD_WARN:
-        out.append(f"{name}: other processes kept {other:.1f} of the {cores} pinned core(s) busy during the "
-                   "measurement; these figures are low, rerun on idle cores.")
+    busy = busy_cores(name, m, cores)
+    if busy:
+        out.append(busy)
     return out
+
+
+def busy_cores(name: str, m: dict, cores: int) -> str | None:
+    """The warning that other processes loaded the pinned cores while `name` was measured (its figures are
+    then low), or None."""
+    other = m.get("other_load_cores")
+    if other is None or other < OTHER_LOAD_WARN:
+        return None
+    return (f"{name}: other processes kept {other:.1f} of the {cores} pinned core(s) busy during the "
+            "measurement; these figures are low, rerun on idle cores.")
 
 
 # -- the time budget ----------------------------------------------------------------------------

@@ -304,14 +304,26 @@ def scan(paths: list[str], mode: str, *, max_pixels: int, num_threads: int = 1,
     return result
 
 
+REPORT_NAME, REPORT_HEADER = "bad_images.tsv", "image_path\treason\n"
+
+
+def is_empty_report(path: Path) -> bool:
+    """`path` is a report of ours that lists no file (its header alone)."""
+    try:
+        return path.name == REPORT_NAME and path.stat().st_size == len(REPORT_HEADER) and \
+            path.read_text(encoding="utf-8") == REPORT_HEADER
+    except (OSError, UnicodeDecodeError):
+        return False
+
+
 def write_report(bad: dict[str, str], root: Path, out: Path) -> Path:
     """Write OUT/bad_images.tsv: one row per excluded file, its path and the reason. The reason is redacted
     (a link's target may hold a token); the path stays as the manifest wrote it, to join back to it."""
     out.mkdir(parents=True, exist_ok=True)
-    report = out / "bad_images.tsv"
-    tmp = report.with_name(f".bad_images.tsv.tmp-{os.getpid()}")
+    report = out / REPORT_NAME
+    tmp = report.with_name(f".{REPORT_NAME}.tmp-{os.getpid()}")
     with writing(report, tmp), open(tmp, "w", encoding="utf-8") as f:
-        f.write("image_path\treason\n")
+        f.write(REPORT_HEADER)
         for p in sorted(bad):
             rel = os.path.relpath(p, root) if p.startswith(str(root)) else p
             f.write(f"{rel}\t{redact(bad[p])}\n")

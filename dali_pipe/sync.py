@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import UserError
-from .manifest import MANIFEST_NAME, ManifestError, check_columns, parse_rows, read_table, safe_relpath
+from .manifest import MANIFEST_NAME, ManifestError, check_columns, check_header, parse_rows, read_table, safe_relpath
 from .redact import redact
 from .transfer import Engine, TransferError, endpoint, endpoint_credentials, part_name
 from .workdir import human_bytes, is_disk_full, lock, pid_alive, remove_dead_temps, unlock, write_failure
@@ -244,8 +244,7 @@ def fetch_manifest(engine: Engine, bucket: str, base: str, dest: Path, rows: boo
     atomic_write(staged, text)
     try:
         df = read_table(staged)
-        if "image_path" not in df.columns:
-            raise SyncError(f"s3://{bucket}/{key} has no 'image_path' column; add one (tab-separated header)")
+        check_header(df, staged)  # no image_path column: a typo of it, a CSV file, or none at all
         wanted: dict[str, int] = {}
         refused = []
         for p, line in zip(df["image_path"], df["_line"]):

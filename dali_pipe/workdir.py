@@ -242,3 +242,33 @@ def writing(path: Path | str, tmp: Path | str | None = None):
         if isinstance(e, OSError) and is_disk_full(e) and not e.filename:
             e.filename = str(path)
         raise
+
+
+@contextmanager
+def no_empty_folders_on_failure(*directories, blank=lambda path: False):
+    """Around a run that creates `directories` (and their missing parents): when it fails, each of them
+    that this run created and that is still empty is removed, deepest first, so a failed run leaves no
+    empty folder of ours (OUT/checkpoints/) behind. In those folders a file for which `blank(path)` holds
+    (a report that lists nothing) counts as empty and goes too. A folder that holds anything else (a report
+    that lists something, a checkpoint to resume from, a file of the user's) is kept; one that existed
+    before is never touched."""
+    created = []
+    for d in directories:
+        if d is None:
+            continue
+        p = Path(d).absolute()
+        while not os.path.lexists(p) and p not in created:
+            created.append(p)
+            p = p.parent
+    try:
+        yield
+    except BaseException:
+        for p in sorted(created, key=lambda p: len(p.parts), reverse=True):
+            try:
+                for f in p.iterdir() if p.is_dir() and not p.is_symlink() else ():
+                    if f.is_file() and not f.is_symlink() and blank(f):
+                        f.unlink()
+                p.rmdir()  # only an empty directory: anything else inside keeps it
+            except OSError:
+                pass
+        raise

@@ -65,6 +65,9 @@ def summary(metrics: dict) -> str:
     return "\n".join(lines)
 
 
+SPLIT_WORDS = {"val": "validation split", "train": "training split", "all": "all images (train + val)"}
+
+
 def write(metrics: dict, out: Path) -> None:
     """OUT/metrics.json and OUT/confusion.png (heatmap up to READABLE classes, else a top-confusions table)."""
     import matplotlib
@@ -77,6 +80,24 @@ def write(metrics: dict, out: Path) -> None:
     with writing(out / "metrics.json", tmp):
         tmp.write_text(json.dumps(metrics, indent=1))
     os.replace(tmp, out / "metrics.json")
+    fig = figure(metrics)
+    tmp = out / f".confusion.png.tmp-{os.getpid()}"
+    try:
+        with writing(out / "confusion.png", tmp):
+            fig.savefig(tmp, dpi=110, format="png")
+    finally:
+        plt.close(fig)
+    os.replace(tmp, out / "confusion.png")
+
+
+def figure(metrics: dict):
+    """The confusion matrix drawn (a heatmap up to READABLE classes, else a top-confusions table), titled with
+    the split it counts, the images and the accuracy."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     names, m = metrics["confusion"]["classes"], metrics["confusion"]["matrix"]
     if len(names) <= READABLE:
         side = max(4.0, 0.35 * len(names) + 2)
@@ -103,13 +124,8 @@ def write(metrics: dict, out: Path) -> None:
             table.scale(1, 1.2)
         else:
             ax.text(0.5, 0.5, "no confusions", ha="center")
-    ax.set_title(f"{metrics['images']} images, accuracy {metrics['accuracy']:.3f}"
+    split = SPLIT_WORDS.get(metrics.get("split"), "")
+    ax.set_title(f"{split}{': ' if split else ''}{metrics['images']} images, accuracy {metrics['accuracy']:.3f}"
                  + ("" if len(names) <= READABLE else f"; top confusions of {len(names)} classes"))
     fig.tight_layout()
-    tmp = out / f".confusion.png.tmp-{os.getpid()}"
-    try:
-        with writing(out / "confusion.png", tmp):
-            fig.savefig(tmp, dpi=110, format="png")
-    finally:
-        plt.close(fig)
-    os.replace(tmp, out / "confusion.png")
+    return fig

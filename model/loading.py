@@ -17,7 +17,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from dali_pipe.config import BUILTIN_MODELS, TINY, VIT_B16_RANDOM
+from dali_pipe.config import BUILTIN_MODELS, TINY, VIT_B16_RANDOM, is_path
 from dali_pipe.errors import UserError
 
 from .files import damaged_files
@@ -149,6 +149,9 @@ def parameter_count(name: str, classes: list[str]) -> int:
 
 def _fetch_hint(name: str, err: Exception) -> str:
     first = str(err).strip().splitlines()[0][:200] if str(err).strip() else type(err).__name__
+    if not Path(name).exists():  # transformers read it as a hub id: say that no folder has that name either
+        first = (f"there is no folder {name!r} here, and as a hub id: {first}" if not is_path(name) else
+                 f"the folder {name!r} does not exist")
     return (f"could not load --model {name!r}: {first}\n"
             "  Without access to the Hugging Face hub, download the model elsewhere and pass its "
             "local directory (config.json, weights, preprocessor_config.json), or use "

@@ -17,6 +17,7 @@ so an epoch interrupted by SIGTERM and resumed still prints one METRIC line over
 from __future__ import annotations
 
 import dataclasses
+import sys
 import warnings
 
 import pytorch_lightning as pl
@@ -121,9 +122,10 @@ class ImageClassifier(pl.LightningModule):
         row = {"epoch": self.current_epoch + 1, **m, **(self._last_val or {})}
         self._last_val = None
         self.epoch_metrics.append(row)
-        if self.trainer.is_global_zero and self.metric_lines:
-            print("METRIC " + " ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}"
-                                       for k, v in row.items()), flush=True)
+        if self.trainer.is_global_zero and self.metric_lines:  # through the progress bar: one whole line
+            self.print("METRIC " + " ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}"
+                                            for k, v in row.items()))
+            sys.stdout.flush()
 
     # -- resume ------------------------------------------------------------------------------
     def on_save_checkpoint(self, checkpoint: dict) -> None:

@@ -1,9 +1,17 @@
-"""Plain-text training progress for logs (SageMaker, CI, pipes), where a tqdm bar is unreadable.
+"""Training progress: plain lines for logs (SageMaker, CI, pipes), where a bar is unreadable, and a bar
+on a terminal; both count epochs as the METRIC lines do (epoch 1 of N is the first).
 
-A Lightning `ProgressBar` (so the Trainer uses it instead of its tqdm bar) that prints a line at
-most every `every_s` seconds and at each quarter of an epoch:
+`PlainProgressBar` is a Lightning `ProgressBar` (so the Trainer uses it instead of a bar) that prints a
+line at most every `every_s` seconds and at each quarter of an epoch:
 
     progress: epoch 2/5 step 120/400 (30%), loss 0.8123, lr 4.20e-04, 512.3 images/s, data-wait 3%, ETA 0:02:10
+
+`TerminalProgressBar` is Lightning's tqdm bar, with its epochs counted from 1 ("Epoch 1/2", where
+Lightning says "Epoch 0") and the lines printed through it (`trainer.progress_bar_callback.print`, as
+`LightningModule.print` does) written whole. Lightning's default bar on a terminal is Rich's when rich
+is installed: it wraps printed lines at the terminal's width, so a METRIC line became two lines and a
+log scraper (SageMaker's metric regex; its local mode and `docker run -t` run under a terminal) found
+nothing. tqdm writes a line whole, above the bar.
 
 Why not Lightning's `ThroughputMonitor`: it synchronises the GPU on every step to time it. And
 lightning_fabric's `Throughput` reports nothing until its window fills. The rate here is images
@@ -15,7 +23,7 @@ from __future__ import annotations
 import datetime
 import time
 
-from pytorch_lightning.callbacks import ProgressBar
+from pytorch_lightning.callbacks import ProgressBar, TQDMProgressBar
 
 
 class PlainProgressBar(ProgressBar):
@@ -23,6 +31,10 @@ class PlainProgressBar(ProgressBar):
         super().__init__()
         self.every_s = every_s
         self._enabled = True
+
+    @property
+    def is_enabled(self) -> bool:
+        return self._enabled
 
     def disable(self) -> None:
         self._enabled = False
@@ -81,3 +93,13 @@ class PlainProgressBar(ProgressBar):
             remaining = min(remaining, max(0, steps_left))
         per_batch = (time.perf_counter() - self._t_start) / self._batches_done
         return str(datetime.timedelta(seconds=round(remaining * per_batch)))
+
+
+class TerminalProgressBar(TQDMProgressBar):
+    """Lightning's tqdm bar counting epochs as METRIC does (see the module's documentation)."""
+
+    def on_train_epoch_start(self, trainer, *_):  # Lightning's, with the description it draws first replaced
+        total = self.total_train_batches
+        self.train_progress_bar.reset(total=None if total == float("inf") else total)
+        self.train_progress_bar.initial = 0
+        self.train_progress_bar.set_description(f"Epoch {trainer.current_epoch + 1}/{trainer.max_epochs}")

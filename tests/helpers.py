@@ -17,11 +17,12 @@ def cpu_options(batch_size: int, *, threads: int = 1, training: bool = True, aug
                            **kw)
 
 
-def datamodule(data, output, *, batch_size: int, cache_dir, spec, device: str = "cpu", threads: int = 1, **data_kw):
+def datamodule(data, output, *, batch_size: int, cache_dir, spec, device: str = "cpu", threads: int = 1, manifest=None,
+               **data_kw):
     from dali_pipe.datamodule import DaliDataModule
 
     return DaliDataModule(DataSettings(data=str(data), batch_size=batch_size, cache_dir=str(cache_dir), **data_kw),
-                          PipelineSettings(device=device, num_threads=threads), spec, Path(output))
+                          PipelineSettings(device=device, num_threads=threads), spec, Path(output), manifest=manifest)
 
 
 def tiny_settings(**kw) -> ModelSettings:
@@ -91,3 +92,36 @@ def fill(directory: Path, leave: int = 0) -> Path:
             except OSError:
                 break
     return filler
+
+
+def under_a_terminal(argv: list[str], env: dict, columns: int = 80, timeout: float = 600) -> tuple[int, str]:
+    """(exit status, output) of a program run under a pseudo-terminal of `columns` columns (as `docker run -t`
+    and SageMaker's local mode give it): its stdin, stdout and stderr, as a log scraper reads them."""
+    import fcntl
+    import os
+    import pty
+    import select
+    import struct
+    import termios
+    import time
+
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: its stdin, stdout and stderr are the terminal
+        os.environ.update(env)
+        os.execv(argv[0], argv)
+    fcntl.ioctl(fd, termios.TIOCSWINSZ, struct.pack("HHHH", 24, columns, 0, 0))
+    out, deadline = b"", time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([fd], [], [], 1.0)
+        try:
+            chunk = os.read(fd, 1 << 16) if ready else b""
+        except OSError:  # the child closed the terminal
+            break
+        if ready and not chunk:
+            break
+        out += chunk
+    else:
+        os.kill(pid, 9)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status), out.decode(errors="replace")
+

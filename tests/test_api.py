@@ -51,7 +51,8 @@ def test_help_is_the_reference():
     from dali_pipe.config import FIELDS
 
     text = pydoc.render_doc(dali_pipe.DaliDataModule, renderer=pydoc.plaintext)
-    assert "DaliDataModule(data=None, *, model=None, image_size=None, mean=None, std=None" in text
+    assert ("DaliDataModule(data: Union[str, os.PathLike, NoneType] = None, *, model: Optional[str] = None, "
+            "image_size: Union[int, tuple[int, int], NoneType] = None") in text
     flat = " ".join(text.replace("|", " ").split())
     assert "images (B, 3, H, W) float32" in flat and 'trainer.fit(..., ckpt_path="last")' in flat
     for name in ("batch_size", "val_fraction", "seed", "device", "num_threads", "auto_augment", "cache_dir"):
@@ -73,10 +74,11 @@ def test_keywords_are_the_cli_flags_checked_and_resolved_the_same_way(photo_root
     msg = str(e.value)
     with pytest.raises(dali_pipe.UsageError) as cli:
         parse_train(["--batch-size", "0", "--device", "tpu", "--val-fraction", "lots"])
-    for line in ("--batch-size: 0 must be at least 1", "--device: 'tpu' is not one of auto, gpu, cpu",
-                 "--val-fraction: 'lots' is not a number"):
-        assert line in msg and line in str(cli.value), line
-    assert "--crop-scale: (0.5, 0.1) must be 0 < MIN <= MAX <= 1" in msg and "--data: " in msg
+    for flag, keyword in (("--batch-size: 0", "batch_size=0"), ("--device: 'tpu'", "device='tpu'"),
+                          ("--val-fraction: 'lots'", "val_fraction='lots'")):
+        assert flag in str(cli.value) and flag not in msg  # the CLI's words, and the library's: keywords
+        assert str(cli.value).split(flag)[1].split("\n")[0] in msg.split(keyword)[1], (flag, msg)
+    assert "crop_scale=(0.5, 0.1) must be 0 < MIN <= MAX <= 1" in msg and "data='" in msg and "--" not in msg
     assert "mean: required with image_size=" in msg and "std: required" in msg
     with pytest.raises(TypeError, match="'batchsize' \\(did you mean 'batch_size'\\?\\)"):
         dali_pipe.DaliDataModule(data=photo_root, model="tiny", batchsize=8)
@@ -92,7 +94,12 @@ def test_keywords_are_the_cli_flags_checked_and_resolved_the_same_way(photo_root
     small = dali_pipe.DaliDataModule(data=photo_root, model="tiny", batch_size=32, num_threads=1)
     small.prepare_data()
     small.setup("fit")  # the library says what the epochs leave out, as the CLI's summary does
-    assert "note: 11 of the 43 training images (26%) are left out of every epoch" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "note: 11 of the 43 training images (26%) are left out of every epoch" in err
+    assert "; batch_size=21 would drop 1." in err  # the keyword, not --batch-size
+    with pytest.raises(dali_pipe.UserError, match=r"^batch_size=64 is larger than the 43 training images .*; lower "
+                                                  r"batch_size=\.$"):
+        dali_pipe.DaliDataModule(data=photo_root, model="tiny", batch_size=64, num_threads=1).setup("fit")
 
 
 class _Traced:
@@ -269,3 +276,102 @@ def test_a_training_flag_given_to_the_datamodule_says_where_it_belongs():
         with pytest.raises(TypeError, match=rf"{key}.*{re.escape(where)}") as e:
             dali_pipe.DaliDataModule(data="/nonexistent", model="tiny", **{key: 1})
         assert "the DataModule takes" in str(e.value) and "batch_size" in str(e.value)
+
+
+TIMM = json.loads((ROOT / "tests" / "timm_configs" / "configs.json").read_text())["configs"]  # timm's own
+
+
+def test_timm_data_configs_give_the_spec_timm_evaluates_with(photo_root, cache_dir):
+    """data_config= as timm.data.resolve_data_config returns it (10 models, written by timm 1.0.31): validation
+    resizes the shorter side and crops as timm's own evaluation transform does, with its interpolation; a
+    config the pipeline cannot follow is refused, naming the key."""
+    import dali_pipe
+
+    for name, fixture in TIMM.items():
+        config, want = fixture["config"], fixture["eval"]
+        spec = dali_pipe.DaliDataModule(data=photo_root, data_config=config).spec
+        assert [spec.height, spec.width] == want["crop"] and spec.resize_shorter == want["resize_shorter"], name
+        assert spec.interp == {"bicubic": "cubic", "bilinear": "linear"}[want["interpolation"]], name
+        assert (spec.mean, spec.std) == (tuple(config["mean"]), tuple(config["std"])), name
+    bad = {**TIMM["resnet50"]["config"], "interpolation": "random", "crop_mode": "squash", "input_size": [3, 224, 192]}
+    with pytest.raises(dali_pipe.UsageError) as e:
+        dali_pipe.DaliDataModule(data=photo_root, data_config=bad, model="tiny")
+    for words in ("model / data_config: pass one of them", "data_config: interpolation 'random' is not one of",
+                  "data_config: crop_mode 'squash'", "data_config: input_size (3, 224, 192) is not square"):
+        assert words in str(e.value), (words, str(e.value))
+
+
+def test_a_timm_config_is_honoured_by_the_pipeline(photo_root, cache_dir):
+    """ViT-B/16's timm config (bicubic, crop_pct 0.9): the validation batch equals PIL's bicubic resize of the
+    shorter side to 248 and a 224 center crop (the evaluation transform timm builds), and not its bilinear one.
+    The reference's crop rounds a half-pixel margin up, as DALI does (torchvision rounds it to even)."""
+    import numpy as np
+    from PIL import Image
+
+    import dali_pipe
+
+    def reference(path: str, resample) -> np.ndarray:
+        im = Image.open(path).convert("RGB")
+        w, h = im.size
+        short = 248
+        size = (short, int(short * h / w)) if w < h else (int(short * w / h), short)
+        im = im.resize(size, resample)
+        left, top = int((size[0] - 224) / 2 + 0.5), int((size[1] - 224) / 2 + 0.5)
+        x = np.asarray(im.crop((left, top, left + 224, top + 224)), np.float32) / 255.0
+        return ((x - 0.5) / 0.5).transpose(2, 0, 1)
+
+    dm = dali_pipe.DaliDataModule(data=photo_root, data_config=TIMM["vit_base_patch16_224"]["config"], batch_size=4,
+                                  device="cpu", num_threads=1, val_fraction=0.25)
+    dm.prepare_data()
+    dm.setup("validate")
+    images, _ = next(iter(dm.val_dataloader()))
+    for image, sample in zip(images.numpy(), dm.manifest.val[:4]):
+        cubic = np.abs(image - reference(sample.path, Image.BICUBIC))
+        linear = np.abs(image - reference(sample.path, Image.BILINEAR))
+        assert cubic.mean() < 0.01 and np.percentile(cubic, 99) < 0.06, (sample.path, cubic.mean())
+        assert cubic.mean() < linear.mean(), sample.path
+
+
+def test_lightning_cli_shows_and_checks_the_keyword_types(capsys):
+    """LightningCLI (jsonargparse) reads the typed signature: --help lists each data argument with its type and
+    choices (it showed them all as "Untyped"), and a value of the wrong type or outside the choices is refused."""
+    import pytorch_lightning as pl
+    import torch
+    from pytorch_lightning.cli import LightningCLI
+
+    import dali_pipe
+
+    class Module(pl.LightningModule):
+        def __init__(self, width: int = 2):
+            super().__init__()
+            self.layer = torch.nn.Linear(width, 1)
+
+    def cli(*args):
+        with pytest.raises(SystemExit) as e:
+            LightningCLI(Module, dali_pipe.DaliDataModule, run=False, save_config_callback=None, args=list(args))
+        return e.value.code, capsys.readouterr()
+
+    code, out = cli("--help")
+    text = " ".join(out.out.split())
+    assert code == 0 and "Untyped" not in text
+    for words in ("--data.batch_size BATCH_SIZE (type: int, default: 32)",
+                  "--data.scan {off,fast,full} (type: Literal['off', 'fast', 'full'], default: fast)",
+                  "--data.crop_scale [ITEM,...] (type: tuple[float, float], default: (0.08, 1.0))",
+                  "--data.stream_cache STREAM_CACHE (type: Union[int, str, null], default: null)",
+                  "--data.data_config DATA_CONFIG (type: Optional[dict], default: null)"):
+        assert words in text, words
+    for bad in (["--data.batch_size", "many"], ["--data.scan", "deep"], ["--data.crop_scale", "[0.5]"]):
+        code, out = cli(*bad)
+        assert code != 0 and bad[0][2:] in out.err, (bad, out.err[-500:])
+
+
+def test_prepare_data_says_what_the_data_is_once(photo_root, cache_dir, capsys):
+    """The data summary (classes, the split's counts, the scan) is printed by prepare_data, once."""
+    import dali_pipe
+
+    dm = dali_pipe.DaliDataModule(data=photo_root, model="tiny", num_threads=1)
+    dm.prepare_data()
+    dm.prepare_data()  # as trainer.fit does after the user's call
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("data: ")]
+    assert lines == ["data: 4 classes (astronaut, chelsea, coffee, rocket); 43 train + 5 val images; scan fast: 0 of "
+                     "48 excluded"]

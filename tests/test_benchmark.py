@@ -124,3 +124,30 @@ def test_a_loader_faster_than_the_synthetic_ceiling_is_called_a_disturbed_measur
                                                           "rerun" in x for x in lines), lines
     fine = ratio_lines({"dali_vs_synthetic": {"median": 0.62, "min": 0.6, "max": 0.64}}, cores=2, model=True)
     assert fine == ["dali reaches 62% (60-64%) of the synthetic-data ceiling."]
+
+
+def _report(steps: int, other_load: float) -> dict:
+    loader = {"images_per_sec_rounds": {"median": 100.0, "min": 90.0, "max": 110.0}, "data_wait_fraction": 0.2,
+              "time_budget": None, "other_load_cores": other_load}
+    return {"env": {"gpu": None, "cpus": 2}, "config": {"model": "tiny", "batch_size": 8, "repeat": 1},
+            "loaders": {"dali": loader, "baseline": {**loader, "other_load_cores": 0.0}}, "ratios": {},
+            "timelines": {n: {"gpu": [], "wait_ms": [10.0 * i for i in range(steps)]} for n in ("dali", "baseline")}}
+
+
+def test_the_figure_counts_whole_steps_and_shows_the_busy_cores_warning():
+    """The step axis of benchmark.png has whole steps only (5 steps gave 1.5, 2.5, ...); a loader measured while
+    other processes loaded its cores says so on the figure, not only in the log."""
+    import matplotlib.pyplot as plt
+
+    from dali_pipe.benchmark import figure
+
+    fig = figure(_report(5, other_load=1.3))
+    ticks = [t for t in fig.axes[0].get_xticks() if 1 <= t <= 5]
+    assert ticks and all(float(t).is_integer() for t in ticks), ticks
+    texts = [t.get_text() for t in fig.texts]
+    assert any("dali: other processes kept 1.3 of the 2 pinned core(s) busy" in t for t in texts), texts
+    assert not any("baseline" in t for t in texts)
+    plt.close(fig)
+    fig = figure(_report(5, other_load=0.0))
+    assert not [t for t in fig.texts if "other processes" in t.get_text()]
+    plt.close(fig)

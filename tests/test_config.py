@@ -165,3 +165,18 @@ def test_data_urls_a_pipe_and_shard_files(tmp_path):
     (tmp_path / "train" / "part-0.tgz").write_bytes(b"")
     for data in ("https://h/shards-{000..009}.tar", str(tmp_path / "x.tar.gz"), str(tmp_path)):
         _parse(["--data", data])
+
+
+def test_a_model_folder_that_does_not_exist_is_named_before_any_work(tmp_path):
+    """--model /nonexistent (a path, never a hub id) is said not to exist, with what a model folder is, by
+    train.py and by evaluate and predict; before, transformers' 'Repo id must be in the form' came ~10 s later."""
+    from dali_pipe.cli import commands
+
+    missing = str(tmp_path / "nonexistent")
+    with pytest.raises(UsageError, match=r"--model: '.*nonexistent' does not exist; pass the folder a training run "
+                                         r"wrote \(train.py's --output"):
+        _parse(["--model", missing])
+    for command in ("evaluate", "predict"):
+        with pytest.raises(UsageError, match=r"--model: '.*nonexistent' does not exist"):
+            commands.main([command, "--model", missing, "--data", str(tmp_path)])
+    assert _parse(["--model", "org/name"]).model.model == "org/name"  # a hub id is never taken for a path

@@ -106,3 +106,78 @@ def test_trainer_test_and_predict_run_over_the_validation_split(photo_root, tmp_
                                     model="tiny", batch_size=2, device="cpu", num_threads=1)
     with pytest.raises(UserError, match="the validation split is empty"):
         trainer.predict(Module(), datamodule=none)
+
+
+def test_a_manifest_read_already_is_not_read_again(photo_root, tmp_path, cache_dir):
+    """The manifest given to the DataModule (the CLI reads it before the heavy imports) is the one it scans and
+    trains on, in the main process and in the other local ranks' (which read it without scanning)."""
+    import os
+    from unittest import mock
+
+    from dali_pipe.manifest import read_manifest
+
+    m = read_manifest(photo_root, val_fraction=0.25, seed=0, skip_missing=False)
+    m.train = m.train[:20]  # differs from the folder's: a second read would undo it
+    for local_rank in ("0", "1"):
+        dm = datamodule(photo_root, tmp_path / "out", batch_size=8, cache_dir=cache_dir, spec=SPEC, val_fraction=0.25,
+                        manifest=m)
+        with mock.patch.dict(os.environ, {"LOCAL_RANK": local_rank}):
+            dm.prepare_data()
+        assert [s.path for s in dm.manifest.train] == [s.path for s in m.train], local_rank
+
+
+def test_prediction_writers_get_each_batchs_positions_in_the_split(photo_root, tmp_path, cache_dir):
+    """trainer.predict gives a BasePredictionWriter the real batch_indices (they were empty): positions in
+    dm.manifest.val, per rank of a DDP run a contiguous share, so every output maps back to its file; checked
+    through each rank's own DALI reader (ranks 0 and 1 of 2) and through a real Trainer."""
+    from types import SimpleNamespace
+
+    import pytorch_lightning as pl
+    import resume_trace as rt
+    import torch
+    from pytorch_lightning.callbacks import BasePredictionWriter
+
+    import dali_pipe
+
+    data = rt.indexed_dataset(photo_root, tmp_path / "data")  # each image its own class: labels name the files
+    seen = []
+    for rank in (0, 1):
+        dm = dali_pipe.DaliDataModule(data=data, model="tiny", batch_size=2, device="cpu", num_threads=1)
+        dm.trainer = SimpleNamespace(global_rank=rank, world_size=2, local_rank=0, num_nodes=1, accelerator=None,
+                                     default_root_dir=str(tmp_path))
+        dm.prepare_data()
+        dm.setup("predict")
+        loader = dm.predict_dataloader()
+        for (images, labels), positions in zip(loader, loader.positions, strict=True):
+            assert labels.tolist() == [dm.manifest.val[i].label for i in positions], (rank, positions)
+            seen += positions
+    assert sorted(seen) == list(range(len(dm.manifest.val))) == list(range(7))
+
+    class Writer(BasePredictionWriter):
+        def __init__(self):
+            super().__init__(write_interval="batch_and_epoch")
+            self.batches, self.epoch = [], None
+
+        def write_on_batch_end(self, trainer, pl_module, prediction, batch_indices, batch, batch_idx, dl_idx=0):
+            self.batches.append((list(batch_indices), prediction.tolist()))
+
+        def write_on_epoch_end(self, trainer, pl_module, predictions, batch_indices):
+            self.epoch = batch_indices
+
+    class Module(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.head = torch.nn.Linear(1, 1)
+
+        def predict_step(self, batch, batch_idx):
+            return batch[1]
+
+    dm = dali_pipe.DaliDataModule(data=data, model="tiny", batch_size=2, device="cpu", num_threads=1)
+    writer = Writer()
+    trainer = pl.Trainer(logger=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[writer],
+                         default_root_dir=tmp_path)
+    trainer.predict(Module(), datamodule=dm, return_predictions=False)
+    assert [i for indices, _ in writer.batches for i in indices] == list(range(7))
+    for indices, labels in writer.batches:
+        assert labels == [dm.manifest.val[i].label for i in indices]
+    assert writer.epoch == [[indices for indices, _ in writer.batches]]

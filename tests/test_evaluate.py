@@ -95,3 +95,15 @@ def test_a_full_disk_under_the_output_is_one_clear_line(trained, photo_root, tmp
     err = capsys.readouterr().err
     assert rc == 2 and "Traceback" not in err and err.count("error: ") == 1
     assert "no space left on device" in err.lower() and f"{disk / 'eval'}/" in err, err
+
+
+def test_the_confusion_figure_says_which_split_it_counts():
+    import matplotlib.pyplot as plt
+
+    logits, labels = torch.eye(3)[[0, 1, 2, 1]] * 5, torch.tensor([0, 1, 2, 2])
+    for split, words in (("val", "validation split: 4 images"), ("train", "training split: 4 images"),
+                         ("all", "all images (train + val): 4 images")):
+        m = {**evaluation.compute(logits, labels, {i: f"c{i}" for i in range(3)}), "split": split}
+        fig = evaluation.figure(m)
+        assert fig.axes[0].get_title().startswith(words), fig.axes[0].get_title()
+        plt.close(fig)

@@ -89,8 +89,56 @@ def test_headers_are_case_insensitive_and_typos_are_named(tmp_path):
     text = " Image_Path \tLABEL\tSplit\n" + "".join(f"{f}\t{f[:3]}x\t{'val' if 'b' in f else 'train'}\n" for f in files)
     m = read_manifest(_write(tmp_path / "d", text, files))
     assert m.classes == ["catx", "dogx"] and len(m.val) == 2
-    with pytest.raises(ManifestError, match=r"column\(s\) 'lable' \(did you mean 'label'\?\)"):
+    with pytest.raises(ManifestError, match=r"e/dataset.tsv: line 1: column 'lable' looks like a typo of 'label'"):
         read_manifest(_write(tmp_path / "e", "image_path\tlable\n" + "".join(f"{f}\tq\n" for f in files), files))
+
+
+@pytest.mark.parametrize("header,needle", [
+    ("imagepath", r"line 1: column 'imagepath' looks like a typo of 'image_path'; rename it"),
+    ("Image Path\tlable", r"line 1: column 'image path' looks like a typo of 'image_path'; column 'lable' looks "
+                          r"like a typo of 'label'; rename them"),
+    ("image_path,label", r"line 1: the header 'image_path,label' is comma-separated: this is a CSV file, and "
+                         r"dataset.tsv is tab-separated"),
+    ("image_path;label", r"line 1: the header 'image_path;label' is semicolon-separated"),
+])
+def test_a_misspelt_or_comma_separated_header_is_named(tmp_path, header, needle):
+    """A header that misses image_path says what it looks like: a typo of which column, or a CSV file."""
+    sep = "," if "," in header else ";" if ";" in header else "\t"
+    body = "".join(f"{f}{sep}{f[:3]}\n" if sep in header else f"{f}\n" for f in FILES)
+    with pytest.raises(ManifestError, match=needle):
+        read_manifest(_write(tmp_path / "d", f"{header}\n{body}", FILES))
+
+
+def test_a_split_column_without_train_rows_says_what_helps(tmp_path):
+    """All rows val: the way out is split=train rows (--val-fraction does not apply with a split column)."""
+    root = _write(tmp_path / "d", "image_path\tsplit\n" + "".join(f"{f}\tval\n" for f in FILES), FILES)
+    with pytest.raises(ManifestError, match=r"the 'split' column marks no row train \(all 6 say val, lines 2 to 7\): "
+                                            r"mark the rows to train on split=train") as e:
+        read_manifest(root)
+    assert "lower --val-fraction" not in str(e.value)
+
+
+def test_validation_is_a_split_value(tmp_path):
+    """'validation' (as Hugging Face names the split) means val."""
+    text = "image_path\tsplit\n" + "".join(f"{f}\t{'Validation' if 'a.' in f else 'train'}\n" for f in FILES)
+    m = read_manifest(_write(tmp_path / "d", text, FILES))
+    assert len(m.val) == 2 and len(m.train) == 4
+
+
+def test_extra_fields_name_the_line_and_trailing_tabs_are_padding(tmp_path):
+    """A row with more fields than the header is named (pandas took the first column as an index when the
+    first row had one more, shifting every value silently); empty trailing fields are padding."""
+    text = "image_path\tlabel\ncat/a.jpg\tcat\tEXTRA\n" + "".join(f"{f}\t{f[:3]}\t\n" for f in FILES[1:])
+    with pytest.raises(ManifestError, match=r"line 2 has 3 tab-separated fields, the header 2 \(image_path, label\)"):
+        read_manifest(_write(tmp_path / "d", text, FILES))
+    text = "image_path\tlabel\n" + "".join(f"{f}\t{f[:3]}\t\t\n" for f in FILES)
+    assert read_manifest(_write(tmp_path / "e", text, FILES), val_fraction=0).classes == ["cat", "dog"]
+
+
+def test_bytes_that_are_not_utf8_name_the_line(tmp_path):
+    raw = b"image_path\ncat/a.jpg\ndog/\xff.jpg\n"
+    with pytest.raises(ManifestError, match=r"line 3: not UTF-8 text"):
+        read_manifest(_write(tmp_path / "d", "", FILES, raw=raw))
 
 
 def test_empty_label_in_a_labelled_manifest_names_the_line(tmp_path):
@@ -120,7 +168,8 @@ def test_a_directory_row_is_named_as_such(tmp_path):
     ("image_path\ncat/a.jpg\n../escape.jpg\n", ["cat/a.jpg"], "line 3"),
     ("image_path\ncat/a.jpg\n/etc/passwd\n", ["cat/a.jpg"], "outside the dataset root"),
     ("image_path\ncat/a.jpg\nloose.jpg\n", ["cat/a.jpg", "loose.jpg"], "no class folder"),
-    ("image_path\tsplit\ncat/a.jpg\ttrain\ndog/a.jpg\ttest\n", ["cat/a.jpg", "dog/a.jpg"], "not one of train/val"),
+    ("image_path\tsplit\ncat/a.jpg\ttrain\ndog/a.jpg\ttest\n", ["cat/a.jpg", "dog/a.jpg"],
+     r"line 3: split 'test' is not one of train, val \(or validation\)"),
 ])
 def test_errors_name_the_problem(tmp_path, text, files, needle):
     """Each bad manifest gets a ManifestError that says what is wrong and where."""

@@ -23,3 +23,4 @@ def test_lines_carry_loss_lr_rate_wait_and_eta(capsys):
     pat = (r"progress: epoch 2/2 step 8/8 \(100%\), loss \d+\.\d{4}, lr \d\.\d\de[-+]\d\d, \d+\.\d images/s, "
            r"data-wait \d+%, ETA 0:00:00")
     assert re.fullmatch(pat, lines[-1]), lines[-1]
+

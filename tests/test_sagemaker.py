@@ -39,7 +39,8 @@ def test_bad_hyperparameter_writes_failure(tmp_path, photo_root, cache_dir):
     r = _run(base, cache_dir, timeout=120)
     assert r.returncode != 0
     failure = (base / "output" / "failure").read_text()
-    assert "epochs" in failure and "banana" in failure and len(failure) <= 1024
+    assert "\"epochs\": 'banana' is not an integer" in failure and len(failure) <= 1024  # the key, not --epochs
+    assert "--epochs" not in failure and "--epochs" not in r.stderr
     assert "Traceback" not in r.stderr and "Traceback" not in failure
 
 
@@ -107,7 +108,7 @@ def test_secrets_never_reach_stdout_stderr_or_failure(tmp_path, photo_root, cach
     secret = "wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY"
     env = {"AWS_ENDPOINT_URL": "http://admin:s3cr3tpass@127.0.0.1:9", "AWS_ACCESS_KEY_ID": "AKIAABCDEFGHIJKLMNOP",
            "AWS_SECRET_ACCESS_KEY": secret, "AWS_DEFAULT_REGION": "us-east-1"}
-    runs = [({"epochs": f"--token={secret}", "model": "tiny", "device": "cpu"}, "--epochs"),
+    runs = [({"epochs": f"--token={secret}", "model": "tiny", "device": "cpu"}, 'argument "epochs"'),
             ({"model": "tiny", "device": "cpu", "data": "s3://bucket/prefix"}, "cannot reach http://[redacted]@127.0.0.1:9")]
     for i, (hp, expected) in enumerate(runs):
         base = _opt_ml(tmp_path / str(i), photo_root, hp)
@@ -209,6 +210,7 @@ def test_sdk_local_mode_jobs_train_into_model(case, tmp_path, photo_root, cache_
     assert ("started with no command inside a training job" in out) == (argv == [])
     for name in ("train_loss", "train_acc", "val_loss", "val_acc"):  # the README's metric_definitions
         assert re.search(rf"METRIC epoch=1 .*{name}=([0-9.]+)", out), name
+    assert '; "batch-size": 7 would drop 3.' in out, out  # the advice names the hyperparameter, not --batch-size
 
 
 def test_sdk_framework_estimator_json_values_reach_the_same_settings(tmp_path, photo_root):
@@ -294,10 +296,10 @@ def test_a_failed_host_stops_the_others_naming_it(tmp_path, photo_root):
     root, jobs = sdk_job("v2-estimator-2host", tmp_path, photo_root, data_for={1: empty})
     first, second = sorted(jobs)
     results = _finish(_start_hosts(tmp_path, jobs), timeout=120)
-    assert results[second][0] == 1 and "has no dataset.tsv" in (jobs[second][0] / "output" / "failure").read_text()
+    assert results[second][0] == 1 and "no dataset.tsv" in (jobs[second][0] / "output" / "failure").read_text()
     failure = (jobs[first][0] / "output" / "failure").read_text()
     assert results[first][0] == 1, results[first][1][-2000:]
-    assert f"host {second} failed: invalid arguments: --data:" in failure and "has no dataset.tsv" in failure
+    assert f'host {second} failed: invalid arguments: "data":' in failure and "no dataset.tsv" in failure
     assert not list((root / "model").iterdir()) and not [p for p in root.rglob("*") if OURS.search(p.name)]
 
 
@@ -337,17 +339,52 @@ def test_sigterm_while_waiting_for_the_first_host_ends_at_once(tmp_path, photo_r
     pytest.param("5e-05", "lr", 5e-05, id="float-as-string"),
     pytest.param('"tiny"', "model", "tiny", id="json-string"),
     pytest.param("google/vit-base-patch16-224", "model", "google/vit-base-patch16-224", id="plain-string"),
+    pytest.param("0.35 1.0", "crop_scale", [0.35, 1.0], id="space-separated-pair"),
+    pytest.param("0.35, 1.0", "crop_scale", [0.35, 1.0], id="comma-separated-pair"),
+    pytest.param("1.0", "epochs", 1, id="integral-float-for-an-integer"),
+    pytest.param("1e0", "epochs", 1, id="exponent-for-an-integer"),
+    pytest.param(2.0, "epochs", 2, id="json-float-for-an-integer"),
+    pytest.param("2.0", "devices", 2, id="integral-float-for-an-integer-or-auto"),
+    pytest.param("1e-3", "lr", 1e-3, id="exponent-for-a-float"),
 ])
 def test_every_value_form_the_sdks_send(tmp_path, raw, field, want):
     """JSON, Python's str() of a list or tuple, True/False and numbers as strings all land on the setting."""
     from dali_pipe.cli import parse_train
 
     key = {"crop_scale": "crop-scale", "monitor": "monitor", "batch_size": "batch-size", "lr": "lr",
-           "model": "model"}[field]
+           "model": "model", "epochs": "epochs", "devices": "devices"}[field]
     argv, _ = hyperparameter_argv({key: raw})
     s = parse_train(argv)
-    group = {"crop_scale": s.pipeline, "monitor": s.run, "batch_size": s.data, "lr": s.model, "model": s.model}[field]
-    assert getattr(group, field) == want
+    group = {"crop_scale": s.pipeline, "monitor": s.run, "batch_size": s.data, "lr": s.model, "model": s.model,
+             "epochs": s.model, "devices": s.run}[field]
+    assert getattr(group, field) == want and type(getattr(group, field)) is type(want)
+    if field == "crop_scale":
+        assert argv == ["--crop-scale", "0.35", "1.0"] or argv == ["--crop-scale", "0.35", "1"]
+
+
+@pytest.mark.parametrize("raw", ["1.5", "1.5e0", 1.5])
+def test_a_value_that_does_not_fit_is_named_as_written(raw):
+    """An integer setting given a fraction is refused, naming the value as hyperparameters.json holds it (not
+    a converted '1.5' for '1.5e0')."""
+    from dali_pipe.cli import parse_train
+    from dali_pipe.cli.sagemaker import hyperparameters
+    from dali_pipe.config import UsageError
+
+    argv, _ = hyperparameter_argv({"epochs": raw})
+    with pytest.raises(UsageError) as e:
+        parse_train(argv)
+    assert f"\"epochs\": {str(raw)!r} is not an integer" in hyperparameters(str(e.value))
+
+
+def test_a_misspelt_key_gets_the_closest_key_and_no_unrelated_advice():
+    from dali_pipe.cli.sagemaker import SageMakerError
+
+    with pytest.raises(SageMakerError) as e:
+        hyperparameter_argv({"epoch": "3", "learning-rate-schedule": "x", "hf_token": "x"})
+    lines = str(e.value).splitlines()[1:]
+    assert lines[0].strip() == "unknown hyperparameter 'epoch' (did you mean 'epochs'?)"
+    assert "secrets" not in lines[1] and "python train.py --help" in lines[1]
+    assert "Pass secrets through the estimator's environment" in lines[2]  # a key that looks like a secret
 
 
 def test_a_string_that_only_looks_like_a_list_stays_a_string():
@@ -423,7 +460,7 @@ def test_a_successful_rerun_leaves_no_earlier_failure(tmp_path, monkeypatch):
     (tmp_path / "output" / "failure").write_text("invalid hyperparameters: the old reason")
     monkeypatch.setenv("SAGEMAKER_BASE_DIR", str(tmp_path))
     seen = []
-    assert run_sagemaker([], lambda argv: seen.append(argv) or {"global_step": 1}) == {"global_step": 1}
+    assert run_sagemaker([], lambda argv, **kw: seen.append(argv) or {"global_step": 1}) == {"global_step": 1}
     assert seen and not (tmp_path / "output" / "failure").exists()
 
 

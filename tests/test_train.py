@@ -69,16 +69,27 @@ def test_precision_auto():
 
 
 def test_cli_documented_form_and_clean_errors(photo_root, tmp_path, cache_dir, capsys):
-    """`python train.py --data DIR --model tiny --epochs 2 --device cpu --output OUT` works as written;
-    a bad manifest is one clear line on stderr and exit 2, not a traceback."""
+    """`python train.py --data DIR --model tiny --epochs 2 --device cpu --output OUT` works as written, in a
+    terminal of 80 columns: each METRIC line is one line that SageMaker's metric regex (docs/sagemaker.md)
+    reads (Lightning's Rich bar wrapped it at 80 columns, so the regex found no val_acc), and the bar counts
+    epochs as METRIC does ("Epoch 1/2" for epoch=1, where it said "Epoch 0/1"); a bad manifest is one clear
+    line on stderr and exit 2, not a traceback."""
+    import re
+
+    from helpers import under_a_terminal
+
     out = tmp_path / "OUT"
-    env = {**__import__("os").environ, "DALI_PIPE_CACHE": str(cache_dir)}
-    r = subprocess.run([sys.executable, str(ROOT / "train.py"), "--data", str(photo_root), "--model", "tiny",
-                        "--epochs", "2", "--device", "cpu", "--output", str(out)],
-                       capture_output=True, text=True, env=env, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert r.stdout.count("METRIC epoch=") == 2 and (out / "config.json").is_file()
-    assert "image processor, label map and metrics.json written to" in r.stdout
+    env = {"DALI_PIPE_CACHE": str(cache_dir), "PYTHONPATH": str(ROOT), "TERM": "xterm", "COLUMNS": "80"}
+    code, text = under_a_terminal([sys.executable, str(ROOT / "train.py"), "--data", str(photo_root), "--model",
+                                   "tiny", "--epochs", "2", "--device", "cpu", "--output", str(out)], env)
+    assert code == 0, text[-3000:]
+    assert (out / "config.json").is_file() and "image processor, label map and metrics.json written to" in text
+    lines = [ln for ln in re.split(r"[\r\n]+", text) if "METRIC" in ln]
+    assert [ln.split()[1] for ln in lines] == ["epoch=1", "epoch=2"], lines
+    for line in lines:
+        m = re.search(r"METRIC epoch=\d+ .*val_acc=([0-9.]+)", line)  # SageMaker's validation:accuracy
+        assert m and 0 <= float(m.group(1)) <= 1 and line.startswith("METRIC "), line
+    assert "Epoch 1/2" in text and "Epoch 2/2" in text and "Epoch 0" not in text and "progress: " not in text
 
     bad = tmp_path / "bad"
     bad.mkdir()
@@ -132,10 +143,10 @@ def test_local_model_path_finetunes_and_missing_path_is_clear(photo_root, tmp_pa
     train.main(args + ["--model", "tiny", "--output", str(first)])
     res = train.main(args + ["--model", str(first), "--output", str(tmp_path / "second")])
     assert res["global_step"] == 43 // 8  # 43 train, 5 val at the default --val-fraction
-    from model.loading import ModelLoadError
-
-    with pytest.raises(ModelLoadError, match="local directory.*--model tiny"):
+    with pytest.raises(train.UsageError, match=r"--model: '.*no-such-model' does not exist; pass the folder a "
+                                               r"training run wrote"):
         train.main(args + ["--model", str(tmp_path / "no-such-model"), "--output", str(tmp_path / "x")])
+    assert not (tmp_path / "x").exists()
 
 
 def test_week_one_recipe_trains_and_the_best_epoch_is_selected(photo_root, tmp_path, cache_dir, capsys):
@@ -240,3 +251,125 @@ def test_steps_per_epoch_count_the_step_of_an_epochs_last_partial_accumulation(p
     trainer.fit(Tiny(), data)
     assert fit.steps_per_epoch(s, read(s.data)) == trainer.global_step == 2
     assert "2 steps per epoch" in fit.summary(s, read(s.data), None, 250_000)
+
+
+def _dataset(root: Path, photo_root: Path, tsv: str) -> Path:
+    """A dataset root whose class folders are photo_root's (linked), with its own dataset.tsv."""
+    root.mkdir(parents=True)
+    for folder in ("astronaut", "chelsea", "coffee", "rocket"):
+        (root / folder).symlink_to(photo_root / folder)
+    (root / "dataset.tsv").write_text(tsv)
+    return root
+
+
+DATA_MISTAKES = {  # name -> (dataset.tsv from photo_root's rows, the message's words)
+    "misspelt header": (lambda rows: "imagepath\n" + "".join(f"{r}\n" for r in rows),
+                        r"dataset.tsv: line 1: column 'imagepath' looks like a typo of 'image_path'"),
+    "a CSV file": (lambda rows: "image_path,label\n" + "".join(f"{r},{r.split('/')[0]}\n" for r in rows),
+                   r"dataset.tsv: line 1: the header 'image_path,label' is comma-separated: this is a CSV file"),
+    "no train rows": (lambda rows: "image_path\tsplit\n" + "".join(f"{r}\tval\n" for r in rows),
+                      r"dataset.tsv: the 'split' column marks no row train \(all 48 say val, lines 2 to 49\)"),
+    "a missing file": (lambda rows: "image_path\n" + "".join(f"{r}\n" for r in rows + ["rocket/gone.jpg"]),
+                       r"dataset.tsv: 1 listed file\(s\) missing .*'rocket/gone.jpg'"),
+}
+
+
+def test_data_mistakes_are_told_before_torch_and_lightning_load(photo_root, tmp_path):
+    """Each data mistake is one message naming the file and line, given before torch, Lightning, transformers
+    or pandas load (~10 s here): train.py, evaluate and pack read the manifest first, in the main process; a
+    path that does not exist says so (pack's SRC included)."""
+    import re
+
+    rows = (photo_root / "dataset.tsv").read_text().split()[1:]
+    cases = {}
+    for i, (name, (tsv, _)) in enumerate(DATA_MISTAKES.items()):
+        root = str(_dataset(tmp_path / f"d{i}", photo_root, tsv(rows)))
+        cases[name] = ["train", "--data", root, "--model", "tiny", "--output", str(tmp_path / "out")]
+    cases["a CSV file (evaluate)"] = ["commands", "evaluate", "--model", "tiny", "--data", cases["a CSV file"][2]]
+    cases["a CSV file (pack)"] = ["commands", "pack", cases["a CSV file"][2], str(tmp_path / "packed")]
+    cases["pack /nonexistent"] = ["commands", "pack", str(tmp_path / "nonexistent"), str(tmp_path / "packed")]
+    cases["evaluate --data /nonexistent"] = ["commands", "evaluate", "--model", "tiny", "--data",
+                                             str(tmp_path / "nonexistent")]
+    cases["--data /nonexistent"] = ["train", "--data", str(tmp_path / "nonexistent")]
+    code = ("import json, sys\nimport train\nfrom dali_pipe.cli import commands\nfrom dali_pipe.errors import UserError\n"
+            "out = {}\n"
+            f"for name, argv in {cases!r}.items():\n"
+            "    try:\n"
+            "        (train.main if argv[0] == 'train' else commands.main)(argv[1:])\n"
+            "        out[name] = ['no error', []]\n"
+            "    except UserError as e:\n"
+            "        out[name] = [str(e), [m for m in ('torch', 'pytorch_lightning', 'transformers', 'pandas', "
+            "'nvidia.dali') if m in sys.modules]]\n"
+            "print(json.dumps(out))\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120,
+                       env={**__import__("os").environ, "DALI_PIPE_CACHE": str(tmp_path / "cache")})
+    assert r.returncode == 0, r.stderr
+    told = json.loads(r.stdout)
+    expected = {name: words for name, (_, words) in DATA_MISTAKES.items()}
+    expected.update({"a CSV file (evaluate)": expected["a CSV file"], "a CSV file (pack)": expected["a CSV file"],
+                     "pack /nonexistent": r"SRC '.*/nonexistent' does not exist",
+                     "evaluate --data /nonexistent": r"--data '.*/nonexistent' does not exist",
+                     "--data /nonexistent": r"--data: '.*/nonexistent' does not exist"})
+    for name, words in expected.items():
+        message, loaded = told[name]
+        assert re.search(words, message), (name, message)
+        assert loaded == [], (name, loaded)
+    assert not (tmp_path / "out").exists() and not (tmp_path / "packed").exists()
+
+
+def test_train_reads_the_manifest_once_and_hands_it_to_the_command(photo_root, tmp_path, monkeypatch):
+    """The manifest the CLI checked first is the one the command trains on: it is read once."""
+    from dali_pipe import manifest as manifest_module
+    from dali_pipe.cli import fit
+
+    reads, seen = [], {}
+    real = manifest_module.read_table
+    monkeypatch.setattr(manifest_module, "read_table", lambda tsv: reads.append(tsv) or real(tsv))
+    monkeypatch.setattr(fit, "run", lambda s, manifest=None, style="flag": seen.update(manifest=manifest) or {})
+    train.main(["--data", str(photo_root), "--model", "tiny", "--output", str(tmp_path / "o"), "--device", "cpu"])
+    assert reads == [photo_root / "dataset.tsv"]
+    assert len(seen["manifest"].train) + len(seen["manifest"].val) == 48
+
+
+def test_a_failed_run_leaves_no_empty_folder_of_ours(photo_root, tmp_path, cache_dir):
+    """A run that fails after its pre-flight made OUT and OUT/checkpoints (a batch larger than the data) removes
+    the folders it made that are still empty; a folder that was there before stays, and so does what is in it."""
+    from dali_pipe.datamodule import BatchTooLargeError
+
+    argv = ["--data", str(photo_root), "--model", "tiny", "--device", "cpu", "--batch-size", "64", "--num-threads", "1"]
+    with pytest.raises(BatchTooLargeError):
+        train.main(argv + ["--output", str(tmp_path / "runs" / "new")])
+    assert list(tmp_path.iterdir()) == [cache_dir]  # neither runs/new/checkpoints, nor runs/new, nor runs
+    (tmp_path / "mine").mkdir()
+    with pytest.raises(BatchTooLargeError):
+        train.main(argv + ["--output", str(tmp_path / "mine")])
+    assert [p.name for p in (tmp_path / "mine").iterdir()] == ["bad_images.tsv"]  # the scan's report is kept
+
+
+def test_python_m_dali_pipe_train_is_train_py():
+    """`python -m dali_pipe train FLAGS` is `python train.py FLAGS` (it was "invalid choice"): the same parser,
+    help and messages."""
+    from dali_pipe.cli import commands
+
+    with pytest.raises(train.UsageError, match=r"--epochs: 'x' is not an integer"):
+        commands.main(["train", "--epochs", "x"])
+    r = subprocess.run([sys.executable, "-m", "dali_pipe", "train", "--help"], capture_output=True, text=True,
+                       cwd=ROOT, timeout=60)
+    assert r.returncode == 0 and r.stdout.startswith("usage: python train.py"), r.stdout[:200] + r.stderr
+    r = subprocess.run([sys.executable, "-m", "dali_pipe", "--help"], capture_output=True, text=True, cwd=ROOT,
+                       timeout=60)
+    assert "train     train a model: the same as python train.py" in r.stdout
+
+
+def test_with_several_nodes_the_manifest_is_read_after_the_hosts_meet(photo_root, tmp_path, monkeypatch):
+    """--num-nodes 2: the CLI does not read the manifest first (a host failing before it joins the meeting would
+    leave the others waiting for --dist-timeout); the DataModule reads it after the meeting, as before."""
+    from dali_pipe import cli
+    from dali_pipe.cli import fit
+
+    seen = {}
+    monkeypatch.setattr(cli, "described", lambda data, what="--data": pytest.fail("read before the meeting"))
+    monkeypatch.setattr(fit, "run", lambda s, manifest=None, style="flag": seen.update(manifest=manifest) or {})
+    train.main(["--data", str(photo_root), "--model", "tiny", "--device", "cpu", "--num-nodes", "2",
+                "--output", str(tmp_path / "o")])
+    assert seen == {"manifest": None}

@@ -10,14 +10,28 @@ only the settings are loaded until a command runs, so `--help` and a bad flag an
 """
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import warnings
 from pathlib import Path
 
-from ..config import TRAIN_GROUPS, Settings, UsageError, build_parser, parse, resolve, settings_from, validate
+from ..config import (
+    TRAIN_GROUPS,
+    DataSettings,
+    Settings,
+    UsageError,
+    build_parser,
+    default_cache_dir,
+    parse,
+    resolve,
+    settings_from,
+    validate,
+)
 from ..demo import demo_dataset
 from ..errors import UserError, dali_missing
+from ..forms import forms_text
+from ..manifest import MANIFEST_NAME, Manifest, read_manifest
 from ..redact import RedactingStream, redact
 from ..workdir import is_disk_full
 
@@ -30,7 +44,7 @@ TRAIN_DOC = """Train an image classifier from a dataset.tsv of JPEGs (local or S
     python train.py train                             # SageMaker: reads SAGEMAKER_BASE_DIR (default /opt/ml)
 """
 
-__all__ = ["main", "cli", "parse_train", "UsageError"]
+__all__ = ["main", "cli", "parse_train", "described", "UsageError"]
 
 
 def train_parser():
@@ -58,8 +72,33 @@ def prepared(s: Settings) -> Settings:
     return s
 
 
-def main(argv: list[str] | None = None) -> dict:
-    """train.py as a library: `main([...flags])` trains or benchmarks and returns the result dict."""
+class NoDataError(UserError):
+    """--data (or pack's SRC) names a path that does not exist."""
+
+
+def described(data: DataSettings, what: str = "--data") -> Manifest | None:
+    """The local dataset's manifest, read and checked before a command loads torch and Lightning (~10 s), so
+    that a data mistake (a misspelt header, a CSV file, a split without train rows, a listed file that is
+    missing) is told at once; the command's DataModule takes it and does not read it again. A path that does
+    not exist is said so, as `what`. None where there is no local manifest to read: s3:// (or https://) data
+    (its manifest is checked as it is synced, before the first GET), the other forms (checked as they are
+    opened), the demo."""
+    from ..shards.source import source_kind  # lazy: it loads numpy (0.3 s); --help must answer at once
+
+    if data.data is None or "://" in data.data:  # s3:// and https:// data: read as it is fetched
+        return None
+    kind = source_kind(data.data, data.cache_dir or str(default_cache_dir()))
+    root = Path(data.data)
+    if kind == "files" and not os.path.lexists(root):
+        raise NoDataError(f"{what} {data.data!r} does not exist; {what} may be:" + forms_text("\n    "))
+    if kind != "files" or not (root / MANIFEST_NAME).is_file():
+        return None
+    return read_manifest(root, val_fraction=data.val_fraction, seed=data.seed, skip_missing=data.skip_missing)
+
+
+def main(argv: list[str] | None = None, style: str = "flag") -> dict:
+    """train.py as a library: `main([...flags])` trains or benchmarks and returns the result dict. `style`:
+    how the user named the settings (config.named; "hyperparameter" under SageMaker), for the advice printed."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] in (["train"], ["serve"]) or not argv:  # a first argument only: a flag's value never lands here
         from . import sagemaker  # lazy: a command's module loads Lightning (~10 s); --help must answer at once
@@ -70,14 +109,18 @@ def main(argv: list[str] | None = None) -> dict:
             if not argv:
                 print("sagemaker: started with no command inside a training job: running the training contract")
             return sagemaker.run_sagemaker(argv[1:], main)
-    s = prepared(parse_train(argv))
+    s = parse_train(argv)
+    # before torch and Lightning load, a data mistake is told at once; with several nodes the DataModule reads
+    # it after this host has joined the others, so that a mistake stops them all at once (cli/hosts.py)
+    manifest = described(s.data) if s.run.num_nodes == 1 else None
+    s = prepared(s)
     if s.bench.benchmark:
         from .bench import run  # lazy: as above, the benchmark command loads Lightning
 
-        return run(s)
+        return run(s, manifest)
     from .fit import run  # lazy: as above, the training command loads Lightning
 
-    return run(s)
+    return run(s, manifest, style)
 
 
 class Terminated(SystemExit):

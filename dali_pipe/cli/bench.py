@@ -34,6 +34,7 @@ from ..benchmark import (
 )
 from ..config import VIT_B16_RANDOM, Settings, UsageError
 from ..datamodule import DaliDataModule
+from ..manifest import Manifest
 from ..pipeline import Shards
 from ..prescribe import prescription
 from ..spec import ImageSpec
@@ -45,7 +46,7 @@ class Bench:
     """One benchmark run's fixed parts: pinned cores, the data (and its pack), the image spec, and how
     to build and time each loader."""
 
-    def __init__(self, s: Settings):
+    def __init__(self, s: Settings, manifest: Manifest | None = None):
         import torch
 
         self.s, self.out = s, Path(s.run.output)
@@ -66,7 +67,7 @@ class Bench:
             if not self.names:
                 raise UsageError("invalid arguments:\n  --loaders: 'synthetic' alone needs a model (--model NAME); "
                                  "with --model none there is nothing for it to be the ceiling of")
-        self.dm = DaliDataModule(s.data, self.pipeline, self.spec, self.out)
+        self.dm = DaliDataModule(s.data, self.pipeline, self.spec, self.out, manifest=manifest)
         self.dm.prepare_data()  # sync s3:// data, scan, report
         self.dm.setup_manifest()  # refuses a batch larger than the training split
         self.train = self.dm.manifest.train
@@ -128,9 +129,10 @@ def verdicts(b: Bench, results: dict, ratio: dict) -> list[str]:
     return lines + b.notes
 
 
-def run(s: Settings) -> dict:
+def run(s: Settings, manifest: Manifest | None = None) -> dict:
+    """The benchmark; `manifest`: the local dataset's, read already (cli.described)."""
     quiet_known_noise()
-    b = Bench(s)
+    b = Bench(s, manifest)
     print(f"benchmark: {', '.join(b.names)}; {s.bench.warmup} warm-up + {s.bench.steps} timed steps each, batch "
           f"{s.data.batch_size}, {len(b.cores)} core(s), {s.bench.repeat} round(s)" +
           "".join(f"\nbenchmark: {n}" for n in b.notes), flush=True)

@@ -1,6 +1,9 @@
-"""`python -m dali_pipe COMMAND`: the data commands, with flags generated from the settings."""
+"""`python -m dali_pipe COMMAND`: the data commands, with flags generated from the settings; and
+`python -m dali_pipe train FLAGS`, which is `python train.py FLAGS` (so the installed package trains
+without the repository's train.py at hand)."""
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -9,6 +12,8 @@ from ..imagefolder import write_manifest
 from ..shards.cache import fetch_to
 from ..shards.source import is_packed
 from ..sync import ManifestMissing, sync
+from . import described
+from . import main as train_main
 
 SYNC_DOC = ("Download s3://bucket/prefix/dataset.tsv and every file it lists into LOCAL_DIR (or, for a pack, its "
             "packed.json, shards and index files, with parallel ranged GETs). Files already present and unchanged "
@@ -70,8 +75,10 @@ HELPS = {  # where a command reads a setting otherwise than training does, its o
 
 
 def parser():
-    p = new_parser("python -m dali_pipe", "Data commands of dali_pipe.")
+    p = new_parser("python -m dali_pipe", "The commands of dali_pipe: train (python train.py) and the data commands.")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sub.add_parser("train", add_help=False, help="train a model: the same as python train.py, with its flags "
+                                                 "(python -m dali_pipe train --help)")
     add_subcommand(sub, "sync", "download dataset.tsv and only the files it lists, in parallel, resumably",
                    SYNC_DOC, COMMANDS["sync"])
     add_subcommand(sub, "manifest", "write the dataset.tsv an ImageFolder (class subfolders) implies, to edit it",
@@ -86,7 +93,11 @@ def parser():
 
 
 def main(argv: list[str] | None = None) -> int:
-    ns, problems = parse(list(sys.argv[1:] if argv is None else argv), parser())
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["train"]:  # train.py's flags, its --help and its SageMaker contract (`train train`) alike
+        train_main(argv[1:])
+        return 0
+    ns, problems = parse(argv, parser())
     command = ns.command
     del ns.command
     s = settings_from(ns)
@@ -114,13 +125,17 @@ def main(argv: list[str] | None = None) -> int:
             print(f"manifest: {note}", file=sys.stderr)
         print(f"manifest: wrote {path} ({rows} images); training now reads it instead of the folders")
     elif command == "pack":
+        manifest = described(dataclasses.replace(s.data, data=s.pack.src), "SRC")  # before Lightning loads
         from .pack import run  # lazy: a command's module loads Lightning (~10 s); --help must answer at once
 
-        run(s)
-    elif command in ("evaluate", "predict"):
-        if command == "evaluate":
-            from .evaluate import run  # lazy: as above
-        else:
-            from .predict import run  # lazy: as above
+        run(s, manifest)
+    elif command == "evaluate":
+        manifest = described(s.data)  # before torch and Lightning load: a data mistake is told at once
+        from .evaluate import run  # lazy: as above
+
+        run(s, manifest)
+    elif command == "predict":
+        from .predict import run  # lazy: as above
+
         run(s)
     return 0

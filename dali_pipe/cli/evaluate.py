@@ -11,7 +11,7 @@ from model.loading import load_processor, load_trained
 from ..config import Settings
 from ..datamodule import DaliDataModule
 from ..errors import UserError
-from ..manifest import Sample
+from ..manifest import Manifest, Sample
 from ..pipeline import Shards
 from ..redact import redact
 from ..spec import ImageSpec
@@ -22,11 +22,13 @@ class LabelError(UserError):
     """The dataset has labels the model does not know."""
 
 
-def run(s: Settings) -> dict:
+def run(s: Settings, manifest: Manifest | None = None) -> dict:
+    """Evaluate; `manifest`: the local dataset's, read already (cli.described), so it is not read again."""
     s = prepared(s, s.eval.eval_output)
     out = Path(s.eval.eval_output)
     model = load_trained(s.model.model)
-    dm = DaliDataModule(s.data, s.pipeline, ImageSpec.from_processor(load_processor(s.model.model)), out)
+    dm = DaliDataModule(s.data, s.pipeline, ImageSpec.from_processor(load_processor(s.model.model)), out,
+                        manifest=manifest)
     dm.prepare_data()  # sync, scan, EVAL/bad_images.tsv
     manifest = dm.manifest
     test = getattr(manifest, "test", None)  # a Hugging Face dataset's test files, shards named test

@@ -29,18 +29,19 @@ from model.checkpoint import SpotSafeCheckpoint, plan_resume, read_meta
 from model.export import remove_dead
 from model.loading import load_processor, parameter_count
 from model.module import ImageClassifier
-from model.progress import PlainProgressBar
+from model.progress import PlainProgressBar, TerminalProgressBar
 from model.selection import BestModel, recover
 
-from ..config import Settings
-from ..datamodule import DaliDataModule, drop_note
+from ..config import Settings, named
+from ..datamodule import DaliDataModule, data_line, drop_note
 from ..errors import UserError
 from ..manifest import Manifest
 from ..monitor import DaliMemoryLog, MonitorCallback
 from ..prescribe import prescription
 from ..redact import redact
+from ..scan import is_empty_report
 from ..spec import ImageSpec
-from ..workdir import OutputError, check_writable, lock, unlock
+from ..workdir import OutputError, check_writable, lock, no_empty_folders_on_failure, unlock
 from .hosts import fail_together, join, plan_text
 from .noise import quiet_known_noise
 
@@ -106,8 +107,10 @@ def bytes_needed(params: int) -> int:
     return int((2 * 12 + 4 * 4) * params * 1.1)
 
 
-def run(s: Settings) -> dict:
-    """Fit the model and write it to OUTPUT in save_pretrained form. Returns the last epoch's metrics."""
+def run(s: Settings, manifest: Manifest | None = None, style: str = "flag") -> dict:
+    """Fit the model and write it to OUTPUT in save_pretrained form. Returns the last epoch's metrics.
+    `manifest`: the local dataset's, read already (cli.described), so it is not read again; `style`: how the
+    user names settings, for the summary's advice (config.named)."""
     started = time.perf_counter()  # the --monitor time budget's origin (its start-up share begins here)
     quiet_known_noise()
     out, ckpt_dir = Path(s.run.output), Path(s.run.checkpoint_dir)
@@ -116,20 +119,22 @@ def run(s: Settings) -> dict:
     meeting = None
     if main and s.run.num_nodes > 1:
         meeting = join(s.run.num_nodes, s.run.dist_timeout)
-    try:
-        if writes_out:
-            check_writable(out, "--output")
-            lock(out, "training run", "wait for it to finish, or pass another --output")
-        if main and s.run.report_dir and Path(s.run.report_dir) != out:
-            check_writable(s.run.report_dir, "--report-dir")
-        return _fit(s, out, ckpt_dir, main, meeting, started)
-    except BaseException as e:
-        if meeting is not None:
-            fail_together(meeting, e)  # tells the others; raises another host's failure when it caused this one
-        raise
-    finally:
-        if writes_out:
-            unlock(out)
+    ours = (out, ckpt_dir, s.run.report_dir, s.run.log_dir) if main else ()
+    with no_empty_folders_on_failure(*ours, blank=is_empty_report):  # a failed run leaves no empty OUT/checkpoints/
+        try:
+            if writes_out:
+                check_writable(out, "--output")
+                lock(out, "training run", "wait for it to finish, or pass another --output")
+            if main and s.run.report_dir and Path(s.run.report_dir) != out:
+                check_writable(s.run.report_dir, "--report-dir")
+            return _fit(s, out, ckpt_dir, main, meeting, started, manifest, style)
+        except BaseException as e:
+            if meeting is not None:
+                fail_together(meeting, e)  # tells the others; raises another host's failure when it caused this one
+            raise
+        finally:
+            if writes_out:
+                unlock(out)
 
 
 @dataclass
@@ -145,7 +150,7 @@ class Prepared:
     plan: object
 
 
-def preflight(s: Settings, out: Path, ckpt_dir: Path, main: bool) -> Prepared:
+def preflight(s: Settings, out: Path, ckpt_dir: Path, main: bool, manifest: Manifest | None = None) -> Prepared:
     """Outputs writable, data synced and scanned (main process), the run fingerprinted, the resume decided."""
     import pytorch_lightning as pl
 
@@ -157,7 +162,8 @@ def preflight(s: Settings, out: Path, ckpt_dir: Path, main: bool) -> Prepared:
     pl.seed_everything(s.data.seed, workers=True, verbose=False)
     processor = load_processor(s.model.model)
     spec = ImageSpec.from_processor(processor)
-    dm = DaliDataModule(s.data, s.pipeline, spec, Path(s.run.report_dir or out))  # reports: OUT, or output/data
+    dm = DaliDataModule(s.data, s.pipeline, spec, Path(s.run.report_dir or out),  # reports: OUT, or output/data
+                        manifest=manifest)
     if main:
         dm.prepare_data()
     manifest = dm.setup_manifest(world_size(s))
@@ -173,18 +179,18 @@ def preflight(s: Settings, out: Path, ckpt_dir: Path, main: bool) -> Prepared:
 
 
 def _fit(s: Settings, out: Path, ckpt_dir: Path, main: bool, meeting=None,
-         started: float | None = None) -> dict:
+         started: float | None = None, manifest: Manifest | None = None, style: str = "flag") -> dict:
     from pytorch_lightning.callbacks import LearningRateMonitor
     from pytorch_lightning.utilities.exceptions import SIGTERMException
 
-    p = preflight(s, out, ckpt_dir, main)
+    p = preflight(s, out, ckpt_dir, main, manifest)
     if meeting is not None:  # every host synced and scanned: meet (bounded), then Lightning's rendezvous is quick
 
         meeting.arrive(plan_text(p.plan), p.fingerprint)
     if p.plan.done_step is not None:
         return finished(s, p, out, ckpt_dir)
     if main:
-        print(summary(s, p.manifest, p.dm.scan_result, p.params))
+        print(named(summary(s, p.manifest, p.dm.scan_result, p.params), style))  # its advice in the user's words
         note = resume_line(s, p) or p.plan.note
         if note:
             print(note)
@@ -197,7 +203,7 @@ def _fit(s: Settings, out: Path, ckpt_dir: Path, main: bool, meeting=None,
                               cli={"checkpoint_every_steps": s.run.checkpoint_every_steps,
                                    "val_fraction": s.data.val_fraction}) if s.run.monitor else None
     callbacks = [ckpt, best, LearningRateMonitor(logging_interval="step"), DaliMemoryLog()]
-    callbacks += [PlainProgressBar()] if not sys.stderr.isatty() else []  # lines in logs; tqdm on a terminal
+    callbacks += [TerminalProgressBar() if sys.stderr.isatty() else PlainProgressBar()]  # a bar on a terminal
     callbacks += [monitor] if monitor else []
     trainer = make_trainer(s, callbacks, log_every_n_steps=max(1, min(LOG_EVERY, steps_per_epoch(s, p.manifest))))
     try:
@@ -297,15 +303,11 @@ def summary(s: Settings, manifest, scan_result, params: int) -> str:
     world = world_size(s)
     steps = steps_per_epoch(s, manifest)
     total = steps * s.model.epochs if s.model.max_steps < 0 else min(steps * s.model.epochs, s.model.max_steps)
-    names = ", ".join(manifest.classes[:6]) + (", ..." if len(manifest.classes) > 6 else "")
-    scan = (f"scan {s.data.scan}: {len(scan_result.bad)} of {scan_result.total} excluded" if scan_result
-            else f"scan {s.data.scan}")
     effective = s.data.batch_size * world * s.model.grad_accum
 
     drop = drop_note(len(manifest.train), s.data.batch_size, world)
     return "\n".join([
-        f"data: {len(manifest.classes)} classes ({names}); {len(manifest.train)} train + {len(manifest.val)} val "
-        f"images; {scan}" + (f"; {manifest.note}" if getattr(manifest, "note", "") else ""),
+        data_line(manifest, s.data.scan, scan_result),
         f"device: {s.pipeline.device}, precision {s.model.precision}, {world} process(es)",
         f"model: {s.model.model}, {params / 1e6:.2f} M parameters",
         f"batch: {s.data.batch_size} per process x {world} process(es) x {s.model.grad_accum} accumulation = "

@@ -21,6 +21,7 @@ from ..config import Settings, SyncSettings, cores, resolve
 from ..datamodule import missing_reasons, prepare
 from ..forms import form_problem, forms_text
 from ..https import is_http
+from ..manifest import Manifest
 from ..pack import PROGRESS_NAME, PackError, finished, pack_manifest, pack_settings, pack_shards, same_pack
 from ..shards.cache import Remote, http_copies, local_name, sync_shards
 from ..shards.format import PACKED_NAME
@@ -146,12 +147,13 @@ def _finished_shards(staging: Path) -> int:
         return 0
 
 
-def run(s: Settings) -> dict:
+def run(s: Settings, manifest: Manifest | None = None) -> dict:
+    """Pack SRC into DST; `manifest`: SRC's, read already (cli.described), so it is not read again."""
     s = resolve(s)
     dst = s.pack.dst
     staging = (Path(s.data.cache_dir) / "pack-staging" / dst[5:].strip("/")) if dst.startswith("s3://") else Path(dst)
     try:
-        return _run(s, staging)
+        return _run(s, staging, manifest)
     except OSError as e:
         if e.errno not in (errno.ENOSPC, errno.EDQUOT):
             raise
@@ -160,7 +162,7 @@ def run(s: Settings) -> dict:
                         "the same command to continue") from None
 
 
-def _run(s: Settings, staging: Path) -> dict:
+def _run(s: Settings, staging: Path, manifest: Manifest | None = None) -> dict:
     src, dst = s.pack.src, s.pack.dst
     data = dataclasses.replace(s.data, data=src, packed_s3="sync")  # packing reads every shard from local disk
     kind = source_kind(src, data.cache_dir)
@@ -174,7 +176,8 @@ def _run(s: Settings, staging: Path) -> dict:
                 seed=data.seed)
     lock(staging, "pack", "wait for it to finish, or pack into another folder")
     try:
-        source, result = prepare(data, staging, num_threads=max(1, workers - 1))  # sync, scan, report, bound
+        source, result = prepare(data, staging, num_threads=max(1, workers - 1),  # sync, scan, report, bound
+                                 manifest=manifest)
         if isinstance(source, ShardSet):
             _local_tars(source, data)
         digest = source.digest()

@@ -9,11 +9,14 @@ How SageMaker starts the container, and what each way does:
 
 Maps /opt/ml (or $SAGEMAKER_BASE_DIR) onto train.py's settings and hands them to the same parser:
 - input/config/hyperparameters.json: keys are the CLI flags ("batch-size", "batch_size" or
-  "--batch-size"); values are strings, JSON as framework estimators and ModelTrainer send them
-  ("\\"tiny\\"", 64, true, [0.35, 1.0]), or Python's str() as v2's generic Estimator sends them
-  ("(0.35, 1.0)", "True"). Keys the SDK and tuning jobs add (`sagemaker_*`, `_tuning_objective_metric`
-  and other `_`-prefixed ones) are ignored with one note; an unknown key is an error naming it and
-  the closest flag; `null` is refused, naming the key.
+  "--batch-size"); values are strings, JSON as v2's framework estimators send them ("\\"tiny\\"",
+  "[0.35, 1.0]", "true") and v3's ModelTrainer sends all but strings ("tiny", "[0.35, 1.0]"), Python's
+  str() as v2's generic Estimator sends them ("(0.35, 1.0)", "True"), or written by hand ("0.35 1.0",
+  1.0). A whole number written as a float ("1.0", "1e0") is an integer where the setting is one; a value
+  that does not fit is named as it was written. Keys the SDK and tuning jobs add (`sagemaker_*`,
+  `_tuning_objective_metric` and other `_`-prefixed ones) are ignored with one note; an unknown key is an
+  error naming it and the closest flag; `null` is refused, naming the key. Messages name the settings
+  as hyperparameters ("batch-size"), not as flags.
 - input/config/inputdataconfig.json: data from the `training` channel (input/data/training, File or
   FastFile mode), unless a `data` hyperparameter names an s3:// URI;
 - input/config/resourceconfig.json: several hosts -> MASTER_ADDR (first host), NODE_RANK,
@@ -31,11 +34,13 @@ import ast
 import difflib
 import json
 import os
+import re
 import sys
 import traceback
+import typing
 from pathlib import Path
 
-from ..config import FIELDS, TRAIN_GROUPS, RunSettings, flag_of
+from ..config import FIELDS, TRAIN_GROUPS, RunSettings, flag_of, named
 from ..errors import UserError
 from ..redact import redact, redact_argv
 from .hosts import HostsError, current, join
@@ -86,17 +91,33 @@ def _unwrap(value):
     return value
 
 
-def _as_args(value) -> list[str]:
+def _as_args(value, raw, name: str) -> list[str]:
+    """The argv words of setting `name` from its unwrapped value (`raw`: as hyperparameters.json holds it)."""
+    meta, tp = FIELDS[name][1].metadata, FIELDS[name][2]
     if isinstance(value, bool):
         return [str(value).lower()]
     if isinstance(value, (list, tuple)):
         return [str(v) for v in value]
+    if isinstance(value, str) and meta["nargs"]:  # a pair written as "0.35 1.0" (or "0.35, 1.0")
+        return value.replace(",", " ").split()
+    if isinstance(value, (int, float)):
+        if isinstance(value, float) and value.is_integer() and int in _types(tp):
+            return [str(int(value))]  # "1.0", "1e0" for --epochs: the integer
+        return [str(raw).strip()]  # the number as written: a message names it so ("1.5", not 1.5 converted)
     return [str(value)]
+
+
+def _types(tp) -> tuple:
+    """The types a setting's annotation allows (int | None -> (int, NoneType))."""
+    return typing.get_args(tp) or (tp,)
+
+
+SECRET_LIKE = re.compile(r"token|secret|passw|key|credential|auth", re.I)
 
 
 def hyperparameter_argv(hp: dict) -> tuple[list[str], list[str]]:
     """(argv, ignored keys) from hyperparameters.json; every problem listed in one SageMakerError."""
-    known = {flag_of(n) for n, (g, f, _) in FIELDS.items() if g in TRAIN_GROUPS and not f.metadata["positional"]}
+    known = {flag_of(n): n for n, (g, f, _) in FIELDS.items() if g in TRAIN_GROUPS and not f.metadata["positional"]}
     argv, ignored, problems = [], [], []
     for key, raw in hp.items():
         key = str(key)
@@ -110,17 +131,19 @@ def hyperparameter_argv(hp: dict) -> tuple[list[str], list[str]]:
             continue
         if flag not in known:
             close = difflib.get_close_matches(flag, sorted(known), n=1)
-            hint = f" (did you mean {close[0][2:]!r}?)" if close else ""
-            problems.append(f"unknown hyperparameter {key!r}{hint}; the keys are train.py's flags "
-                            "(python train.py --help). Pass secrets through the estimator's environment, "
-                            "not hyperparameters.")
+            if close:
+                problems.append(f"unknown hyperparameter {key!r} (did you mean {close[0][2:]!r}?)")
+            else:
+                problems.append(f"unknown hyperparameter {key!r}; the keys are train.py's flags (python train.py "
+                                "--help)" + (". Pass secrets through the estimator's environment, not hyperparameters"
+                                             if SECRET_LIKE.search(key) else ""))
             continue
         value = None if raw == "None" else _unwrap(raw)  # v2's Estimator writes str(None); its PyTorch, null
         if value is None:
             problems.append(f"hyperparameter {key!r} is null (None); give it a value or remove it to keep the "
                             "default")
             continue
-        argv += [flag, *_as_args(value)]
+        argv += [flag, *_as_args(value, raw, known[flag])]
     if problems:
         raise SageMakerError("invalid hyperparameters:\n  " + "\n  ".join(problems))
     return argv, ignored
@@ -251,7 +274,7 @@ def run_sagemaker(extra: list[str], main) -> dict:
             join(len(json.loads(dist_env["DALI_PIPE_HOSTS"])), _dist_timeout(hp if isinstance(hp, dict) else {}))
         argv, _ = build_argv(base, extra, dict(os.environ))
         print(f"sagemaker: base {base}; train.py {' '.join(redact_argv(argv))}", flush=True)
-        return main(argv)
+        return main(argv, style="hyperparameter")
     except SystemExit as e:
         if e.code in (0, None):  # --help
             raise
@@ -264,7 +287,8 @@ def run_sagemaker(extra: list[str], main) -> dict:
         meeting = current()
         if isinstance(e, KeyboardInterrupt) and meeting is not None and meeting.interrupted_by:
             e = HostsError(meeting.interrupted_by)  # another host failed first: name it, not the interrupt
-        if isinstance(e, UserError):
+        if isinstance(e, UserError):  # its settings named as the job names them: "batch-size", not --batch-size
+            e.args = (hyperparameters(str(e)),) + e.args[1:]
             reason = str(e)
         else:
             reason = f"{type(e).__name__}: {e}\n" + "".join(traceback.format_exc().splitlines(True)[-6:])
@@ -273,6 +297,11 @@ def run_sagemaker(extra: list[str], main) -> dict:
         write_failure(failure_dir, reason)
         print(f"error: {redact(e)}", file=sys.stderr)
         sys.exit(1)
+
+
+def hyperparameters(text: str) -> str:
+    """A message of ours with train.py's settings named as hyperparameters ("batch-size": 24)."""
+    return named(text, "hyperparameter", [n for n, (g, _, _) in FIELDS.items() if g in TRAIN_GROUPS])
 
 
 def _tell_hosts(meeting, reason: str, *, linger: bool = True) -> None:

@@ -170,7 +170,8 @@ def test_data_urls_a_pipe_and_shard_files(tmp_path):
 def test_every_data_pipeline_and_model_setting_says_whether_it_is_part_of_a_runs_identity():
     """Each field of DataSettings, PipelineSettings and ModelSettings is marked identity=RECIPE (its value is
     compared on resume), DATA (counted by the data's digest) or False; a new field without the mark fails here.
-    The recipe is read from the settings objects (a pair as a list, as JSON gives it back)."""
+    The recipe is read from the settings objects (a pair as a list, as JSON gives it back), and the guarantees
+    page names every recipe flag."""
     for name, (group, f, _) in FIELDS.items():
         if group in config.IDENTITY_GROUPS:
             assert f.metadata["identity"] in (config.RECIPE, config.DATA, False), name
@@ -180,6 +181,8 @@ def test_every_data_pipeline_and_model_setting_says_whether_it_is_part_of_a_runs
             "grad_accum"} <= set(names)
     assert not {"epochs", "max_steps", "num_threads", "device", "compile", "cache_dir"} & set(names)
     assert config.recipe(config.PipelineSettings())["crop_scale"] == [0.08, 1.0]
+    guarantees = (ROOT / "docs" / "guarantees.md").read_text()
+    assert [n for n in names if f"`{config.flag_of(n)}`" not in guarantees] == []
 
 
 def test_every_float_setting_refuses_inf_and_nan():

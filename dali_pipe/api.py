@@ -42,6 +42,7 @@ from .config import (
     validate,
 )
 from .datamodule import DaliDataModule as _SettingsDataModule
+from .datamodule import check_before_restore
 from .demo import demo_dataset
 from .errors import RunMismatchError, UserError
 from .spec import ImageSpec
@@ -274,8 +275,10 @@ in it, also under DDP, where each rank reads a contiguous share). With several p
 rank reads its own shard, from the Trainer's ranks. The state saved in a Lightning checkpoint holds every
 rank's loader position, so with a `ModelCheckpoint(save_last=True, every_n_train_steps=N)` a
 rerun's `trainer.fit(..., ckpt_path="last")` continues mid-epoch at the same sample with the same augmentation; a checkpoint of other data
-(files, labels, split, classes, image size, batch size, processes or seed) is refused
-(RunMismatchError) before anything is restored.
+(files, labels, split, classes, image size, batch size, processes or seed) or other augmentations
+(crop_scale, auto_augment, ra_num_ops, ra_magnitude, random_erase) is refused (RunMismatchError)
+right after Lightning reads it, before anything (your module's weights, the optimizer, the loops) is
+restored.
 
 Arguments (the CLI's flags with underscores, typed; defaults and checks are the CLI's, from
 dali_pipe/config.py; a bad value raises UsageError listing every problem, named by keyword):
@@ -389,11 +392,21 @@ class RunFingerprint(pl.Callback):
     classes, image size, batch size, processes, seed). This callback adds what only your code knows
     (the model, its shape, anything a resumed run must share); values must be JSON-like (str, numbers,
     lists, dicts). Each checkpoint carries them; `fit(..., ckpt_path=...)` with other values stops
-    before training with RunMismatchError naming each difference.
+    before training with RunMismatchError naming each difference, before anything (your module's
+    weights, the optimizer, the loops) is restored.
     """
 
     def __init__(self, **keys):
         self.keys = keys
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        if stage == "fit":  # checked as Lightning reads the checkpoint, before it restores the module's weights
+            check_before_restore(trainer, self.state_key, self._check)
+
+    def _check(self, checkpoint: dict) -> None:
+        state = (checkpoint.get("callbacks") or {}).get(self.state_key)
+        if state is not None:
+            self.load_state_dict(state)
 
     def state_dict(self) -> dict:
         return {"keys": self.keys}

@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import math
 import os
 import re
 import types
@@ -62,16 +63,24 @@ class Invalid:
         return f"Invalid({self.value!r})"
 
 
+RECIPE, DATA = "recipe", "data"  # how a setting counts toward a run's identity (see `setting`)
+
+
 def setting(default, help: str, *, parse=None, expected: str | None = None, check=None, choices=None,
-            nargs=None, metavar: str | None = None, positional: bool = False, flag: str | None = None):
+            nargs=None, metavar: str | None = None, positional: bool = False, flag: str | None = None,
+            identity: str | bool | None = None):
     """A settings field: its default, its one-line doc (the --help text) and how to read and check it.
 
     parse/expected: str -> value converter and the words for "is not {expected}" when it fails;
     check: (predicate, message) or a list of them, applied by validate();
-    choices: the allowed values (validate() names them); flag: the CLI name when it differs.
+    choices: the allowed values (validate() names them); flag: the CLI name when it differs;
+    identity: whether the value changes what the weights become, so that a checkpoint or a model folder
+    made with another value is another run: RECIPE (its value is compared), DATA (it changes which samples,
+    labels or split a run reads, so the data's digest counts it), or False (it never changes the weights:
+    speed, paths, reports). Every data, pipeline and model setting says which (tests/test_config.py).
     """
     meta = dict(help=help, parse=parse, expected=expected, check=check, choices=choices, nargs=nargs,
-                metavar=metavar, positional=positional, flag=flag)
+                metavar=metavar, positional=positional, flag=flag, identity=identity)
     return field(default=default, metadata=meta)
 
 
@@ -120,68 +129,75 @@ class DataSettings:
                                      "val/ folders of them, one shard file, a pattern such as "
                                      "shards/train-{000000..000099}.tar, or https:// shard URLs), Parquet files or a "
                                      "save_to_disk folder of a Hugging Face dataset (docs/data.md); default: a "
-                                     "generated demo set of real photos")
+                                     "generated demo set of real photos", identity=DATA)
     cache_dir: str | None = setting(None, "where s3:// data is synced and scan verdicts are cached; default "
                                           "$DALI_PIPE_CACHE or ~/.cache/dali_pipe (SageMaker: /opt/ml/input/"
-                                          "data/dali_pipe_cache, on the instance volume)")
-    batch_size: int = setting(32, "images per batch per GPU/process", check=AT_LEAST_1)
+                                          "data/dali_pipe_cache, on the instance volume)", identity=False)
+    batch_size: int = setting(32, "images per batch per GPU/process", check=AT_LEAST_1, identity=RECIPE)
     val_fraction: float = setting(0.1, "validation share per class when the manifest has no split column",
-                                  check=FRACTION_0_1)
+                                  check=FRACTION_0_1, identity=DATA)
     seed: int = setting(0, "seed for the split, the sample order, augmentation and model init",
                         check=(lambda v: 0 <= v <= MAX_SEED, f"must be between 0 and {MAX_SEED} (the seeds numpy and "
-                               "Lightning take)"))
-    scan: str = setting("fast", "pre-flight image scan", choices=SCAN_MODES)
-    max_pixels: int = setting(89_478_485, "reject images with more pixels (decompression bombs)", check=AT_LEAST_1)
-    max_bad_fraction: float = setting(0.05, "abort when a larger share of images is bad", check=UNIT_INTERVAL)
+                               "Lightning take)"), identity=RECIPE)
+    scan: str = setting("fast", "pre-flight image scan", choices=SCAN_MODES, identity=DATA)
+    max_pixels: int = setting(89_478_485, "reject images with more pixels (decompression bombs)", check=AT_LEAST_1,
+                              identity=DATA)
+    max_bad_fraction: float = setting(0.05, "abort when a larger share of images is bad", check=UNIT_INTERVAL,
+                                      identity=False)
     image_column: str | None = setting(None, "Hugging Face datasets (Parquet, save_to_disk): the image column; "
-                                             "default: the one column of the datasets Image type ({bytes, path})")
+                                             "default: the one column of the datasets Image type ({bytes, path})",
+                                       identity=DATA)
     label_column: str | None = setting(None, "Hugging Face datasets: the label column; default: the one ClassLabel "
-                                             "column, else the one named label or labels")
-    skip_missing: bool = setting(False, "go on without the files dataset.tsv lists but the data lacks (reported)")
+                                             "column, else the one named label or labels", identity=DATA)
+    skip_missing: bool = setting(False, "go on without the files dataset.tsv lists but the data lacks (reported)",
+                                 identity=DATA)
     packed_s3: str = setting("auto", "s3:// packed data: sync the shards to the cache dir when they fit on its disk "
                                      "(auto), always (sync), or stream them ahead of the reader through a bounded "
                                      "cache (stream; auto when they do not fit)",
-                             choices=("auto", "sync", "stream"))
+                             choices=("auto", "sync", "stream"), identity=False)
     stream_cache: int | None = setting(None, "streamed packs: disk the shard cache may use per node (e.g. 20GB); "
                                              "default: half the cache dir's free space",
-                                       parse=lambda v: parse_size(v), expected="a size such as 20GB", check=AT_LEAST_1)
+                                       parse=lambda v: parse_size(v), expected="a size such as 20GB", check=AT_LEAST_1,
+                                       identity=False)
 
 
 @dataclass
 class PipelineSettings:
     """The DALI pipeline: where it runs and with how many threads."""
     device: str = setting("auto", "where DALI decodes and the model runs; auto picks the GPU when CUDA is "
-                                  "available", choices=DEVICES)
+                                  "available", choices=DEVICES, identity=False)
     num_threads: int | None = setting(None, "DALI CPU threads per process; default: the cores available to "
                                             "each local rank minus one, at most 8 (benchmark: all --cpus "
-                                            "cores, as many as the baseline's workers)", check=AT_LEAST_1)
+                                            "cores, as many as the baseline's workers)", check=AT_LEAST_1,
+                                      identity=False)
     decoder_device_padding: int | None = setting(
         None, "GPU decoding: nvJPEG device memory pre-allocated per DALI thread (e.g. 64MB); default DALI's 16 MiB. "
               "Larger avoids re-allocations while the first large photos arrive, and costs threads x this on each GPU",
-        parse=lambda v: parse_size(v), expected="a size such as 64MB", check=AT_LEAST_1)
+        parse=lambda v: parse_size(v), expected="a size such as 64MB", check=AT_LEAST_1, identity=False)
     decoder_host_padding: int | None = setting(
         None, "GPU decoding: pinned host memory pre-allocated per DALI thread; default DALI's 8 MiB",
-        parse=lambda v: parse_size(v), expected="a size such as 32MB", check=AT_LEAST_1)
+        parse=lambda v: parse_size(v), expected="a size such as 32MB", check=AT_LEAST_1, identity=False)
     hw_decoder_load: float = setting(
         0.65, "GPU decoding: share of the JPEGs sent to the GPU's hardware JPEG decoder, where it has one (A100, "
-              "H100); 0 decodes them all as a GPU without one does (T4, A10G)", check=UNIT_INTERVAL)
+              "H100); 0 decodes them all as a GPU without one does (T4, A10G)", check=UNIT_INTERVAL, identity=False)
     hybrid_huffman_threshold: int | None = setting(
         None, "GPU decoding: JPEGs above this many pixels go to nvJPEG's hybrid Huffman decoder, which DALI says "
               "\"still largely uses the CPU\", smaller ones to its host-side Huffman decoder (on the DALI CPU "
               "threads); 0 sends all to the hybrid one; default DALI's 1000000",
-        check=NON_NEGATIVE)
+        check=NON_NEGATIVE, identity=False)
     crop_scale: tuple[float, float] = setting((0.08, 1.0), "training crop: the share of the image's area a random "
                                                            "crop covers, from MIN to MAX", nargs=2,
                                               metavar=("MIN", "MAX"),
-                                              check=(lambda v: 0 < v[0] <= v[1] <= 1, "must be 0 < MIN <= MAX <= 1"))
+                                              check=(lambda v: 0 < v[0] <= v[1] <= 1, "must be 0 < MIN <= MAX <= 1"),
+                                              identity=RECIPE)
     auto_augment: str = setting("none", "training augmentation policy after the crop: RandAugment (rand), "
                                         "TrivialAugmentWide (trivial) or AutoAugment's ImageNet policy (auto)",
-                                choices=AUTO_AUGMENTS)
-    ra_num_ops: int = setting(2, "RandAugment: operations per image", check=AT_LEAST_1)
+                                choices=AUTO_AUGMENTS, identity=RECIPE)
+    ra_num_ops: int = setting(2, "RandAugment: operations per image", check=AT_LEAST_1, identity=RECIPE)
     ra_magnitude: int = setting(9, "RandAugment: magnitude, 0-30",
-                                check=(lambda v: 0 <= v <= 30, "must be between 0 and 30"))
+                                check=(lambda v: 0 <= v <= 30, "must be between 0 and 30"), identity=RECIPE)
     random_erase: float = setting(0.0, "training: probability of erasing a random rectangle (after normalising)",
-                                  check=UNIT_INTERVAL)
+                                  check=UNIT_INTERVAL, identity=RECIPE)
 
 
 @dataclass
@@ -189,33 +205,36 @@ class ModelSettings:
     """The model and how it is optimised."""
     model: str | None = setting(None, f"hub id, local save_pretrained dir, '{TINY}', '{VIT_B16_RANDOM}', or "
                                       f"'none' (benchmark: loaders only); default: {TINY} for the demo set, "
-                                      f"else {DEFAULT_MODEL}")
-    epochs: int = setting(5, "training epochs", check=AT_LEAST_1)
+                                      f"else {DEFAULT_MODEL}", identity=RECIPE)
+    epochs: int = setting(5, "training epochs", check=AT_LEAST_1, identity=False)
     max_steps: int = setting(-1, "stop after this many optimizer steps (-1: no limit)",
-                             check=(lambda v: v == -1 or v >= 1, "must be -1 (no limit) or at least 1"))
+                             check=(lambda v: v == -1 or v >= 1, "must be -1 (no limit) or at least 1"), identity=False)
     lr: float | None = setting(None, f"peak learning rate; default {DEMO_LR} for built-in models, "
-                                     f"{FINETUNE_LR} for pretrained", check=POSITIVE)
+                                     f"{FINETUNE_LR} for pretrained", check=POSITIVE, identity=RECIPE)
     weight_decay: float = setting(0.05, "AdamW weight decay (not applied to biases and norms)",
-                                  check=NON_NEGATIVE)
+                                  check=NON_NEGATIVE, identity=RECIPE)
     warmup_fraction: float = setting(0.05, "share of the optimizer steps spent in linear warmup before "
-                                           "the cosine decay", check=FRACTION_0_1)
+                                           "the cosine decay", check=FRACTION_0_1, identity=RECIPE)
     label_smoothing: float = setting(0.0, "label smoothing of the training targets (composes with mixup/cutmix)",
-                                     check=FRACTION_0_1)
+                                     check=FRACTION_0_1, identity=RECIPE)
     mixup_alpha: float = setting(0.0, "mixup: Beta(alpha, alpha) mixing of image pairs in each batch (0: off)",
-                                 check=NON_NEGATIVE)
+                                 check=NON_NEGATIVE, identity=RECIPE)
     cutmix_alpha: float = setting(0.0, "cutmix: Beta(alpha, alpha) boxes pasted between image pairs (0: off; "
-                                       "with mixup, each batch takes one of the two)", check=NON_NEGATIVE)
-    grad_accum: int = setting(1, "batches per optimizer step (gradient accumulation)", check=AT_LEAST_1)
+                                       "with mixup, each batch takes one of the two)", check=NON_NEGATIVE,
+                                  identity=RECIPE)
+    grad_accum: int = setting(1, "batches per optimizer step (gradient accumulation)", check=AT_LEAST_1,
+                              identity=RECIPE)
     clip_grad_norm: float | None = setting(None, "clip the gradient norm to this value (default: off)",
-                                           check=POSITIVE)
-    compile: bool = setting(False, "torch.compile the model (first steps are slower while it compiles)")
+                                           check=POSITIVE, identity=RECIPE)
+    compile: bool = setting(False, "torch.compile the model (first steps are slower while it compiles)", identity=False)
     precision: str = setting("auto", "auto: bf16-mixed on sm80+, 16-mixed on older GPUs (T4), 32-true on CPU",
-                             choices=PRECISIONS)
+                             choices=PRECISIONS, identity=RECIPE)
 
 
 @dataclass
 class RunSettings:
     """Where results go, checkpoints, and how many processes."""
+    # none of these changes what the weights become (the number of processes counts as the run's world size)
     output: str = setting("runs/train", "output dir: model (save_pretrained form), bad_images.tsv, logs, "
                                         "benchmark files")
     log_dir: str | None = setting(None, "TensorBoard dir; default OUTPUT/tensorboard")
@@ -228,9 +247,10 @@ class RunSettings:
     select: str = setting("best", "which model OUTPUT gets: the epoch with the best validation accuracy (ties: "
                                   "the later epoch; last when there is no validation data) or the last one",
                           choices=SELECT)
-    resume: str = setting("auto", "auto: resume from CHECKPOINT_DIR/last.ckpt when it belongs to this run (same data, "
-                                  "classes, model, batch size, processes and seed); never: start over, moving the old "
-                                  "checkpoint aside; or the path of a checkpoint to resume",
+    resume: str = setting("auto", "auto: resume from CHECKPOINT_DIR/last.ckpt when it belongs to this run (the same "
+                                  "data, processes and every setting that changes the weights: model, batch size, "
+                                  "seed, optimizer, schedule, loss, augmentation, precision); never: start over, "
+                                  "moving the old checkpoint aside; or the path of a checkpoint to resume",
                           check=(lambda v: v in ("auto", "never") or Path(v).is_file(),
                                  "is not auto, never or an existing checkpoint file"))
     monitor: bool = setting(False, "log GPU utilization and data-wait during training and print a diagnosis")
@@ -299,8 +319,8 @@ class ManifestSettings:
 @dataclass
 class EvalSettings:
     """`python -m dali_pipe evaluate`."""
-    split: str = setting("val", "which images to evaluate: the validation split (as training made it: same "
-                                "--val-fraction and --seed, or the split column), the training split, the test files "
+    split: str = setting("val", "which images to evaluate: the validation split (as training made it: the model "
+                                "folder records how), the training split, the test files "
                                 "of a Hugging Face dataset (test-*) or the shards named test, or all",
                          choices=SPLIT_CHOICES)
     eval_output: str = setting("runs/eval", "output dir: metrics.json, confusion.png, bad_images.tsv",
@@ -333,9 +353,11 @@ class Settings:
     predict: PredictSettings = field(default_factory=PredictSettings)
     pack: PackSettings = field(default_factory=PackSettings)
     manifest: ManifestSettings = field(default_factory=ManifestSettings)
+    given: frozenset[str] = frozenset()  # the settings the user gave (flags, hyperparameters, keywords), by name
 
 
 TRAIN_GROUPS = ("data", "pipeline", "model", "run", "bench")
+IDENTITY_GROUPS = ("data", "pipeline", "model")  # the groups whose every setting says how it counts (identity=)
 
 
 def _fields() -> dict[str, tuple[str, dataclasses.Field, object]]:
@@ -350,6 +372,20 @@ def _fields() -> dict[str, tuple[str, dataclasses.Field, object]]:
 
 
 FIELDS = _fields()
+
+
+def recipe_names(groups=IDENTITY_GROUPS) -> list[str]:
+    """The settings of `groups` whose values are part of a run's identity (identity=RECIPE)."""
+    return [n for n, (g, f, _) in FIELDS.items() if g in groups and f.metadata["identity"] == RECIPE]
+
+
+def recipe(values) -> dict:
+    """The identity values of one settings object (DataSettings, PipelineSettings, ModelSettings), by name, as
+    JSON keeps them (a pair as a list), so that a value read back from a checkpoint or a JSON file compares
+    equal to the same value given again."""
+    group = next(g for g, cls in GROUPS.items() if isinstance(values, cls))
+    return {n: list(v) if isinstance(v, tuple) else v
+            for n in recipe_names((group,)) for v in [getattr(values, n)]}
 
 
 def flag_of(name: str) -> str:
@@ -424,6 +460,18 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(f"{message} (see {self.prog} --help)")
 
 
+GIVEN = "_given"  # the namespace attribute in which the parser records the settings given (settings_from reads it)
+
+
+class _Given(argparse.Action):
+    """argparse's plain store, which also records that the user gave this setting (so that a command can tell
+    a value typed from its default, without comparing the two: `Settings.given`)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, values)
+        setattr(namespace, GIVEN, getattr(namespace, GIVEN, frozenset()) | {self.dest})
+
+
 class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
     """Show '(default: X)' except where the default is computed and the help says how."""
 
@@ -465,7 +513,8 @@ def add_settings(p: argparse.ArgumentParser, groups, helps: dict | None = None):
         section = sections[group]
         meta = f.metadata
         conv, expected = _converter(name)
-        kw = dict(help=(helps or {}).get(name, meta["help"]), default=f.default, type=_tolerant(conv, expected))
+        kw = dict(help=(helps or {}).get(name, meta["help"]), default=f.default, type=_tolerant(conv, expected),
+                  action=_Given)
         if meta["metavar"]:
             kw["metavar"] = meta["metavar"]
         elif meta["choices"]:
@@ -505,9 +554,12 @@ def parse(argv: list[str], parser: _Parser) -> tuple[argparse.Namespace, list[st
 
 
 def settings_from(ns: argparse.Namespace) -> Settings:
-    """Group a parsed namespace into Settings (fields the parser did not expose keep their defaults)."""
-    s = Settings()
+    """Group a parsed namespace into Settings (fields the parser did not expose keep their defaults), with
+    the names of the settings given on the command line in `given`."""
+    s = Settings(given=frozenset(getattr(ns, GIVEN, ())))
     for name, value in vars(ns).items():
+        if name == GIVEN:
+            continue
         group = FIELDS[name][0]
         setattr(getattr(s, group), name, value)
     return s
@@ -518,7 +570,7 @@ def settings_from_keywords(values: dict, names) -> Settings:
     for the settings `names`. A string is read as the CLI reads it ("8", "64MB"); any other value that is
     not of the setting's type is kept as Invalid, so that validate() lists it with the other problems in
     the CLI's words. An unknown name is a TypeError naming the closest one."""
-    s = Settings()
+    s = Settings(given=frozenset(values))
     names = list(names)
     for name, value in values.items():
         if name not in names:
@@ -586,6 +638,9 @@ def field_problems(s: Settings, names) -> list[str]:
             problems += [f"{flag}: {v.value!r} is not {v.expected}" for v in bad]
             continue
         if value is None:
+            continue
+        if any(isinstance(v, float) and not math.isfinite(v) for v in values):  # every float setting: no inf, nan
+            problems.append(f"{flag}: {value!r} is not a finite number")
             continue
         if f.metadata["choices"] and value not in f.metadata["choices"]:
             problems.append(f"{flag}: {value!r} is not one of {', '.join(f.metadata['choices'])}")

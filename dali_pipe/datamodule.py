@@ -7,7 +7,9 @@
   global rank, sized by `resources_for_rank`. The loaders are not torch DataLoaders, so
   Lightning adds no sampler.
 - `state_dict` / `load_state_dict`: every rank's loader position, with the run's data fingerprint;
-  a checkpoint of other data (files, classes, image size, batch size, processes, seed) is refused.
+  a checkpoint of other data (files, classes, image size, batch size, processes, seed) or of other
+  augmentations (the pipeline's recipe settings) is refused, right after Lightning reads it and before
+  any of it (weights, optimizer, loops) is restored (`check_before_restore`).
 
 This class takes the settings objects (the CLI builds it from them); the keyword form that users
 call, `dali_pipe.DaliDataModule(data=..., batch_size=...)`, is its subclass in `dali_pipe/api.py`.
@@ -21,8 +23,9 @@ import warnings
 from pathlib import Path
 
 import pytorch_lightning as pl
+from lightning_fabric.plugins import CheckpointIO
 
-from .config import DataSettings, PipelineSettings, SyncSettings, named, resolve_device
+from .config import DataSettings, PipelineSettings, SyncSettings, named, recipe, recipe_names, resolve_device
 from .errors import RunMismatchError, UserError
 from .imagefolder import read_image_folder, sync_image_folder
 from .loader import DaliLoader, ReaderChanged
@@ -160,6 +163,21 @@ def data_line(manifest: Manifest | ShardSet, scan_mode: str, scan_result: ScanRe
             f"images; {scan}" + (f"; {manifest.note}" if getattr(manifest, "note", "") else ""))
 
 
+SPLIT_RULES = {"column": "the split column of dataset.tsv", "pack": "the pack's split (made when it was packed)",
+               "folders": "the train/ and val/ folders (ImageNet's layout)",
+               "names": "the shards or files named val or validation",
+               "hash": "a hash of each sample's path or key with the val fraction and seed, per class"}
+
+
+def split_record(manifest: Manifest | ShardSet, data: DataSettings, digest: str) -> dict:
+    """How the validation split of a run was made, for the model folder: the rule (and in words), the val
+    fraction and seed it took (they decide the split only for rule "hash"), the sample counts, and the
+    data's identity (`digest`: its samples, labels and split; the run fingerprint's "samples")."""
+    return {"rule": manifest.split_rule, "made_by": SPLIT_RULES[manifest.split_rule],
+            "val_fraction": data.val_fraction, "seed": data.seed, "train": len(manifest.train),
+            "val": len(manifest.val), "samples": digest}
+
+
 def dropped_per_epoch(n: int, batch_size: int, num_shards: int) -> int:
     """Training images left out of each epoch: each rank keeps full batches of its share only."""
     return n - num_shards * ((n // num_shards) // batch_size) * batch_size
@@ -246,12 +264,13 @@ class DaliDataModule(pl.LightningDataModule):
 
     def fingerprint(self, world_size: int | None = None) -> dict:
         """What a resumed run must share with the checkpoint's: the data (files, labels, split), the classes,
-        the image size, the batch size, the number of processes and the seed."""
+        the image size, the number of processes, and the data and pipeline settings that change what the
+        weights become (batch size, seed, crop and augmentations: config.py's identity=RECIPE)."""
         if self._digest is None:  # a hash over every sample: once, not at every checkpoint
             self._digest = self._read().digest()
         return {"samples": self._digest, "classes": list(self.classes),
-                "image_size": [self.spec.height, self.spec.width], "batch_size": self.data.batch_size,
-                "world_size": world_size or self._rank()[1], "seed": self.data.seed}
+                "image_size": [self.spec.height, self.spec.width], "world_size": world_size or self._rank()[1],
+                **recipe(self.data), **recipe(self.pipeline)}
 
     def _rank(self) -> tuple[int, int, int, int]:
         """(global rank, world size, local rank, processes on this node)."""
@@ -298,7 +317,10 @@ class DaliDataModule(pl.LightningDataModule):
         return self.manifest
 
     def setup(self, stage: str | None = None) -> None:
-        """Build this rank's pipelines (after the distributed environment exists)."""
+        """Build this rank's pipelines (after the distributed environment exists); for `fit`, have the
+        checkpoint to resume checked against this run before Lightning restores any of it."""
+        if stage == "fit" and self.trainer is not None:
+            check_before_restore(self.trainer, type(self).__qualname__, self._check_checkpoint)
         if self._train is not None:
             return
         start = time.perf_counter()
@@ -382,17 +404,24 @@ class DaliDataModule(pl.LightningDataModule):
             states = [mine]
         return {"loaders": states, "fingerprint": self.fingerprint()}
 
+    def _check_checkpoint(self, checkpoint: dict) -> None:
+        """Refuse a checkpoint of another run (RunMismatchError naming each difference)."""
+        saved = (checkpoint.get(type(self).__qualname__) or {}).get("fingerprint")
+        if saved is None:
+            return
+        diff = differences(saved, self.fingerprint(), optional=LIBRARY_OPTIONAL)
+        if diff:
+            raise RunMismatchError("the checkpoint to resume belongs to another run:\n  " + "\n  ".join(diff) +
+                                   "\n  Resume it with the settings it was written with, or start this run "
+                                   "without it (another checkpoint directory, or fit without ckpt_path).")
+
     def load_state_dict(self, state: dict) -> None:
         """Continue this rank's epoch where the checkpoint left it (same permutation, same position). A
-        checkpoint of another run (other data, classes, image size, batch size, processes or seed) is refused
-        before anything is restored."""
-        saved = state.get("fingerprint")
-        if saved is not None:
-            diff = differences(saved, self.fingerprint())
-            if diff:
-                raise RunMismatchError("the checkpoint to resume belongs to another run:\n  " + "\n  ".join(diff) +
-                                       "\n  Resume it with the settings it was written with, or start this run "
-                                       "without it (another checkpoint directory, or fit without ckpt_path).")
+        checkpoint of another run (other data, classes, image size, processes, batch size, seed or
+        augmentations) was refused before anything was restored (setup's check; checked here again for a
+        Trainer whose checkpoint IO was replaced after setup)."""
+        if self.trainer is None or fitting(self.trainer):
+            self._check_checkpoint({type(self).__qualname__: state})
         loaders = state.get("loaders")
         rank, world = self._rank()[:2]
         if not loaders or len(loaders) != world:
@@ -490,8 +519,54 @@ class _Positions:
 
 
 FINGERPRINT_NAMES = {"samples": "the data (files, labels or split)", "classes": "the classes",
-                     "image_size": "the image size", "batch_size": "batch_size", "world_size": "the number of "
-                     "processes (the Trainer's devices x num_nodes)", "seed": "seed"}
+                     "image_size": "the image size", "world_size": "the number of "
+                     "processes (the Trainer's devices x num_nodes)",
+                     **{n: n for n in recipe_names(("data", "pipeline"))}}  # the keywords, as the library takes them
+LIBRARY_OPTIONAL = frozenset(recipe_names(("pipeline",)))  # what checkpoints written before they counted lack
+
+
+class CheckedLoad(CheckpointIO):
+    """A Trainer's checkpoint IO with checks: each checkpoint it loads goes through every check (which may
+    raise) before Lightning restores any part of it. Lightning 2.6 reads the file through the strategy's
+    checkpoint IO first, then restores the LightningModule (its on_load_checkpoint hook, then its weights),
+    and only then the DataModule and the callbacks: a check in a DataModule's or a callback's
+    load_state_dict comes after the user's weights were overwritten. Saving and the rest are the wrapped
+    IO's (Lightning's TorchCheckpointIO, or the user's own)."""
+
+    def __init__(self, inner, trainer):
+        self.inner, self.trainer = inner, trainer
+        self.checks: dict[str, object] = {}  # name -> check(checkpoint dict)
+
+    def load_checkpoint(self, path, *args, **kwargs):
+        checkpoint = self.inner.load_checkpoint(path, *args, **kwargs)
+        if fitting(self.trainer):  # a resume; validate/test/predict read only the weights of a checkpoint
+            for check in self.checks.values():
+                check(checkpoint)
+        return checkpoint
+
+    def save_checkpoint(self, checkpoint, path, storage_options=None) -> None:
+        self.inner.save_checkpoint(checkpoint, path, storage_options=storage_options)
+
+    def remove_checkpoint(self, path) -> None:
+        self.inner.remove_checkpoint(path)
+
+    def teardown(self) -> None:
+        self.inner.teardown()
+
+
+def fitting(trainer) -> bool:
+    """Whether `trainer` is in `fit` (a checkpoint it loads is a resume), not validate, test or predict."""
+    return getattr(getattr(trainer, "state", None), "fn", None) == "fit"
+
+
+def check_before_restore(trainer, name: str, check) -> None:
+    """Have `check(checkpoint)` run on every checkpoint `trainer` loads to resume `fit`, before any of it is
+    restored (once per name: a second call replaces the first)."""
+    io = trainer.strategy.checkpoint_io
+    if not isinstance(io, CheckedLoad):
+        io = CheckedLoad(io, trainer)
+        trainer.strategy.checkpoint_io = io
+    io.checks[name] = check
 
 
 def differences(saved: dict, current: dict, names: dict = FINGERPRINT_NAMES,

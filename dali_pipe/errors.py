@@ -1,4 +1,4 @@
-"""The one base class for "the input or the settings are wrong".
+"""The one base class for "the input or the settings are wrong", and the one for "the run failed".
 
 Every module raises its own subclass (ManifestError, SyncError, ScanError, ModelLoadError,
 UsageError, ...) with a message that names the file, row, flag or hyperparameter and the fix. The
@@ -11,6 +11,11 @@ from __future__ import annotations
 
 class UserError(Exception):
     """The input or the settings are wrong; the message says which and what to do."""
+
+
+class RunFailed(Exception):
+    """The run itself failed, not its input (training diverged), for a reason its message states in full with
+    what to do: the CLIs print it as one line and exit with status 1 (output/failure under SageMaker)."""
 
 
 class RunMismatchError(UserError):

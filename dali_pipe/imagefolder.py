@@ -113,7 +113,7 @@ def read_image_folder(root: Path | str, *, val_fraction: float, seed: int,
         split = {name: [Sample(absolute_path(root, posixpath.join(pair[name], rel)), index[c], 0)
                         for c, files in t.items() for rel in files]
                  for name, t in (("train", train_tree), ("val", val_tree))}
-        train, val, note = split["train"], split["val"], PAIR_NOTE
+        train, val, note, rule = split["train"], split["val"], PAIR_NOTE, "folders"
     else:
         t = tree(root, listing)
         _refuse_empty(root, t)
@@ -123,12 +123,13 @@ def read_image_folder(root: Path | str, *, val_fraction: float, seed: int,
         train, val = stratified_split(samples, val_fraction, seed)
         note = (f"split: {val_fraction:g} of each class for validation by a hash of its path and --seed (no train/ "
                 "and val/ folders)")
+        rule = "hash"
     if len(classes) < 2:
         raise ImageFolderError(f"{root} (an ImageFolder): found {len(classes)} class folder(s) {classes}; a "
                                "classifier needs at least two: put each class's images in a folder of its own")
     if not train:
         raise ImageFolderError(f"{root} (an ImageFolder): no training images after the split; lower --val-fraction")
-    return Manifest(root, classes, train, val, note=note)
+    return Manifest(root, classes, train, val, note=note, split_rule=rule)
 
 
 # -- S3 --------------------------------------------------------------------------------------------

@@ -47,6 +47,7 @@ class Manifest:
     missing: list[str] = field(default_factory=list)  # image_path values skipped (--skip-missing)
     duplicates: int = 0  # duplicate rows dropped
     note: str = ""  # how the split was made, when the start-up summary should say it (an ImageFolder's)
+    split_rule: str = "hash"  # how the split was made: "column" (split column), "folders" (train/ val/) or "hash"
 
     @property
     def id2label(self) -> dict[int, str]:
@@ -64,7 +65,8 @@ class Manifest:
     def without(self, bad: set[str]) -> "Manifest":
         """The same manifest with the files in `bad` (absolute paths) left out."""
         return Manifest(self.root, self.classes, [s for s in self.train if s.path not in bad],
-                        [s for s in self.val if s.path not in bad], self.missing, self.duplicates, self.note)
+                        [s for s in self.val if s.path not in bad], self.missing, self.duplicates, self.note,
+                        self.split_rule)
 
 
 def _preview(items: list[str], n: int = 5) -> str:
@@ -291,8 +293,10 @@ def read_manifest(root: Path | str, *, val_fraction: float, seed: int, skip_miss
                                 "give every row train or val, or drop the column.")
         train = [samples[r] for r, (_, _, s) in rows.items() if s == "train"]
         val = [samples[r] for r, (_, _, s) in rows.items() if s == "val"]
+        rule = "column"
     else:
         train, val = stratified_split(samples, val_fraction, seed)
+        rule = "hash"
     if not train and split_column:
         raise ManifestError(f"{tsv}: the 'split' column marks no row train (all {len(val)} say val, lines "
                             f"{min(s.line for s in val)} to {max(s.line for s in val)}): mark the rows to train on "
@@ -300,7 +304,7 @@ def read_manifest(root: Path | str, *, val_fraction: float, seed: int, skip_miss
     if not train:
         raise ManifestError(f"{tsv}: no training rows after the split; lower --val-fraction "
                             "or mark some rows split=train.")
-    return Manifest(root, classes, train, val, missing, duplicates)
+    return Manifest(root, classes, train, val, missing, duplicates, split_rule=rule)
 
 
 def absolute_path(root: Path, rel: str) -> str:

@@ -4,7 +4,9 @@ Saving. `last.ckpt` is written every `--checkpoint-every-steps`, at the end, and
 always to a temporary file in the same directory (its name carries the writer's PID) that is
 renamed over `last.ckpt`, so a kill at any moment (even -9 mid-write) leaves the previous
 checkpoint whole. A failed save (full disk) removes its temporary file and keeps the previous
-checkpoint. Each checkpoint carries the run's fingerprint, and a small `last.json` beside it
+checkpoint. A run whose weights are no longer finite (model/module.py's divergence check, made before
+every save) stops instead of saving, so the last checkpoint is the last good one. Each checkpoint
+carries the run's fingerprint, and a small `last.json` beside it
 repeats the fingerprint and progress so a rerun can decide without loading the weights.
 
 SIGTERM (spot reclaim, `docker stop`): the current training step finishes, every rank saves the
@@ -17,10 +19,14 @@ training inside an epoch, the final checkpoint is taken after that step, inside 
 end of training Lightning has already counted the epoch as done), so a rerun with a larger
 --max-steps or for whole epochs finishes that epoch first.
 
-Resuming (`--resume auto|never|PATH`): `plan_resume` compares the fingerprint of this run (data,
-classes, model, image size, batch size, world size, seed, gradient accumulation) with the checkpoint's, and either
-resumes, starts fresh, finds the run finished (the command then checks the model in OUT), or stops
-with what differs. A checkpoint is checked whole before it is used (every member's CRC: a
+Resuming (`--resume auto|never|PATH`): `plan_resume` compares the fingerprint of this run (the data,
+classes, image size and world size, and every setting that changes what the weights become: config.py's
+identity=RECIPE, from the model and batch size to the optimizer, schedule, loss, augmentations and
+precision) with the checkpoint's, and either resumes, starts fresh, finds the run finished (the command
+then checks the model in OUT), or stops with what differs; or, when the checkpoint is already past the
+steps this run asks for (fewer --epochs or --max-steps), stops saying what it was trained to and the
+ways out. A checkpoint written before the recipe counted is resumed with a note that it could not be
+checked. A checkpoint is checked whole before it is used (every member's CRC: a
 truncated or altered file is named, with the ways out, never a traceback). Each run has an id,
 kept across its resumes, that its checkpoints and its export carry: an OUT written by another run
 is never taken for this run's model.
@@ -47,6 +53,8 @@ import pytorch_lightning as pl
 from lightning_fabric.plugins.io.torch_io import TorchCheckpointIO
 from pytorch_lightning.utilities.exceptions import SIGTERMException
 
+from dali_pipe.config import flag_of, recipe_names
+from dali_pipe.datamodule import CheckedLoad
 from dali_pipe.datamodule import differences as fields_differ
 from dali_pipe.errors import RunMismatchError, UserError  # noqa: F401 (RunMismatchError: one class for both sides)
 from dali_pipe.workdir import remove_dead_temps, write_failure
@@ -63,6 +71,10 @@ class CheckpointSaveError(UserError):
 
 class CheckpointDamagedError(UserError):
     """A checkpoint is truncated or altered; the message names it and the ways out."""
+
+
+class PastTheEndError(UserError):
+    """The checkpoint trained further than this run asks for (fewer --epochs or --max-steps)."""
 
 
 def damaged(path: Path, why: str) -> CheckpointDamagedError:
@@ -141,6 +153,7 @@ class ResumePlan:
     note: str | None = None  # one line for the user
     run_id: str | None = None  # the id of the run being resumed (None: a new run, or an older checkpoint)
     checkpoint: Path | None = None  # the finished run's checkpoint (done_step set): what to export from
+    caveat: str | None = None  # one line for the user: what could not be checked (an older checkpoint's recipe)
 
 
 def read_meta(checkpoint: Path) -> dict | None:
@@ -157,11 +170,12 @@ def read_meta(checkpoint: Path) -> dict | None:
     return load(checkpoint).get("dali_pipe")
 
 
-FINGERPRINT = {"samples": "the data (files, labels or split)", "classes": "the classes", "model": "--model",
-               "image_size": "the model's input size", "batch_size": "--batch-size", "world_size": "the number of "
-               "processes (--devices x --num-nodes)", "seed": "--seed",
-               "grad_accum": "--grad-accum"}  # what each field of a fingerprint is
-OPTIONAL = {"grad_accum"}  # compared only where both sides hold it (older checkpoints, the library's own Trainer)
+RECIPE = recipe_names()  # the settings whose values are part of a run's identity (config.py: identity=RECIPE)
+FINGERPRINT = {"samples": "the data (files, labels or split)", "classes": "the classes",
+               "image_size": "the model's input size", "world_size": "the number of processes (--devices x "
+               "--num-nodes)", **{n: flag_of(n) for n in RECIPE}}  # what each field of a fingerprint is, in words
+EARLIER = {"samples", "classes", "image_size", "world_size", "model", "batch_size", "seed"}  # fingerprinted always
+OPTIONAL = set(FINGERPRINT) - EARLIER  # compared only where both sides hold it (checkpoints written before they were)
 
 
 def differences(saved: dict, current: dict, sides: tuple[str, str] = ("in the checkpoint", "now")) -> list[str]:
@@ -169,10 +183,35 @@ def differences(saved: dict, current: dict, sides: tuple[str, str] = ("in the ch
     return fields_differ(saved, current, FINGERPRINT, sides, OPTIONAL)
 
 
+def unchecked(saved: dict, current: dict) -> list[str]:
+    """The flags of the recipe settings that `current` holds and `saved` lacks (written by an older version,
+    before they counted): they could not be compared."""
+    return [flag_of(n) for n in RECIPE if n in current and n not in saved]
+
+
+NEVER_MOVES = "the old checkpoint is moved aside, not deleted"
+
+
+def mismatch(path: Path, diff: list[str], what: str = "belongs to another run",
+             never: str = NEVER_MOVES) -> RunMismatchError:
+    """The error for a checkpoint or a model folder of another run: each difference, then the two ways out
+    (`never`: what --resume never does to it)."""
+    return RunMismatchError(
+        f"{path} {what}:\n  " + "\n  ".join(diff) + "\n  Use a new --output for this run, or --resume never to "
+        f"start over here ({never}).")
+
+
+def trained_to(targets: dict) -> str:
+    """'--epochs 2' or '--epochs 5 --max-steps 7': what a run was asked to train to, as flags."""
+    epochs, steps = targets.get("epochs"), targets.get("max_steps")
+    return f"--epochs {epochs}" + (f" --max-steps {steps}" if isinstance(steps, int) and steps > 0 else "")
+
+
 def plan_resume(resume: str, checkpoint_dir: Path, fingerprint: dict, targets: dict, *,
-                may_modify: bool = True) -> ResumePlan:
+                may_modify: bool = True, steps: int | None = None) -> ResumePlan:
     """What to resume from. `resume` is auto, never or a checkpoint path; `targets` holds the
-    epochs/max_steps this run trains to. Only the main process moves files (`may_modify`)."""
+    epochs/max_steps this run trains to, `steps` the optimizer steps they make (None: not known). Only the
+    main process moves files (`may_modify`)."""
     checkpoint_dir = Path(checkpoint_dir)
     last = checkpoint_dir / LAST
     if may_modify:
@@ -192,17 +231,53 @@ def plan_resume(resume: str, checkpoint_dir: Path, fingerprint: dict, targets: d
     if meta is None:
         return ResumePlan(str(path), note=f"resuming from {path}, written by an older version without a run "
                                           "fingerprint or loader position: the data order restarts")
-    diff = differences(meta.get("fingerprint", {}), fingerprint)
+    saved = meta.get("fingerprint")
+    saved = saved if isinstance(saved, dict) else {}  # a damaged record: every field then reads as another run's
+    diff = differences(saved, fingerprint)
     if diff:
-        raise RunMismatchError(
-            f"{path} belongs to another run:\n  " + "\n  ".join(diff) + "\n  Use a new --output for this run, or "
-            "--resume never to start over here (the old checkpoint is moved aside, not deleted).")
-    run = meta.get("run")
-    if meta.get("finished") and meta.get("targets") == targets:
-        return ResumePlan(None, done_step=meta.get("global_step"), run_id=run, checkpoint=path)
+        raise mismatch(path, diff)
+    missing = unchecked(saved, fingerprint)
+    caveat = (f"note: {path} was written by an older version, before the recipe counted toward a run's identity: "
+              f"{', '.join(missing)} could not be checked against it") if missing else None
+    run, step = meta.get("run"), meta.get("global_step")
+    if meta.get("finished") and (meta.get("targets") == targets or step == steps):
+        return ResumePlan(None, done_step=step, run_id=run, checkpoint=path, caveat=caveat)
+    if steps is not None and isinstance(step, int) and step > steps:
+        was = meta.get("targets") if isinstance(meta.get("targets"), dict) else {}
+        raise PastTheEndError(
+            f"{path} is already past the end of this run: it was trained to step {step}"
+            + (f" ({trained_to(was)})" if was else "") + f", and this run asks for {steps} steps "
+            f"({trained_to(targets)}); the model in --output is left as it is. Pass "
+            + (f"{trained_to(was)}{' (no --max-steps)' if was.get('max_steps', -1) < 0 < targets['max_steps'] else ''}"
+               " to keep that run, a larger --epochs or --max-steps to train it further, "
+               if was else "a larger --epochs or --max-steps to train it further, ")
+            + "--resume never to train again from scratch to this end (the checkpoint is moved aside, not deleted), "
+            "or another --output.")
     if may_modify:
         verify(path)  # a damaged checkpoint is named here, not by a traceback from inside Lightning
-    return ResumePlan(str(path), note=f"resuming from {path} (step {meta.get('global_step')})", run_id=run)
+    return ResumePlan(str(path), note=f"resuming from {path} (step {step})", run_id=run, caveat=caveat)
+
+
+def between_epochs(checkpoint: dict) -> None:
+    """Make the final checkpoint, taken at the end of training after its last epoch finished, resume at the
+    start of the next epoch (a rerun with more --epochs or --max-steps). As Lightning 2.6 saves it there,
+    the finished epoch's batch counters (`current`) stay at its end, and a resume reads them as the next
+    epoch's batches, all done: that epoch would run empty (no step, an empty METRIC row) and the data
+    would train in the one after it. Set back to zero, as Lightning itself sets them when an epoch
+    starts; the totals stay."""
+    loop = checkpoint.get("loops", {}).get("fit_loop", {})
+
+    def zero(progress: dict | None, part: str = "current") -> None:
+        if isinstance(progress, dict) and isinstance(progress.get(part), dict):
+            progress[part] = {k: 0 for k in progress[part]}
+
+    zero(loop.get("epoch_loop.batch_progress"))
+    if "epoch_loop.batch_progress" in loop:
+        loop["epoch_loop.batch_progress"]["is_last_batch"] = False
+    zero(loop.get("epoch_loop.scheduler_progress"))
+    for progress in loop.get("epoch_loop.automatic_optimization.optim_progress", {}).get("optimizer", {}).values():
+        zero(progress)
+    zero(loop.get("epoch_loop.val_loop.batch_progress"), "total")  # counts validations within an epoch
 
 
 # -- the callback -------------------------------------------------------------------------------
@@ -222,17 +297,23 @@ class SpotSafeCheckpoint(pl.Callback):
         self._stop_requested = self._installed = False
         self._due = False  # a periodic save is due (deferred from an epoch's last batch)
         self._saved_final = False  # the final checkpoint was taken inside an epoch (--max-steps)
+        self._after_epoch = False  # the save being made follows a finished epoch (the end of training)
         self._seen_step = 0  # the global step at the last batch end seen
         self._group = None
 
     def on_save_checkpoint(self, trainer, pl_module, checkpoint: dict) -> None:
         checkpoint["dali_pipe"] = self._meta(trainer)
+        if self._after_epoch:
+            between_epochs(checkpoint)
 
     def _meta(self, trainer) -> dict:
         return {"fingerprint": self.fingerprint, "targets": self.targets, "finished": self._finishing,
                 "global_step": trainer.global_step, "epoch": trainer.current_epoch, "run": self.run_id}
 
     def save(self, trainer: pl.Trainer) -> None:
+        check = getattr(getattr(trainer, "lightning_module", None), "check_finite", None)  # ImageClassifier's
+        if callable(check):
+            check()  # weights that are no longer finite never replace the last good checkpoint
         start = time.perf_counter()
         tmp = self.dir / f".{LAST}.tmp-{os.getpid()}"
         try:
@@ -287,11 +368,13 @@ class SpotSafeCheckpoint(pl.Callback):
     def on_train_end(self, trainer, pl_module) -> None:
         if self._saved_final:  # taken inside the epoch at --max-steps (on_train_batch_end)
             return
-        self._finishing = True
+        self._finishing = self._after_epoch = True
         try:
             self.save(trainer)
         except CheckpointSaveError as e:  # the model export still runs; the command then fails with both
             self.final_error = e
+        finally:
+            self._after_epoch = False
 
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
         if isinstance(exception, SIGTERMException) and not self.interrupted:
@@ -305,7 +388,11 @@ class SpotSafeCheckpoint(pl.Callback):
     # so the GPU is not synchronised), save together and stop. A SIGTERM during validation lets it
     # finish, and the save follows the next training step.
     def setup(self, trainer, pl_module, stage: str) -> None:
-        if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:  # Lightning's default; a user's own is kept
+        io = trainer.strategy.checkpoint_io
+        if isinstance(io, CheckedLoad):  # the DataModule's checks around it (its setup runs first)
+            if type(io.inner) is TorchCheckpointIO:
+                io.inner = DirectCheckpointIO()
+        elif type(io) is TorchCheckpointIO:  # Lightning's default; a user's own is kept
             trainer.strategy.checkpoint_io = DirectCheckpointIO()
         self._group = None
         if trainer.world_size > 1:

@@ -5,8 +5,11 @@ OUT gets the model in save_pretrained form (config.json with id2label, the weigh
 preprocessor_config.json), label_map.json and metrics.json. Everything is written into
 OUT/.model-tmp-PID first; then the old metrics.json is removed, the other files are moved into OUT
 one by one, and the new metrics.json lands last. metrics.json is the commit record: besides every
-epoch's metrics and which epoch the model is, its `export` entry names the run (the id its
-checkpoints carry), the step, the selection (--select) and the size and sha256 of every other file.
+epoch's metrics, which weights the model is (`selected`: epoch, step and why) and how the validation
+split was made (`split`, which evaluate defaults to), its `export` entry names the run (the id its
+checkpoints carry), the step, the selection (--select), the run's fingerprint (the data and every
+setting that changes the weights) and the size and sha256 of every other file. A run whose fingerprint
+differs from the one OUT records stops before training (`check_identity`), as it does for a checkpoint.
 
 So after a kill (SIGTERM, kill -9, a full disk) between two moves, over an older OUT or not, OUT has
 either no metrics.json or one that names another run, step or selection, or files that do not match
@@ -36,7 +39,8 @@ class ExportError(UserError):
     """The model could not be written to OUT; what was there before is kept or named."""
 
 
-def write(model, processor, out: Path, metrics: dict, *, run: str | None, select: str) -> None:
+def write(model, processor, out: Path, metrics: dict, *, run: str | None, select: str,
+          fingerprint: dict | None = None) -> None:
     """The model, its processor, label_map.json and metrics.json (with the export record) into OUT,
     atomically as the module docstring says. Raises ExportError (the temporary folder removed)."""
     out = Path(out)
@@ -48,7 +52,8 @@ def write(model, processor, out: Path, metrics: dict, *, run: str | None, select
         processor.save_pretrained(tmp)
         (tmp / "label_map.json").write_text(json.dumps(model.config.id2label, indent=1, sort_keys=True))
         files = file_record(tmp)
-        record = {"run": run, "global_step": metrics.get("global_step"), "select": select, "files": files}
+        record = {"run": run, "global_step": metrics.get("global_step"), "select": select,
+                  "fingerprint": fingerprint, "files": files}
         (tmp / RECORD).write_text(json.dumps({**metrics, "export": record}, indent=1))
         previous = read_record(out)
         (out / RECORD).unlink(missing_ok=True)  # from here until the last move, OUT reads as unfinished
@@ -89,32 +94,60 @@ def problem(out: Path, *, run: str | None, global_step: int, select: str) -> str
     return None
 
 
+def check_identity(out: Path, fingerprint: dict) -> None:
+    """Stop (RunMismatchError, each difference and the two ways out) when OUT holds the model of a run
+    whose fingerprint differs from this one's: other data, or another value of a setting that changes the
+    weights. An OUT without a model, or written before its export recorded a fingerprint, passes."""
+    saved = (read_record(Path(out)) or {}).get("fingerprint")
+    if isinstance(saved, dict) and saved:
+        diff = checkpoint.differences(saved, fingerprint, ("in its model", "now"))
+        if diff:
+            raise checkpoint.mismatch(Path(out), diff, "holds the model of another run (its metrics.json says so)",
+                                      "its model is replaced when this run exports; an old checkpoint is moved "
+                                      "aside, not deleted")
+
+
+def training_metrics(folder: str) -> dict | None:
+    """The metrics.json a training run wrote into `folder` (a model folder of ours), or None (a hub id, a
+    folder without one, or one another tool wrote)."""
+    try:
+        metrics = json.loads((Path(folder) / RECORD).read_text())
+    except (OSError, ValueError):
+        return None
+    return metrics if isinstance(metrics, dict) and "export" in metrics else None
+
+
 def describe(selected: dict) -> str:
-    """Which model metrics.json says it is, in words: 'epoch 3, the best validation accuracy ...'."""
-    return f"epoch {selected['epoch']}, {selected['rule']}" if "epoch" in selected else selected["rule"]
+    """Which weights metrics.json says the model is, in words: 'epoch 3 (step 12), the best validation ...'."""
+    if "epoch" not in selected:
+        return selected["rule"]
+    step = f" (step {selected['global_step']})" if selected.get("global_step") is not None else ""
+    return f"epoch {selected['epoch']}{step}, {selected['rule']}"
 
 
-def selected_model(best, select: str, last):
-    """(the weights --select chooses: the best model's folder, checked whole, or `last`; the record for
-    metrics.json). Raises BestModelError when the best model is missing or damaged."""
-    folder, selected = best.choice(select)
+def selected_model(best, select: str, last, where: dict):
+    """(the weights --select chooses: the best model's folder, checked whole, or `last`, whose epoch and
+    step `where` gives; the record for metrics.json). Raises BestModelError when the best model is missing
+    or damaged."""
+    folder, selected = best.choice(select, where)
     return (load_checked(str(folder), f"the best model in {folder}") if folder else last), selected
 
 
 def from_checkpoint(path: Path, checkpoint_dir: Path, name: str, classes: list[str], processor, out: Path, *,
-                    run: str | None, global_step: int, select: str) -> dict:
-    """Export a finished run again from its final checkpoint (the last weights, its epochs' metrics, its
-    best record) or its best model; returns the record of what was selected."""
+                    run: str | None, global_step: int, select: str, epoch: int, fingerprint: dict | None = None,
+                    split: dict | None = None) -> dict:
+    """Export a finished run again from its final checkpoint (the last weights, in `epoch` at `global_step`;
+    its epochs' metrics, its best record) or its best model; returns the record of what was selected."""
     state = checkpoint.load(path)
     best = BestModel(checkpoint_dir, run_id=run)
     best.load_state_dict(state.get("callbacks", {}).get(best.state_key, {}))
-    model, selected = selected_model(best, select, None)
+    model, selected = selected_model(best, select, None, {"epoch": epoch, "global_step": global_step})
     if model is None:
         model = checkpoint.model_from(state, name, classes)
     rows = state.get("epoch_metrics_so_far", {}).get("rows", [])
+    metrics = {"selected": selected, "epochs": rows, "global_step": global_step, "split": split}
     try:
-        write(model, processor, out, {"selected": selected, "epochs": rows, "global_step": global_step}, run=run,
-              select=select)
+        write(model, processor, out, metrics, run=run, select=select, fingerprint=fingerprint)
     except ExportError as e:
         raise ExportError(f"{e}; {path} holds the trained weights: {RERUN}") from None
     return selected

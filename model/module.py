@@ -13,6 +13,15 @@ ones, which would average batches of different sizes as if they were equal.
 
 The metric sums live in the checkpoint too (summed over ranks; rank 0 takes them back on resume),
 so an epoch interrupted by SIGTERM and resumed still prints one METRIC line over the whole epoch.
+
+Divergence: each training step counts, on the device, how many losses in a row were not finite (and
+the step where that began); nothing is read back then. The count is read where the run synchronises
+anyway: Lightning's log points (every log_every_n_steps), the end of each epoch, and before each
+checkpoint save (`check_finite`). The run stops (TrainingDiverged, exit status 1) when the loss is not
+finite there and the weights no longer are either (AdamW turns one NaN gradient into NaN weights), or
+after PATIENCE non-finite losses in a row. fp16's GradScaler skipping a step that overflowed leaves
+the weights finite and the next loss finite, so it never trips this; and no checkpoint is written
+with non-finite weights, so the last one on disk is the last good one.
 """
 from __future__ import annotations
 
@@ -25,12 +34,18 @@ import torch
 import torch.nn.functional as F
 
 from dali_pipe.config import ModelSettings
+from dali_pipe.errors import RunFailed
 from dali_pipe.redact import redact_tree
 
 from .loading import load_model
 from .mixing import MixSettings, mix
 
 METRICS = tuple(f"{split}_{k}" for split in ("train", "val") for k in ("loss", "acc", "n"))
+PATIENCE = 10  # non-finite training losses in a row that stop the run even while the weights stay finite
+
+
+class TrainingDiverged(RunFailed):
+    """The training loss stayed non-finite; the message names the step and the likely causes."""
 
 
 class ImageClassifier(pl.LightningModule):
@@ -48,6 +63,8 @@ class ImageClassifier(pl.LightningModule):
         self.epoch_metrics: list[dict] = []  # one dict per finished epoch, as printed
         self.metric_lines = True  # print the METRIC line per epoch (the benchmark prints a report instead)
         self._last_val: dict | None = None
+        self._streak = self._since = None  # on the device: non-finite losses in a row, the step the run began
+        self._checked_step = -1  # the global step of the last log-point check
 
     # -- model -------------------------------------------------------------------------------
     def configure_model(self) -> None:
@@ -86,8 +103,60 @@ class ImageClassifier(pl.LightningModule):
             logits = self(images)
             loss = F.cross_entropy(logits.float(), labels, label_smoothing=self.settings.label_smoothing)
         self._update("train", loss, logits, labels)
+        self._watch(loss)
         self.log("train_loss_step", loss, on_step=True, on_epoch=False, logger=True)
         return loss
+
+    # -- divergence (see the module docstring) -------------------------------------------------
+    def _watch(self, loss: torch.Tensor) -> None:
+        """Count non-finite losses in a row, on the device (no sync: a Python int is passed by value)."""
+        bad = ~torch.isfinite(loss.detach())
+        if self._streak is None:
+            self._streak = torch.zeros((), dtype=torch.int64, device=loss.device)
+            self._since = torch.zeros_like(self._streak)
+        self._since = torch.where(bad & (self._streak == 0), self.global_step + 1, self._since)
+        self._streak = torch.where(bad, self._streak + 1, 0)
+
+    def divergence(self) -> str | None:
+        """Why training cannot go on, or None. Reads the count from the device (a sync): call it only where
+        the run synchronises anyway."""
+        streak = 0 if self._streak is None else int(self._streak)
+        if streak == 0:
+            return None
+        weights = torch.stack([torch.isfinite(p).all() for p in self.model.parameters()]).all()
+        broken = not bool(weights)
+        if not broken and streak < PATIENCE:
+            return None  # e.g. fp16's GradScaler skipped an overflowing step: the weights are whole
+        s = self.settings
+        causes = [f"--lr {s.lr:g} is too high for this model and batch (try {s.lr / 10:g}, or a longer "
+                  "--warmup-fraction)"]
+        if s.precision == "16-mixed":
+            causes.append("fp16 overflow (--precision bf16-mixed on GPUs that have bf16, such as A10G, L4, A100 "
+                          "and H100; else 32-true)")
+        if s.clip_grad_norm is None:
+            causes.append("exploding gradients (--clip-grad-norm 1.0)")
+        return (f"training diverged: the training loss is not finite (NaN or inf) since step {int(self._since)} "
+                f"(step {self.global_step} now), " + ("and the weights are no longer finite" if broken else
+                                                       f"{streak} batches in a row") +
+                ". Likely cause: " + "; or ".join(causes) + ". Rerun with that changed and --resume never (another "
+                "recipe is another run).")
+
+    def check_finite(self) -> None:
+        """Raise TrainingDiverged when `divergence()` finds a reason on any process (all decide together:
+        every rank calls this at the same points)."""
+        reason = self.divergence()
+        stop = reason is not None
+        if self.trainer.world_size > 1:
+            stop = self.trainer.strategy.reduce_boolean_decision(stop, all=False)
+        if stop:
+            raise TrainingDiverged(reason or "training diverged: the training loss is not finite on another process")
+
+    def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
+        """At Lightning's log points (it reads the loss there, a sync): the divergence check."""
+        step, every = self.global_step, self.trainer.log_every_n_steps
+        if every and step and step % every == 0 and step != self._checked_step:
+            self._checked_step = step
+            self.check_finite()
 
     def validation_step(self, batch, batch_idx):
         images, labels = batch  # as in training_step
@@ -126,6 +195,7 @@ class ImageClassifier(pl.LightningModule):
             self.print("METRIC " + " ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}"
                                             for k, v in row.items()))
             sys.stdout.flush()
+        self.check_finite()  # the epoch's metrics were just read: a sync already
 
     # -- resume ------------------------------------------------------------------------------
     def on_save_checkpoint(self, checkpoint: dict) -> None:

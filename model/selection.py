@@ -1,7 +1,8 @@
 """--select best: keep the weights of the epoch with the best validation accuracy.
 
 After each validation (not the sanity check), when `val_acc` is at least the best so far (ties go
-to the later epoch), rank 0 writes the model in save_pretrained form to CHECKPOINT_DIR/best (a
+to the later epoch; an epoch whose val_acc or val_loss is not finite never is best: its weights
+diverged), rank 0 writes the model in save_pretrained form to CHECKPOINT_DIR/best (a
 temporary folder renamed into place), with `best.json` inside, written last: the epoch, its
 accuracy, the step, the run and the size and sha256 of every file (checked before it is exported). The best epoch and accuracy are also part of the Lightning
 checkpoint (this callback's state), so a resumed run keeps comparing against them, and the folder
@@ -14,6 +15,7 @@ but the previous (`.best.old-PID`) and the new (`.best.tmp-PID`) folders: `recov
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import sys
@@ -30,6 +32,8 @@ from .loading import ModelLoadError, load_checked
 RULE_BEST = "the best validation accuracy (ties: the later epoch)"
 RULE_LAST = "the last epoch"
 RULE_NO_VAL = "the last epoch (no validation data, so no best one)"
+RULE_BEFORE_VAL = "the last weights: training stopped before the first validation (--max-steps), so no epoch was " \
+                  "validated"
 RECORD = "best.json"
 
 
@@ -58,10 +62,12 @@ class BestModel(pl.Callback):
         self.best = state.get("best")
 
     def on_validation_end(self, trainer, pl_module) -> None:
-        acc = trainer.callback_metrics.get("val_acc")
+        acc, loss = trainer.callback_metrics.get("val_acc"), trainer.callback_metrics.get("val_loss")
         if trainer.sanity_checking or acc is None:
             return
         acc = float(acc)
+        if not math.isfinite(acc) or (loss is not None and not math.isfinite(float(loss))):
+            return  # a model whose outputs are NaN: its "accuracy" is the argmax of NaN, never the best
         if self.best is not None and acc < self.best["val_acc"]:
             return
         best = {"epoch": trainer.current_epoch + 1, "val_acc": acc, "global_step": trainer.global_step}
@@ -93,12 +99,14 @@ class BestModel(pl.Callback):
         os.replace(tmp, self.dir)
         shutil.rmtree(old, ignore_errors=True)
 
-    def choice(self, select: str) -> tuple[Path | None, dict]:
+    def choice(self, select: str, last: dict) -> tuple[Path | None, dict]:
         """(folder holding the selected weights, or None for the in-memory last ones; the record for
-        metrics.json). With --select best the folder must hold this run's best model, whole: else
-        BestModelError with the ways out."""
+        metrics.json: which weights, as {"epoch", "global_step", "rule"}, with "val_acc" for the best).
+        `last` is where the last weights are ({"epoch": 1-based, "global_step"}). With --select best the
+        folder must hold this run's best model, whole: else BestModelError with the ways out."""
         if select != "best" or self.best is None:
-            return None, {"rule": RULE_LAST if select == "last" else RULE_NO_VAL}
+            rule = RULE_LAST if select == "last" else RULE_NO_VAL if select == "none" else RULE_BEFORE_VAL
+            return None, {**last, "rule": rule}
 
         way_out = ("pass --select last to export the last epoch instead, or --resume never to train again "
                    "(the checkpoint is moved aside)")
@@ -125,7 +133,8 @@ class BestModel(pl.Callback):
             # the folder says they are, and metrics.json says so
             print(f"note: the best model on disk is epoch {saved['epoch']} (val_acc {saved['val_acc']:.4f}), saved "
                   f"before the run resumed from an earlier checkpoint", file=sys.stderr)
-        return self.dir, {"epoch": saved["epoch"], "val_acc": saved["val_acc"], "rule": RULE_BEST}
+        return self.dir, {"epoch": saved["epoch"], "global_step": saved.get("global_step"),
+                          "val_acc": saved["val_acc"], "rule": RULE_BEST}
 
 
 def recover(checkpoint_dir: Path | str) -> None:

@@ -136,7 +136,7 @@ class _Traced:
         return Module()
 
 
-def _fit(data, ckpt: Path, trace: Path, *, max_steps=-1, sigterm_at=None, batch_size=BATCH):
+def _fit(data, ckpt: Path, trace: Path, *, max_steps=-1, sigterm_at=None, batch_size=BATCH, module=None):
     """A user's script: public names and their own Trainer only; returns the Trainer and its monitor."""
     import pytorch_lightning as pl
     from pytorch_lightning.callbacks import ModelCheckpoint
@@ -150,7 +150,7 @@ def _fit(data, ckpt: Path, trace: Path, *, max_steps=-1, sigterm_at=None, batch_
                          enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
                          callbacks=[ModelCheckpoint(dirpath=ckpt, every_n_train_steps=3, save_last=True),
                                     dali_pipe.SpotSafeCheckpoint(), monitor])
-    trainer.fit(_Traced(dm.classes, trace, sigterm_at), datamodule=dm, ckpt_path="last")
+    trainer.fit(module or _Traced(dm.classes, trace, sigterm_at), datamodule=dm, ckpt_path="last")
     return trainer, monitor
 
 
@@ -158,7 +158,8 @@ def test_own_module_in_a_plain_trainer_resumes_mid_epoch_exactly(indexed, tmp_pa
     """Stopped by max_steps at step 7 (epoch 2; the last periodic save is step 6), resumed with
     ckpt_path="last", stopped by SIGTERM in epoch 3 (saved, SystemExit(0)), resumed to the end: every epoch
     trains each sample once, the replayed step is the very same batch, and a checkpoint of another batch
-    size is refused before anything is restored."""
+    size is refused before anything is restored: the module's weights are still its own (before, Lightning
+    had loaded the checkpoint's into it before the DataModule refused)."""
     import torch
 
     import dali_pipe
@@ -186,9 +187,13 @@ def test_own_module_in_a_plain_trainer_resumes_mid_epoch_exactly(indexed, tmp_pa
                  if r.endswith("\ttrain")}
     rt.assert_each_sample_once_per_epoch(kept, train=train_set, epochs=EPOCHS, batch=BATCH)
 
+    module = _Traced(sorted(train_set | {r.split("\t")[1] for r in (indexed / "dataset.tsv").read_text()
+                                         .splitlines()[1:]}), tmp_path / "other.jsonl")
+    before = {k: v.clone() for k, v in module.state_dict().items()}
     with pytest.raises(dali_pipe.RunMismatchError, match="batch_size: 8 in the checkpoint, 4 now"):
-        _fit(indexed, ckpt, tmp_path / "other.jsonl", batch_size=4)
+        _fit(indexed, ckpt, tmp_path / "other.jsonl", batch_size=4, module=module)
     assert not (tmp_path / "other.jsonl").exists()
+    assert all(torch.equal(before[k], v) for k, v in module.state_dict().items())
 
 
 def test_run_fingerprint_adds_your_own_keys():
@@ -198,6 +203,18 @@ def test_run_fingerprint_adds_your_own_keys():
     dali_pipe.RunFingerprint(model="vit-b16", width=512).load_state_dict(saved)
     with pytest.raises(dali_pipe.RunMismatchError, match="width: 512 in the checkpoint, 768 now"):
         dali_pipe.RunFingerprint(model="vit-b16", width=768).load_state_dict(saved)
+    # checked as the Trainer's checkpoint IO reads the file, before Lightning restores the module's weights
+    import types
+
+    class IO:
+        def load_checkpoint(self, path, **kw):
+            return {"callbacks": {"RunFingerprint": saved}}
+
+    trainer = types.SimpleNamespace(strategy=types.SimpleNamespace(checkpoint_io=IO()),
+                                    state=types.SimpleNamespace(fn="fit"))
+    dali_pipe.RunFingerprint(model="vit-b16", width=768).setup(trainer, None, "fit")
+    with pytest.raises(dali_pipe.RunMismatchError, match="width: 512 in the checkpoint, 768 now"):
+        trainer.strategy.checkpoint_io.load_checkpoint("last.ckpt")
 
 
 def test_benchmark_your_own_module(photo_root, tmp_path, cache_dir, capsys):

@@ -85,14 +85,28 @@ def test_resume_without_validation_data(photo_root, tmp_path, cache_dir, monkeyp
 def test_max_steps_mid_epoch_then_more_steps_resumes_inside_that_epoch(indexed, tmp_path, cache_dir, monkeypatch,
                                                                        capsys):
     """--max-steps 2 stops inside epoch 1; a rerun for the whole epoch continues it at step 3 (before, it began
-    a next epoch part-way): the epoch trains each sample once, validates each once, and reaches all its steps."""
+    a next epoch part-way): the epoch trains each sample once, validates each once, and reaches all its steps.
+    Then --max-steps 10 continues the finished run at epoch 2 (before, an empty epoch 2 ran and the data trained
+    as epoch 3), and --epochs 1 stops, naming what the checkpoint was trained to (before, a Lightning traceback)."""
+    from model.checkpoint import PastTheEndError
+
     trace, out = tmp_path / "trace.jsonl", tmp_path / "out"
     rt.install(trace, patch=monkeypatch.setattr)
     assert train.main(_argv(indexed, out, "--epochs", "1", "--max-steps", "2"))["global_step"] == 2
     assert train.main(_argv(indexed, out, "--epochs", "1"))["global_step"] == 41 // BATCH
     assert "resuming epoch 1, step 2 of 5 (global step 2) from " in capsys.readouterr().out
+    assert train.main(_argv(indexed, out, "--max-steps", "10"))["global_step"] == 2 * (41 // BATCH)
+    text = capsys.readouterr().out
+    assert "resuming at the start of epoch 2 (5 steps each)" in text
+    assert [ln.split()[1] for ln in _metric_lines(text)] == ["epoch=2"] and "train_samples=40" in text
     train_set, val_set = _sets(indexed)
-    rt.assert_each_sample_once_per_epoch(rt.read(trace), train=train_set, epochs=1, batch=BATCH, val=val_set)
+    rt.assert_each_sample_once_per_epoch(rt.read(trace), train=train_set, epochs=2, batch=BATCH, val=val_set)
+    with pytest.raises(PastTheEndError, match=r"last.ckpt is already past the end of this run: it was trained to "
+                                              r"step 10 \(--epochs 3 --max-steps 10\), and this run asks for 5 steps "
+                                              r"\(--epochs 1\).*Pass --epochs 3 --max-steps 10 to keep that run.*"
+                                              r"--resume never.*--output"):
+        train.main(_argv(indexed, out, "--epochs", "1"))
+    assert json.loads((out / "metrics.json").read_text())["global_step"] == 10
 
 
 def test_kill_9_resumes_from_the_periodic_checkpoint_and_replays_only_after_it(indexed, tmp_path, cache_dir,
@@ -272,6 +286,10 @@ def test_checkpoint_without_fingerprint_resumes_and_says_the_order_restarts(phot
     args = ["--data", str(photo_root), "--model", "tiny", "--device", "cpu", "--batch-size", "8", "--num-threads", "1",
             "--output", str(out), "--max-steps", "3"]
     train.main(args)
+    from model.selection import RULE_BEFORE_VAL  # validation data, but --max-steps 3 stopped before validating
+
+    assert json.loads((out / "metrics.json").read_text())["selected"] == {"epoch": 1, "global_step": 3,
+                                                                          "rule": RULE_BEFORE_VAL}
     ck = out / "checkpoints" / "last.ckpt"
     old = torch.load(ck, weights_only=False)
     for key in ("dali_pipe", "DaliDataModule"):
@@ -386,3 +404,58 @@ def test_a_resume_with_another_grad_accum_is_refused_naming_it():
 
     assert differences({"grad_accum": 2}, {"grad_accum": 1}) == ["--grad-accum: 2 in the checkpoint, 1 now"]
     assert differences({}, {"grad_accum": 1}) == []
+
+
+def _trained_argv(photo_root, out, *extra):
+    """The `trained` fixture's command."""
+    return ["--data", str(photo_root), "--model", "tiny", "--device", "cpu", "--epochs", "4", "--batch-size", "8",
+            "--num-threads", "1", "--val-fraction", "0.25", "--lr", "2e-3", "--output", str(out), *extra]
+
+
+def test_a_finished_run_rerun_with_another_recipe_stops_naming_each_setting(trained, photo_root, tmp_path, cache_dir):
+    """The finished run rerun into its OUT with --lr 5e-2 --mixup-alpha 0.8 --auto-augment rand (before: "nothing
+    to do", the old weights kept) stops before training, naming each setting with both values and the two ways
+    out, OUT untouched; its model copied to another OUT, with another checkpoint dir, is refused the same way
+    from its metrics.json."""
+    import shutil
+
+    from model.checkpoint import RunMismatchError
+
+    out = tmp_path / "out"
+    shutil.copytree(trained, out, ignore=shutil.ignore_patterns(".dali_pipe.lock"))
+    weights = (out / "model.safetensors").read_bytes()
+    recipe = ["--lr", "5e-2", "--mixup-alpha", "0.8", "--auto-augment", "rand"]
+    with pytest.raises(RunMismatchError) as e:
+        train.main(_trained_argv(photo_root, out, *recipe))
+    assert str(e.value).splitlines() == [
+        f"{out / 'checkpoints' / 'last.ckpt'} belongs to another run:", "  --auto-augment: 'none' in the checkpoint, "
+        "'rand' now", "  --lr: 0.002 in the checkpoint, 0.05 now", "  --mixup-alpha: 0.0 in the checkpoint, 0.8 now",
+        "  Use a new --output for this run, or --resume never to start over here (the old checkpoint is moved aside, "
+        "not deleted)."]
+    assert (out / "model.safetensors").read_bytes() == weights
+    other = tmp_path / "other"
+    shutil.copytree(trained, other, ignore=shutil.ignore_patterns(".dali_pipe.lock", "checkpoints", "tensorboard"))
+    with pytest.raises(RunMismatchError, match=r"other holds the model of another run \(its metrics.json says so\):\n"
+                                               r"  --lr: 0.002 in its model, 0.05 now\n  Use a new --output"):
+        train.main(_trained_argv(photo_root, other, "--lr", "5e-2", "--checkpoint-dir", str(tmp_path / "ck")))
+    assert not (tmp_path / "ck" / "last.ckpt").exists()
+
+
+def test_a_checkpoint_from_before_the_recipe_counted_resumes_with_a_note(tmp_path):
+    """A checkpoint whose fingerprint predates the recipe (data, model, batch size, seed, grad-accum only) is
+    still this run's; the plan says which settings could not be checked against it."""
+    import torch
+
+    from model.checkpoint import plan_resume
+
+    old = {"samples": "abc", "classes": ["a", "b"], "model": "tiny", "image_size": [64, 64], "batch_size": 8,
+           "world_size": 1, "seed": 0, "grad_accum": 1}
+    torch.save({"w": torch.zeros(1)}, tmp_path / "last.ckpt")
+    size = (tmp_path / "last.ckpt").stat().st_size
+    (tmp_path / "last.json").write_text(json.dumps({"fingerprint": old, "targets": {"epochs": 2, "max_steps": -1},
+                                                    "finished": False, "global_step": 3, "run": "r1", "size": size}))
+    plan = plan_resume("auto", tmp_path, {**old, "lr": 1e-3, "mixup_alpha": 0.0}, {"epochs": 2, "max_steps": -1},
+                       steps=10)
+    assert plan.ckpt_path == str(tmp_path / "last.ckpt") and plan.run_id == "r1"
+    assert plan.caveat == (f"note: {tmp_path / 'last.ckpt'} was written by an older version, before the recipe "
+                           "counted toward a run's identity: --lr, --mixup-alpha could not be checked against it")

@@ -180,3 +180,51 @@ def test_a_model_folder_that_does_not_exist_is_named_before_any_work(tmp_path):
         with pytest.raises(UsageError, match=r"--model: '.*nonexistent' does not exist"):
             commands.main([command, "--model", missing, "--data", str(tmp_path)])
     assert _parse(["--model", "org/name"]).model.model == "org/name"  # a hub id is never taken for a path
+
+
+def test_every_data_pipeline_and_model_setting_says_whether_it_is_part_of_a_runs_identity():
+    """Each field of DataSettings, PipelineSettings and ModelSettings is marked identity=RECIPE (its value is
+    compared on resume), DATA (counted by the data's digest) or False; a new field without the mark fails here.
+    The recipe is read from the settings objects (a pair as a list, as JSON gives it back), and the guarantees
+    page names every recipe flag."""
+    for name, (group, f, _) in FIELDS.items():
+        if group in config.IDENTITY_GROUPS:
+            assert f.metadata["identity"] in (config.RECIPE, config.DATA, False), name
+    names = config.recipe_names()
+    assert {"lr", "weight_decay", "warmup_fraction", "label_smoothing", "mixup_alpha", "cutmix_alpha", "crop_scale",
+            "auto_augment", "random_erase", "clip_grad_norm", "precision", "model", "batch_size", "seed",
+            "grad_accum"} <= set(names)
+    assert not {"epochs", "max_steps", "num_threads", "device", "compile", "cache_dir"} & set(names)
+    assert config.recipe(config.PipelineSettings())["crop_scale"] == [0.08, 1.0]
+    guarantees = (ROOT / "docs" / "guarantees.md").read_text()
+    assert [n for n in names if f"`{config.flag_of(n)}`" not in guarantees] == []
+
+
+def test_every_float_setting_refuses_inf_and_nan():
+    """inf, -inf and nan (as flags, SageMaker's "Infinity" and "NaN", or library floats) are refused for every
+    float setting by one check, naming the flag."""
+    from dali_pipe.cli.sagemaker import hyperparameter_argv
+    from dali_pipe.config import field_problems, settings_from_keywords
+
+    floats = [n for n, (g, f, tp) in FIELDS.items() if g in config.TRAIN_GROUPS and "float" in str(tp)]
+    assert {"lr", "weight_decay", "clip_grad_norm", "crop_scale", "val_fraction", "hw_decoder_load"} <= set(floats)
+    for value in ("inf", "-inf", "nan"):
+        argv = [a for n in floats for a in ([f"{config.flag_of(n)}={value}"] if n != "crop_scale" else
+                                            ["--crop-scale", value.lstrip("-"), "1"])]  # a pair: no "-inf" token
+        with pytest.raises(UsageError) as e:
+            _parse(argv)
+        assert [n for n in floats if f"{config.flag_of(n)}: " not in str(e.value)] == [], str(e.value)
+        assert "is not a finite number" in str(e.value)
+    argv, _ = hyperparameter_argv({"lr": "Infinity", "label-smoothing": "NaN"})
+    with pytest.raises(UsageError, match=r"--lr: inf is not a finite number\n  --label-smoothing: nan is not"):
+        _parse(argv)
+    s = settings_from_keywords({"random_erase": float("nan")}, ["random_erase"])
+    assert field_problems(s, ["random_erase"]) == ["--random-erase: nan is not a finite number"]
+
+
+def test_the_parser_records_which_settings_were_given():
+    """`Settings.given` names the settings typed (an abbreviated flag too, and a value equal to the default),
+    not the ones left at their defaults."""
+    s = _parse(["--val-frac", "0.3", "--seed", "0", "--lr", "1e-3"])
+    assert s.given == {"val_fraction", "seed", "lr"} and s.data.val_fraction == 0.3
+    assert _parse([]).given == frozenset()

@@ -38,16 +38,21 @@ def test_many_classes_get_a_table_of_top_confusions(tmp_path):
 
 def test_evaluate_matches_transformers_pipeline(trained, photo_root, tmp_path, cache_dir, capsys):
     """The val split through DALI agrees with pipeline('image-classification') on the same files,
-    up to a few images (the two resize kernels differ)."""
+    up to a few images (the two resize kernels differ). Without --val-fraction, the split is the one training
+    made (its --val-fraction 0.25, from the model folder; before, the default 0.1 scored other images)."""
     from transformers import pipeline
 
     out = tmp_path / "eval"
-    main(["evaluate", "--model", str(trained), "--data", str(photo_root), "--device", "cpu", "--val-fraction",
-          "0.25", "--output", str(out), "--num-threads", "1"])
+    main(["evaluate", "--model", str(trained), "--data", str(photo_root), "--device", "cpu", "--output", str(out),
+          "--num-threads", "1"])
     m = json.loads((out / "metrics.json").read_text())
     assert m["images"] == 10 and set(m["per_class"]) == {"astronaut", "chelsea", "coffee", "rocket"}
     assert "top5" not in m and (out / "confusion.png").is_file()
-    assert "evaluate: 10 images, accuracy" in capsys.readouterr().out
+    assert m["val_fraction"] == 0.25 and m["training_split"]["as_in_training"] is True
+    text = capsys.readouterr().out
+    assert "evaluate: 10 images, accuracy" in text
+    assert "split: as training made it, the one the model validated on (a hash of each sample's path or key with " \
+           "the val fraction and seed, per class: --val-fraction 0.25, --seed 0)" in text
 
     from dali_pipe.manifest import read_manifest
 
@@ -107,3 +112,35 @@ def test_the_confusion_figure_says_which_split_it_counts():
         fig = evaluation.figure(m)
         assert fig.axes[0].get_title().startswith(words), fig.axes[0].get_title()
         plt.close(fig)
+
+
+def test_a_split_flag_given_is_honoured_and_said_to_differ(trained, photo_root, tmp_path, cache_dir, capsys):
+    """--val-fraction 0.1 after a training at 0.25: evaluate scores that split (5 images) and says it is not the
+    one the model validated on, and why; a model folder from before the split was recorded: a note."""
+    import shutil
+
+    from dali_pipe.cli.evaluate import trained_split
+    from dali_pipe.config import resolve
+
+    main(["evaluate", "--model", str(trained), "--data", str(photo_root), "--device", "cpu", "--output",
+          str(tmp_path / "e"), "--num-threads", "1", "--val-fraction", "0.1"])
+    m = json.loads((tmp_path / "e" / "metrics.json").read_text())
+    assert m["images"] == 5 and m["training_split"]["as_in_training"] is False
+    assert "note: this is not the split the model validated on: --val-fraction 0.1 (training: 0.25). Some of " \
+           "these images may be ones it trained on" in capsys.readouterr().out
+
+    older = tmp_path / "older"
+    shutil.copytree(trained, older, ignore=shutil.ignore_patterns("checkpoints", "tensorboard", ".dali_pipe.lock"))
+    metrics = json.loads((older / "metrics.json").read_text())
+    metrics.pop("split")
+    (older / "metrics.json").write_text(json.dumps(metrics))
+    from dali_pipe.cli.commands import parser
+    from dali_pipe.config import parse, settings_from
+
+    ns, _ = parse(["evaluate", "--model", str(older), "--data", str(photo_root)], parser())
+    del ns.command
+    s = resolve(settings_from(ns))
+    record, note = trained_split(s)
+    assert record is None and s.data.val_fraction == 0.1
+    assert note == (f"note: {older} does not record how its validation split was made (written by an older version):"
+                    " --val-fraction 0.1 and --seed 0 decide it here; pass those of training")

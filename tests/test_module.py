@@ -194,3 +194,41 @@ def test_vit_b16_at_batch_128_fits_a_t4_beside_dali():
     peak = torch.cuda.max_memory_allocated() / 2**30
     print(f"ViT-B/16 batch 128 16-mixed: peak {peak:.2f} GiB allocated by torch")
     assert peak < 13.0, peak
+
+
+def test_divergence_is_counted_on_the_device_and_stops_only_a_loss_that_stays_non_finite(monkeypatch):
+    """Each step only counts non-finite losses on the device (no read back: any host read fails here); the
+    check then says nothing for a skipped step (one NaN loss, weights whole: fp16's GradScaler), and names the
+    step it began and the likely causes once the weights are not finite, or after PATIENCE in a row."""
+    from model.module import PATIENCE, TrainingDiverged
+
+    module = ImageClassifier(tiny_settings(precision="16-mixed", lr=5e-2), seed=0, classes=CLASSES)
+    module.configure_model()
+    nan, one = torch.tensor(float("nan")), torch.tensor(1.0)
+
+    def watch(*losses):
+        def no_host_read(*a, **k):
+            raise AssertionError("a training step read a number back from the device")
+
+        with monkeypatch.context() as m:
+            for name in ("__bool__", "__int__", "__float__", "item", "tolist", "cpu"):
+                m.setattr(torch.Tensor, name, no_host_read)
+            for loss in losses:
+                module._watch(loss)
+
+    watch(one, nan, one)
+    assert module.divergence() is None
+    watch(nan, nan)
+    assert module.divergence() is None  # not finite twice, but the weights are whole: it may recover
+    watch(*[nan] * (PATIENCE - 2))
+    assert f"{PATIENCE} batches in a row" in module.divergence()
+    watch(one, nan)
+    with torch.no_grad():
+        next(module.model.parameters()).fill_(float("nan"))
+    reason = module.divergence()
+    assert "not finite (NaN or inf) since step 1" in reason and "the weights are no longer finite" in reason
+    assert "--lr 0.05 is too high" in reason and "fp16 overflow (--precision bf16-mixed" in reason
+    assert "--clip-grad-norm 1.0" in reason and "--resume never" in reason
+    module._trainer = type("T", (), {"world_size": 1, "global_step": 1})()
+    with pytest.raises(TrainingDiverged, match="training diverged"):
+        module.check_finite()

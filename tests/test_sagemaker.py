@@ -211,6 +211,20 @@ def test_sdk_local_mode_jobs_train_into_model(case, tmp_path, photo_root, cache_
     for name in ("train_loss", "train_acc", "val_loss", "val_acc"):  # the README's metric_definitions
         assert re.search(rf"METRIC epoch=1 .*{name}=([0-9.]+)", out), name
     assert '; "batch-size": 7 would drop 3.' in out, out  # the advice names the hyperparameter, not --batch-size
+    if case != "v2-estimator-1host":
+        return
+    # a new job with another lr whose checkpoint_s3_uri is reused (its checkpoints restored, model/ empty): it
+    # fails saying why (before: "exporting the model again", the previous job's model as its artifact, exit 0)
+    hp = json.loads((base / "input" / "config" / "hyperparameters.json").read_text())
+    (base / "input" / "config" / "hyperparameters.json").write_text(json.dumps({**hp, "lr": "0.05"}))
+    for f in (root / "model").iterdir():
+        f.unlink()
+    with pytest.raises(SystemExit) as e:
+        train.main(argv)
+    failure = (base / "output" / "failure").read_text()
+    assert e.value.code == 1 and "belongs to another run:\n  --lr: 0.002 in the checkpoint, 0.05 now" in failure
+    assert "another checkpoint_s3_uri" in failure and '"resume": "never"' in failure and "Traceback" not in failure
+    assert not list((root / "model").iterdir()) and "METRIC" not in capsys.readouterr().out
 
 
 def test_sdk_framework_estimator_json_values_reach_the_same_settings(tmp_path, photo_root):

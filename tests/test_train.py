@@ -166,7 +166,7 @@ def test_week_one_recipe_trains_and_the_best_epoch_is_selected(photo_root, tmp_p
     metrics = json.loads((out / "metrics.json").read_text())
     accs = [e["val_acc"] for e in metrics["epochs"]]
     best = max(i for i, a in enumerate(accs) if a == max(accs)) + 1
-    assert metrics["selected"] == {"epoch": best, "val_acc": max(accs),
+    assert metrics["selected"] == {"epoch": best, "global_step": 2 * best, "val_acc": max(accs),
                                    "rule": "the best validation accuracy (ties: the later epoch)"}
     assert (out / "model.safetensors").read_bytes() == (out / "checkpoints" / "best" / "model.safetensors").read_bytes()
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -180,16 +180,17 @@ def test_select_last_and_no_validation_data(photo_root, tmp_path, cache_dir):
     validation data no Lightning warning about an empty validation loader."""
     import warnings
 
-    cases = ((["--select", "last"], "the last epoch"),
-             (["--val-fraction", "0"], "the last epoch (no validation data, so no best one)"))
-    for i, (extra, rule) in enumerate(cases):
+    cases = ((["--select", "last"], "the last epoch", 43 // 8),
+             (["--val-fraction", "0"], "the last epoch (no validation data, so no best one)", 48 // 8))
+    for i, (extra, rule, steps) in enumerate(cases):
         out = tmp_path / str(i)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             train.main(["--data", str(photo_root), "--model", "tiny", "--device", "cpu", "--epochs", "1",
                         "--batch-size", "8", "--num-threads", "1", "--output", str(out), *extra])
         assert not [w for w in caught if "across ranks is zero" in str(w.message)], [str(w.message) for w in caught]
-        assert json.loads((out / "metrics.json").read_text())["selected"] == {"rule": rule}
+        assert json.loads((out / "metrics.json").read_text())["selected"] == {"epoch": 1, "global_step": steps,
+                                                                              "rule": rule}
 
 
 def test_start_up_summary_says_what_small_data_drops(photo_root, cache_dir):
@@ -373,3 +374,32 @@ def test_with_several_nodes_the_manifest_is_read_after_the_hosts_meet(photo_root
     train.main(["--data", str(photo_root), "--model", "tiny", "--device", "cpu", "--num-nodes", "2",
                 "--output", str(tmp_path / "o")])
     assert seen == {"manifest": None}
+
+
+def test_a_diverging_run_stops_with_exit_1_exports_nothing_and_keeps_the_last_finite_checkpoint(photo_root, tmp_path,
+                                                                                                 cache_dir, capsys):
+    """--lr 1e4: the loss turns NaN at step 4; the check before that step's checkpoint stops the run (exit 1, one
+    line naming the step and --lr, no traceback); OUT holds no model, and last.ckpt is still step 2's, finite."""
+    import signal
+
+    import torch
+
+    from dali_pipe.cli import cli
+
+    out = tmp_path / "out"
+    handler, streams = signal.getsignal(signal.SIGTERM), (sys.stdout, sys.stderr)
+    try:
+        rc = cli(lambda: train.main(["--data", str(photo_root), "--model", "tiny", "--device", "cpu", "--epochs", "1",
+                                     "--batch-size", "8", "--num-threads", "1", "--lr", "1e4", "--output", str(out),
+                                     "--checkpoint-every-steps", "2"]))
+    finally:
+        signal.signal(signal.SIGTERM, handler)
+        sys.stdout, sys.stderr = streams
+    err = capsys.readouterr().err
+    assert rc == 1 and "Traceback" not in err, err[-2000:]
+    assert "error: training diverged: the training loss is not finite (NaN or inf) since step" in err
+    assert "--lr 10000 is too high" in err and "Nothing was exported" in err
+    assert "(step 2) is the last checkpoint" in err
+    assert not {"metrics.json", "config.json", "model.safetensors"} & {p.name for p in out.iterdir()}
+    state = torch.load(out / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
+    assert state["global_step"] == 2 and all(torch.isfinite(v).all() for v in state["state_dict"].values())

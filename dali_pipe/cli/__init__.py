@@ -29,7 +29,7 @@ from ..config import (
     validate,
 )
 from ..demo import demo_dataset
-from ..errors import UserError, dali_missing
+from ..errors import RunFailed, UserError, dali_missing
 from ..forms import forms_text
 from ..manifest import MANIFEST_NAME, Manifest, read_manifest
 from ..redact import RedactingStream, redact
@@ -148,7 +148,8 @@ def plain_warning(message, category, filename, lineno, line=None) -> str:
 
 def cli(entry=main) -> int:
     """Entry point: secrets never printed, SIGTERM handled from the first line, and user errors (and a
-    full disk) as one clear message with exit status 2 instead of a traceback."""
+    full disk) as one clear message with exit status 2 instead of a traceback; a failed run (training
+    diverged) as one clear message with exit status 1."""
     if not isinstance(sys.stdout, RedactingStream):
         sys.stdout, sys.stderr = RedactingStream(sys.stdout), RedactingStream(sys.stderr)
     warnings.formatwarning = plain_warning
@@ -158,6 +159,9 @@ def cli(entry=main) -> int:
     except UserError as e:
         print(f"error: {redact(e)}", file=sys.stderr)
         return 2
+    except RunFailed as e:
+        print(f"error: {redact(e)}", file=sys.stderr)
+        return 1
     except Terminated:
         print("stopped by SIGTERM", file=sys.stderr)
         return 143

@@ -59,9 +59,10 @@ HELPS = {  # where a command reads a setting otherwise than training does, its o
                          "https:// URLs; .tar, .tar.gz, .tgz), Parquet files or a save_to_disk folder of a Hugging "
                          "Face dataset (docs/data.md); required",
                  "model": TRAINED,
-                 "val_fraction": "the --val-fraction of training: with no split column it decides which images are "
-                                 "the val split",
-                 "seed": "the --seed of training: with no split column it decides which images are the val split"},
+                 "val_fraction": "with no split column it decides which images are the val split; left out, the "
+                                 "one training used (its model folder records it), else the default",
+                 "seed": "with no split column it decides which images are the val split; left out, the one "
+                         "training used (its model folder records it), else the default"},
     "predict": {"data": "what to label, local or s3://bucket/prefix: a folder of images (class subfolders too), an "
                         "image file, a list file of image paths (one per line), a dataset.tsv folder or .tsv "
                         "manifest, a pack, WebDataset shards with or without cls (a folder, a shard file, a brace "

@@ -9,11 +9,14 @@ the other local ranks, which skip what only one process may do):
 - check that OUT and the checkpoint dir are writable directories with room for two checkpoints
   and the model;
 - sync s3:// data, scan, write the report (once; Lightning's own `prepare_data` is then a no-op);
-- fingerprint the run and decide what to resume (`--resume`), before any training.
+- fingerprint the run (the data and every setting that changes the weights) and decide what to resume
+  (`--resume`), before any training: a checkpoint, or a model in OUT, of another run stops it naming
+  each difference; so does a checkpoint already past the steps this run asks for.
 
 Finished means exported: a rerun of a finished run says "nothing to do" only after checking that
 OUT holds this run's complete model (model/export.py); otherwise it exports it again from the
-final checkpoint (or the best model with --select best) and says so.
+final checkpoint (or the best model with --select best) and says so. A run whose loss stays
+non-finite stops with exit status 1 (model/module.py), exporting nothing.
 """
 from __future__ import annotations
 
@@ -25,20 +28,20 @@ from datetime import timedelta
 from pathlib import Path
 
 from model import export as exporter
-from model.checkpoint import SpotSafeCheckpoint, plan_resume, read_meta
+from model.checkpoint import LAST, SpotSafeCheckpoint, plan_resume, read_meta
 from model.export import remove_dead
 from model.loading import load_processor, parameter_count
-from model.module import ImageClassifier
+from model.module import ImageClassifier, TrainingDiverged
 from model.progress import PlainProgressBar, TerminalProgressBar
 from model.selection import BestModel, recover
 
-from ..config import Settings, named
-from ..datamodule import DaliDataModule, data_line, drop_note
+from ..config import Settings, named, recipe
+from ..datamodule import DaliDataModule, data_line, drop_note, split_record
 from ..errors import UserError
 from ..manifest import Manifest
 from ..monitor import DaliMemoryLog, MonitorCallback
 from ..prescribe import prescription
-from ..redact import redact
+from ..redact import redact_tree
 from ..scan import is_empty_report
 from ..spec import ImageSpec
 from ..workdir import OutputError, check_writable, lock, no_empty_folders_on_failure, unlock
@@ -148,6 +151,7 @@ class Prepared:
     fingerprint: dict
     targets: dict
     plan: object
+    split: dict  # how the validation split was made (metrics.json records it; evaluate defaults to it)
 
 
 def preflight(s: Settings, out: Path, ckpt_dir: Path, main: bool, manifest: Manifest | None = None) -> Prepared:
@@ -172,10 +176,14 @@ def preflight(s: Settings, out: Path, ckpt_dir: Path, main: bool, manifest: Mani
         check_writable(ckpt_dir, "--checkpoint-dir", bytes_needed(params))
         if is_first_node() and not same_disk(out, ckpt_dir):  # else the check above counted the model too
             check_writable(out, "--output", model_bytes(params), "the model")
-    fingerprint = {**dm.fingerprint(world_size(s)), "model": redact(s.model.model), "grad_accum": s.model.grad_accum}
+    fingerprint = {**dm.fingerprint(world_size(s)), **redact_tree(recipe(s.model))}  # no secret in a --model path
     targets = {"epochs": s.model.epochs, "max_steps": s.model.max_steps}
-    plan = plan_resume(s.run.resume, ckpt_dir, fingerprint, targets, may_modify=main)
-    return Prepared(processor, spec, dm, manifest, params, fingerprint, targets, plan)
+    plan = plan_resume(s.run.resume, ckpt_dir, fingerprint, targets, may_modify=main,
+                       steps=total_steps(s, manifest))
+    if main and is_first_node() and s.run.resume != "never":
+        exporter.check_identity(out, fingerprint)  # OUT holds the model of another run: stop, as for a checkpoint
+    split = split_record(manifest, s.data, fingerprint["samples"])
+    return Prepared(processor, spec, dm, manifest, params, fingerprint, targets, plan, split)
 
 
 def _fit(s: Settings, out: Path, ckpt_dir: Path, main: bool, meeting=None,
@@ -191,9 +199,9 @@ def _fit(s: Settings, out: Path, ckpt_dir: Path, main: bool, meeting=None,
         return finished(s, p, out, ckpt_dir)
     if main:
         print(named(summary(s, p.manifest, p.dm.scan_result, p.params), style))  # its advice in the user's words
-        note = resume_line(s, p) or p.plan.note
-        if note:
-            print(note)
+        for note in (resume_line(s, p) or p.plan.note, p.plan.caveat):
+            if note:
+                print(note)
 
     module = ImageClassifier(s.model, seed=s.data.seed)
     ckpt = SpotSafeCheckpoint(ckpt_dir, every_steps=s.run.checkpoint_every_steps, fingerprint=p.fingerprint,
@@ -210,6 +218,11 @@ def _fit(s: Settings, out: Path, ckpt_dir: Path, main: bool, meeting=None,
         trainer.fit(module, datamodule=p.dm, ckpt_path=p.plan.ckpt_path)
     except SIGTERMException:
         pass  # SpotSafeCheckpoint saved; report below and exit 0
+    except TrainingDiverged as e:  # nothing is exported; say which checkpoint is the last good one
+        meta = read_meta(ckpt_dir / LAST) if (ckpt_dir / LAST).is_file() else None
+        kept = (f"{ckpt_dir / LAST} (step {meta.get('global_step')}) is the last checkpoint, saved while the weights "
+                "were finite" if meta else "no checkpoint was saved before it")
+        raise TrainingDiverged(f"{e} Nothing was exported to {out}; {kept}.") from None
     if ckpt.interrupted:
         print(f"stopped by SIGTERM; checkpoint saved to {ckpt_dir}. Rerun the same command to resume.")
         return {"interrupted": True, "global_step": trainer.global_step}
@@ -227,10 +240,12 @@ def export(s: Settings, module, p: Prepared, best, ckpt, global_step: int, out: 
     """The selected model into OUT, even when the final checkpoint failed; then fail with what went wrong."""
     problems = [str(ckpt.final_error)] if ckpt.final_error else []
     select = selection(s, p.manifest)
+    where = {"epoch": epoch_of(s, p.manifest, global_step), "global_step": global_step}
     try:
-        model, selected = exporter.selected_model(best, select, module.model)
+        model, selected = exporter.selected_model(best, select, module.model, where)
         exporter.write(model, p.processor, out, {"selected": selected, "epochs": module.epoch_metrics,
-                                                 "global_step": global_step}, run=ckpt.run_id, select=select)
+                                                 "global_step": global_step, "split": p.split},
+                       run=ckpt.run_id, select=select, fingerprint=p.fingerprint)
         print(f"model ({exporter.describe(selected)}), image processor, label map and metrics.json written to {out}")
     except exporter.ExportError as e:
         problems.append(f"{e}; the checkpoint in {ckpt.dir} holds the trained weights: {exporter.RERUN}")
@@ -240,6 +255,11 @@ def export(s: Settings, module, p: Prepared, best, ckpt, global_step: int, out: 
     print(f"TRAINED global_step={global_step}")
     if problems:
         raise OutputError("training finished, but " + "; and ".join(problems))
+
+
+def epoch_of(s: Settings, manifest, global_step: int) -> int:
+    """The 1-based epoch that optimizer step `global_step` falls in (its last, for an epoch's last step)."""
+    return max(1, -(-global_step // max(1, steps_per_epoch(s, manifest))))
 
 
 def selection(s: Settings, manifest) -> str:
@@ -253,6 +273,8 @@ def finished(s: Settings, p: Prepared, out: Path, ckpt_dir: Path) -> dict:
     step = p.plan.done_step
     if not (is_main_process() and is_first_node()):  # the export is global rank 0's
         return {"nothing_to_do": True, "global_step": step}
+    if p.plan.caveat:
+        print(p.plan.caveat)
     select = selection(s, p.manifest)
     problem = exporter.problem(out, run=p.plan.run_id, global_step=step, select=select)
     if problem is None:
@@ -262,7 +284,8 @@ def finished(s: Settings, p: Prepared, out: Path, ckpt_dir: Path) -> dict:
     print(f"already trained to {step} steps, but {out} {problem}: exporting the model again from "
           f"{p.plan.checkpoint}")
     selected = exporter.from_checkpoint(p.plan.checkpoint, ckpt_dir, s.model.model, p.manifest.classes, p.processor,
-                                        out, run=p.plan.run_id, global_step=step, select=select)
+                                        out, run=p.plan.run_id, global_step=step, select=select,
+                                        epoch=epoch_of(s, p.manifest, step), fingerprint=p.fingerprint, split=p.split)
     print(f"model ({exporter.describe(selected)}), image processor, label map and metrics.json written to {out}")
     return {"exported_again": True, "global_step": step}
 
@@ -292,6 +315,12 @@ def resume_line(s: Settings, p: Prepared) -> str | None:
     return f"resuming {where} (global step {step}) from {p.plan.ckpt_path}"
 
 
+def total_steps(s: Settings, manifest) -> int:
+    """The optimizer steps this run trains to: --epochs whole epochs, or --max-steps when that is fewer."""
+    steps = steps_per_epoch(s, manifest) * s.model.epochs
+    return steps if s.model.max_steps < 0 else min(steps, s.model.max_steps)
+
+
 def steps_per_epoch(s: Settings, manifest) -> int:
     """Optimizer steps per epoch: each rank's full batches, over the accumulation, rounded up (Lightning
     steps at an epoch's last batch even when it ends a partial accumulation)."""
@@ -301,8 +330,7 @@ def steps_per_epoch(s: Settings, manifest) -> int:
 def summary(s: Settings, manifest, scan_result, params: int) -> str:
     """The start-up summary: data, scan, device, model, batch and steps."""
     world = world_size(s)
-    steps = steps_per_epoch(s, manifest)
-    total = steps * s.model.epochs if s.model.max_steps < 0 else min(steps * s.model.epochs, s.model.max_steps)
+    steps, total = steps_per_epoch(s, manifest), total_steps(s, manifest)
     effective = s.data.batch_size * world * s.model.grad_accum
 
     drop = drop_note(len(manifest.train), s.data.batch_size, world)

@@ -24,8 +24,10 @@ Maps /opt/ml (or $SAGEMAKER_BASE_DIR) onto train.py's settings and hands them to
 - model/ gets the save_pretrained model + label map and nothing else of ours; output/data the scan
   report (bad_images.tsv, uploaded as output.tar.gz), output/tensorboard the logs,
   /opt/ml/checkpoints the spot-safe checkpoints (SageMaker syncs them to S3);
-- any failure writes a short reason to output/failure (<= 1024 chars, redacted; a user error's
-  message only, other failures their last traceback lines) and exits 1.
+- any failure writes a short reason to output/failure (<= 1024 chars, redacted; a user error's or a
+  failed run's message only, other failures their last traceback lines) and exits 1; a checkpoint in
+  /opt/ml/checkpoints (restored from the job's checkpoint_s3_uri) of another run, or of other
+  hyperparameters, is such a failure, with the ways out in SageMaker's terms.
 The sagemaker-training toolkit's SM_* variables are honoured as defaults.
 """
 from __future__ import annotations
@@ -41,7 +43,7 @@ import typing
 from pathlib import Path
 
 from ..config import FIELDS, TRAIN_GROUPS, RunSettings, flag_of, named
-from ..errors import UserError
+from ..errors import RunFailed, RunMismatchError, UserError
 from ..redact import redact, redact_argv
 from .hosts import HostsError, current, join
 
@@ -287,12 +289,15 @@ def run_sagemaker(extra: list[str], main) -> dict:
         meeting = current()
         if isinstance(e, KeyboardInterrupt) and meeting is not None and meeting.interrupted_by:
             e = HostsError(meeting.interrupted_by)  # another host failed first: name it, not the interrupt
-        if isinstance(e, UserError):  # its settings named as the job names them: "batch-size", not --batch-size
+        if isinstance(e, RunMismatchError):
+            e = RunMismatchError(f"{e}\n  Under SageMaker: give this job another checkpoint_s3_uri (its checkpoints "
+                                 "are restored to /opt/ml/checkpoints), or the hyperparameter \"resume\": \"never\".")
+        if isinstance(e, (UserError, RunFailed)):  # its settings named as the job names them: "batch-size"
             e.args = (hyperparameters(str(e)),) + e.args[1:]
             reason = str(e)
         else:
             reason = f"{type(e).__name__}: {e}\n" + "".join(traceback.format_exc().splitlines(True)[-6:])
-        _tell_hosts(current(), " ".join(str(e).split()) if isinstance(e, UserError) else
+        _tell_hosts(current(), " ".join(str(e).split()) if isinstance(e, (UserError, RunFailed)) else
                     f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}")
         write_failure(failure_dir, reason)
         print(f"error: {redact(e)}", file=sys.stderr)

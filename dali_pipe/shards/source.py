@@ -301,6 +301,7 @@ class ShardSet:
     unused: list[str] = field(default_factory=list)  # what --data holds and is not read (said at start-up)
     held_out: str = ""  # shards named test, neither trained on nor validated (said at start-up)
     labels: bool = True  # False: predict, which reads no cls (shards without labels are read too)
+    split_rule: str = "hash"  # how the split was made: "pack" (packed.json), "names" (val shards) or "hash"
     train: Shards = field(init=False)
     val: Shards = field(init=False)
     test: Shards = field(init=False)
@@ -416,7 +417,7 @@ def _open_pack(data, *, members: bool, num_threads: int = 1, progress: bool = Fa
     if members:
         _check_pack_members(shards, classes, data, num_threads=num_threads, progress=progress)
     unscanned = sum(1 for s in shards if s.path.startswith("s3://"))
-    return ShardSet(data.data, "pack", classes, shards, root=root, meta=meta, unscanned=unscanned)
+    return ShardSet(data.data, "pack", classes, shards, root=root, meta=meta, unscanned=unscanned, split_rule="pack")
 
 
 def _pack_shard(root: Path, s: dict, split: str, packed: Path, prefix: str | None) -> Shard:
@@ -1061,9 +1062,9 @@ def _open_peer(data, *, num_threads: int, progress: bool, labels: bool = True) -
         classes, remap, note = _peer_classes(shards, found.classes_txt, data.data)
     else:  # predict: the model names the classes; the shards' labels, where there are any, are not read
         classes, remap, note = [], None, ""
-    held_out = _peer_split(shards, data.val_fraction, data.seed)
+    held_out, rule = _peer_split(shards, data.val_fraction, data.seed)
     return ShardSet(data.data, "shards", classes, shards, remap=remap, note=note, unused=found.unused,
-                    held_out=held_out, labels=labels)
+                    held_out=held_out, labels=labels, split_rule=rule)
 
 
 def _peer_classes(shards: list[Shard], classes_txt: str | None, data: str):
@@ -1113,11 +1114,12 @@ def unit_hash(key: str, seed: int) -> float:
     return int.from_bytes(digest[:8], "big") / 2**64
 
 
-def _peer_split(shards: list[Shard], val_fraction: float, seed: int) -> str:
+def _peer_split(shards: list[Shard], val_fraction: float, seed: int) -> tuple[str, str]:
     """Shards named val/validation are validation; without any, a hash of (seed, key) per sample. Shards
     named test are neither trained on nor validated (unless every shard is): a line saying so is returned.
     A shard's name is its path below the folder that holds them all (`val/part-0` for
-    `shards/{train,val}/part-0.tar`), as the user wrote it (not its decompressed copy's)."""
+    `shards/{train,val}/part-0.tar`), as the user wrote it (not its decompressed copy's). Returns that line
+    (or "") and the rule that made the split: "names" or "hash"."""
     paths = [urlsplit(s.origin).path if is_http(s.origin) else s.origin.split("://", 1)[-1] for s in shards]
     common = posixpath.commonpath(paths) if len(paths) > 1 else posixpath.dirname(paths[0])
     common = posixpath.dirname(common) if common in paths else common  # one shard, or the same shard twice
@@ -1137,10 +1139,11 @@ def _peer_split(shards: list[Shard], val_fraction: float, seed: int) -> str:
         else:
             s.split = ["val" if unit_hash(k, seed) < val_fraction else "train" for k in s.keys]
     tests = [s.name for s, t in zip(shards, test) if t]
+    rule = "names" if any(named) else "hash"
     if not tests:
-        return ""
+        return "", rule
     return (f"data: {len(tests)} test shard(s) ({', '.join(tests[:3])}{', ...' if len(tests) > 3 else ''}) are neither "
-            "trained on nor validated; evaluate them with --split test")
+            "trained on nor validated; evaluate them with --split test"), rule
 
 
 # -- reporting ------------------------------------------------------------------------------------

@@ -340,7 +340,8 @@ def open_tables(data, *, num_threads: int = 1, progress: bool = False) -> ShardS
             start += n
     note = _split(shards, listed, data)
     how = "classes named by the ClassLabel" if named else "classes are the label values"
-    return ShardSet(data.data, kind, classes, shards, note=f"{how}; {note}")
+    rule = "names" if any(f.split == "val" for f in listed) else "hash"  # as _split made it
+    return ShardSet(data.data, kind, classes, shards, note=f"{how}; {note}", split_rule=rule)
 
 
 def _classes(listed, checks, named) -> tuple[list[str], dict]:

@@ -222,7 +222,7 @@ def test_sdk_local_mode_jobs_train_into_model(case, tmp_path, photo_root, cache_
     with pytest.raises(SystemExit) as e:
         train.main(argv)
     failure = (base / "output" / "failure").read_text()
-    assert e.value.code == 1 and "belongs to another run:\n  --lr: 0.002 in the checkpoint, 0.05 now" in failure
+    assert e.value.code == 1 and "belongs to another run:\n  \"lr\": 0.002 in the checkpoint, 0.05 now" in failure
     assert "another checkpoint_s3_uri" in failure and '"resume": "never"' in failure and "Traceback" not in failure
     assert not list((root / "model").iterdir()) and "METRIC" not in capsys.readouterr().out
 

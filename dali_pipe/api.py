@@ -242,19 +242,15 @@ class SpotSafeCheckpoint(_SpotSafeCheckpoint):
     def on_train_end(self, trainer, pl_module) -> None:
         pass  # the final save is the ModelCheckpoint's (save_last=True)
 
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        from pytorch_lightning.utilities.exceptions import SIGTERMException
-
-        try:
-            super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
-        except SIGTERMException:
-            if trainer.is_global_zero:
-                path = self.dir / "last.ckpt"
-                found = getattr(trainer.checkpoint_callback, "dirpath", None)  # where ckpt_path="last" looks
-                how = '"last"' if found and Path(found) == self.dir and not self._versioned else f'"{path}"'
-                print(f"SIGTERM: checkpoint saved to {path} at step {trainer.global_step}; run the same script "
-                      f"again to resume (trainer.fit(..., ckpt_path={how}))", file=sys.stderr, flush=True)
-            raise
+    def _stop(self, trainer) -> None:
+        if trainer.is_global_zero:
+            path = self.dir / "last.ckpt"
+            found = getattr(trainer.checkpoint_callback, "dirpath", None)  # where ckpt_path="last" looks
+            how = '"last"' if found and Path(found) == self.dir and not self._versioned else f'"{path}"'
+            what = "Ctrl-C" if self.stopped_by == "SIGINT" else "SIGTERM"
+            print(f"{what}: checkpoint saved to {path} at step {trainer.global_step}; run the same script "
+                  f"again to resume (trainer.fit(..., ckpt_path={how}))", file=sys.stderr, flush=True)
+        super()._stop(trainer)
 
 
 def _versioned_folder(trainer) -> bool:

@@ -7,7 +7,7 @@ the other local ranks, which skip what only one process may do):
   PID); the other nodes never touch OUT, which may be one folder shared by all;
 - with several nodes, join the hosts' meeting first (hosts.py), and meet after the sync and scan;
 - check that OUT and the checkpoint dir are writable directories with room for two checkpoints
-  and the model;
+  and the model, and that the report and TensorBoard folders are writable;
 - sync s3:// data, scan, write the report (once; Lightning's own `prepare_data` is then a no-op);
 - fingerprint the run and decide what to resume (`--resume`), before any training.
 
@@ -125,6 +125,8 @@ def run(s: Settings) -> dict:
             lock(out, "training run", "wait for it to finish, or pass another --output")
         if main and s.run.report_dir and Path(s.run.report_dir) != out:
             check_writable(s.run.report_dir, "--report-dir")
+        if writes_out and s.run.log_dir:  # TensorBoard's folder: written by global rank 0 only
+            check_writable(s.run.log_dir, "--log-dir")
         return _fit(s, out, ckpt_dir, main, meeting, started)
     except BaseException as e:
         if meeting is not None:

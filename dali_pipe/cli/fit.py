@@ -318,7 +318,7 @@ def advise_packing(s: Settings, report: dict, manifest, spec) -> None:
     """--monitor found the loader input-bound: if the photos are large, measure what packing would give."""
     if isinstance(manifest, Manifest) and report["diagnosis"][0].startswith("training: input-bound"):
         advice = prescription(manifest, spec, s.pipeline, batch_size=s.data.batch_size,
-                              cores=len(os.sched_getaffinity(0)))
+                              cores=len(os.sched_getaffinity(0)), data=s.data.data)
         if advice:
             print(f"MONITOR {advice}", flush=True)
 

@@ -344,7 +344,11 @@ def cpp_stderr_quiet():
     Its C++ logging writes stack traces there directly, past sys.stderr and our redaction; the failure
     itself comes back as the exception, which says it in one line. (This thread only waits meanwhile.)"""
     sys.stderr.flush()
-    saved = os.dup(2)
+    try:
+        saved = os.dup(2)
+    except OSError:  # no stderr to keep clean
+        yield
+        return
     try:
         with tempfile.TemporaryFile() as sink:
             os.dup2(sink.fileno(), 2)

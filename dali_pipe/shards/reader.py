@@ -182,8 +182,9 @@ class ShardReader:
                 try:
                     fd = os.open(path, os.O_RDONLY)
                     break
-                except OSError as e:  # the streaming cache fetches it again (bounded); a local file is named
-                    if not self.store.lost(shard, self, f"cannot be opened ({e.strerror})"):
+                except OSError as e:  # gone: the streaming cache fetches it again (bounded); a local file is named
+                    if not isinstance(e, FileNotFoundError) or not self.store.lost(shard, self,
+                                                                                   f"cannot be opened ({e.strerror})"):
                         raise ShardReadError(f"{self.shards.paths[shard]} cannot be opened ({e.strerror}); it was "
                                              "there when training started: restore it, or pack the data "
                                              "again") from None

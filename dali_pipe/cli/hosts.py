@@ -413,7 +413,7 @@ def _connect(addr: str, port: int, names: list[str], rank: int, timeout: float):
                     stuck = thread.is_alive()
                     if stuck:  # on a silent peer: end its connection so the thread ends before we exit
                         _shutdown_connections(port)
-                        thread.join(STORE_TRY)  # its retries end within its own timeout
+                        thread.join(left + 2.0)  # its retries end within its own timeout (`left`)
                 if "store" in result:
                     return result["store"]
                 if stuck:

@@ -11,14 +11,14 @@ From your own Lightning code:
     module = MyModule(num_classes=len(dm.classes))
     trainer = pl.Trainer(max_epochs=10, callbacks=[
         ModelCheckpoint(dirpath="ckpt", save_last=True, every_n_train_steps=500),
-        dali_pipe.SpotSafeCheckpoint(),             # SIGTERM: save after this step, exit 0
+        dali_pipe.SpotSafeCheckpoint(),             # SIGTERM/Ctrl-C: save after this step, exit 0/130
         dali_pipe.MonitorCallback()])               # where the time goes, with verdicts and fixes
     trainer.fit(module, datamodule=dm, ckpt_path="last")   # a rerun continues at the next sample
 
 Public names (`__all__`; each documented, `help(dali_pipe.NAME)`):
 
     DaliDataModule      the LightningDataModule: DALI decode and augmentation, exact resume
-    SpotSafeCheckpoint  callback: on SIGTERM every rank finishes its step, saves last.ckpt, stops
+    SpotSafeCheckpoint  callback: on SIGTERM or Ctrl-C every rank finishes its step, saves last.ckpt, stops
     RunFingerprint      callback: your own keys in the check that a resumed checkpoint is this run's
     MonitorCallback     callback: MONITOR verdicts and a time budget for your model
     benchmark           your module fed by DALI, the classic DataLoader and synthetic data, side by side

@@ -4,7 +4,7 @@
   underscores, checked by `validate` and filled by `resolve` as the CLI does (the same
   UsageError text, the same defaults); the model's image processor gives the input size, mean and
   std. Then it is the very class the CLI builds from its settings objects (dali_pipe/datamodule.py).
-- `SpotSafeCheckpoint`: the CLI's SIGTERM behaviour for any Trainer (model/checkpoint.py's callback,
+- `SpotSafeCheckpoint`: the CLI's SIGTERM and Ctrl-C behaviour for any Trainer (model/checkpoint.py's callback,
   with the periodic and final saves left to Lightning's ModelCheckpoint).
 - `RunFingerprint`: your own keys in the resume check the DataModule already does for the data.
 - `MonitorCallback` (monitor.py) and `benchmark` (benchmark.py) are exported as they are.
@@ -313,6 +313,7 @@ class SpotSafeCheckpoint(_SpotSafeCheckpoint):
     no GPU sync), `last.ckpt` is written under a temporary name and renamed (a kill mid-save leaves
     the previous one whole), and `fit` ends with SystemExit(0): the script exits 0 and a rerun with
     `ckpt_path="last"` continues at the next sample. A SIGTERM during validation lets it finish first.
+    Ctrl-C (SIGINT) does the same and ends with SystemExit(130); a second Ctrl-C stops at once.
 
     `dirpath`: where last.ckpt goes; default: the ModelCheckpoint's dirpath (so ckpt_path="last" finds
     it), else default_root_dir/checkpoints. Periodic and final saves stay the ModelCheckpoint's. Give
@@ -356,19 +357,15 @@ class SpotSafeCheckpoint(_SpotSafeCheckpoint):
     def on_train_end(self, trainer, pl_module) -> None:
         pass  # the final save is the ModelCheckpoint's (save_last=True)
 
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        from pytorch_lightning.utilities.exceptions import SIGTERMException
-
-        try:
-            super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
-        except SIGTERMException:
-            if trainer.is_global_zero:
-                path = self.dir / "last.ckpt"
-                found = getattr(trainer.checkpoint_callback, "dirpath", None)  # where ckpt_path="last" looks
-                how = '"last"' if found and Path(found) == self.dir and not self._versioned else f'"{path}"'
-                print(f"SIGTERM: checkpoint saved to {path} at step {trainer.global_step}; run the same script "
-                      f"again to resume (trainer.fit(..., ckpt_path={how}))", file=sys.stderr, flush=True)
-            raise
+    def _stop(self, trainer) -> None:
+        if trainer.is_global_zero:
+            path = self.dir / "last.ckpt"
+            found = getattr(trainer.checkpoint_callback, "dirpath", None)  # where ckpt_path="last" looks
+            how = '"last"' if found and Path(found) == self.dir and not self._versioned else f'"{path}"'
+            what = "Ctrl-C" if self.stopped_by == "SIGINT" else "SIGTERM"
+            print(f"{what}: checkpoint saved to {path} at step {trainer.global_step}; run the same script "
+                  f"again to resume (trainer.fit(..., ckpt_path={how}))", file=sys.stderr, flush=True)
+        super()._stop(trainer)
 
 
 def _versioned_folder(trainer) -> bool:

@@ -16,6 +16,7 @@ call, `dali_pipe.DaliDataModule(data=..., batch_size=...)`, is its subclass in `
 """
 from __future__ import annotations
 
+import math
 import os
 import sys
 import time
@@ -50,7 +51,8 @@ class BatchTooLargeError(UserError):
 
 
 class NotPreparedError(UserError):
-    """The data was asked about before prepare_data() read it."""
+    """The data was asked about before prepare_data() read it, or a loader before setup() built it; the
+    message names the call that is missing."""
 
 
 class EmptySplitError(UserError):
@@ -122,7 +124,17 @@ def check_bad_fraction(result: ScanResult, data: DataSettings, output: Path) -> 
         raise ScanError(f"{len(result.bad)} of {result.total} images are bad "
                         f"({len(result.bad) / result.total:.1%} > --max-bad-fraction {data.max_bad_fraction}), "
                         f"e.g. {path}: {reason}. See {output / 'bad_images.tsv'}; fix or remove them, or raise "
-                        "--max-bad-fraction.")
+                        f"--max-bad-fraction to {enough_fraction(len(result.bad), result.total)} to train without "
+                        "them.")
+
+
+def enough_fraction(bad: int, total: int) -> str:
+    """The shortest decimal at least bad / total (so that --max-bad-fraction of that value lets them pass)."""
+    for digits in range(2, 10):
+        text = f"{math.ceil(bad / total * 10 ** digits) / 10 ** digits:.{digits}f}".rstrip("0").rstrip(".")
+        if float(text) >= bad / total and float(text) - bad / total < 0.01:
+            return text
+    return repr(bad / total)
 
 
 def prepare(data: DataSettings, output: Path, *, num_threads: int, report_empty: bool = True, labels: bool = True,
@@ -200,8 +212,10 @@ def drop_note(n: int, batch_size: int, num_shards: int) -> str | None:
 def check_batch(n: int, batch_size: int, num_shards: int) -> None:
     """Training keeps full batches only: each rank's share must hold at least one."""
     if n // num_shards < batch_size:
-        raise BatchTooLargeError(f"--batch-size {batch_size} is larger than the {n // num_shards} training "
-                                 f"images each of the {num_shards} rank(s) gets; lower --batch-size.")
+        most = n // num_shards
+        fix = f"lower --batch-size to at most {most}" if most else "add training images (or train on fewer processes)"
+        raise BatchTooLargeError(f"--batch-size {batch_size} is larger than the {most} training "
+                                 f"images each of the {num_shards} rank(s) gets; {fix}.")
 
 
 class DaliDataModule(pl.LightningDataModule):
@@ -329,18 +343,27 @@ class DaliDataModule(pl.LightningDataModule):
         note = drop_note(len(self.manifest.train), self.data.batch_size, world) if self.announce and rank == 0 else None
         if note:
             print(named(note, self.style), file=sys.stderr, flush=True)
-        self._train = self.loader(self.manifest.train, training=True)
-        self._val = self.loader(self.manifest.val, training=False) if self.manifest.val else None
+        try:
+            train = self.loader(self.manifest.train, training=True, check_cache=False)
+            val = self.loader(self.manifest.val, training=False, check_cache=False) if self.manifest.val else None
+            if getattr(self, "_stream", None) is not None:
+                self._stream.check()  # once both readers are known: a refusal asks for enough for both
+        except BaseException:
+            self.teardown()  # no fetching goes on for loaders that will never run
+            raise
+        self._train, self._val = train, val
         self.spans["setup"] = (start, time.perf_counter())
 
-    def loader(self, samples: list[Sample] | Shards, *, training: bool):
-        """An epoch-exact DALI loader over `samples` (files, or shards through their epoch plan) for this rank."""
+    def loader(self, samples: list[Sample] | Shards, *, training: bool, check_cache: bool = True):
+        """An epoch-exact DALI loader over `samples` (files, or shards through their epoch plan) for this rank.
+        `check_cache`: refuse now a --stream-cache too small for the readers registered so far (setup checks
+        once, after registering the training and the validation reader)."""
         opts = self.options(training=training)
         if isinstance(samples, Shards):
             store = self._stream_view(samples)
             source = shard_reader(samples, opts, training=training, store=store)
             if store is not None:
-                store.register(source)  # refuses a --stream-cache too small for the plan
+                store.register(source, check=check_cache)  # refuses a --stream-cache too small for the plans
         else:
             source = Files([s.path for s in samples], [s.label for s in samples])
         return DaliLoader(lambda checkpoint: build_pipeline(source, self.spec, opts, training=training,
@@ -437,10 +460,19 @@ class DaliDataModule(pl.LightningDataModule):
         # Lightning looks for state_dict on the loader itself; ours is restored through this DataModule
         warnings.filterwarnings("ignore", message=r".*before the epoch ended and your dataloader is not resumable")
 
+    def _built(self, call: str) -> None:
+        """NotPreparedError naming what is missing when a loader is asked for before setup() built them."""
+        if self._train is None:
+            first = "dm.prepare_data(), then dm.setup()" if self.manifest is None else "dm.setup()"
+            raise NotPreparedError(f"dm.{call}() was called before the loaders were built: call {first} first "
+                                   "(trainer.fit, validate, test and predict call both themselves)")
+
     def train_dataloader(self):
+        self._built("train_dataloader")
         return self._train
 
     def val_dataloader(self):
+        self._built("val_dataloader")
         if self._val is not None:
             return self._val
 
@@ -464,6 +496,7 @@ class DaliDataModule(pl.LightningDataModule):
                                                       len(loader)))
 
     def _eval_split(self, stage: str):
+        self._built(f"{stage}_dataloader")
         if self._val is None:
             raise EmptySplitError(f"nothing to {stage}: the validation split is empty; give the DataModule a "
                                   "val_fraction= above 0, or val rows in dataset.tsv's split column")

@@ -10,6 +10,7 @@ measured, not guessed.
 from __future__ import annotations
 
 import dataclasses
+import shlex
 import statistics
 import tempfile
 import time
@@ -67,13 +68,25 @@ def pack_gain(manifest, spec, pipeline_settings, *, batch_size: int, cores: int)
     return raw, packed, len(train)
 
 
-def prescription(manifest, spec, pipeline_settings, *, batch_size: int, cores: int) -> str | None:
-    """The advice line, or None when the photos are not large (packing would not pay)."""
+def pack_command(data: str | None) -> tuple[str, str]:
+    """(the command that packs --data, the --data to train on then): DATA-packed beside DATA, local or
+    s3://, so that it can be run as printed; DATA and PACKED as words when --data is not known."""
+    if not data:
+        return f"python -m dali_pipe pack DATA PACKED --max-side {MAX_SIDE}", "PACKED"
+    packed = data.rstrip("/") + "-packed"
+    return f"python -m dali_pipe pack {shlex.quote(data)} {shlex.quote(packed)} --max-side {MAX_SIDE}", packed
+
+
+def prescription(manifest, spec, pipeline_settings, *, batch_size: int, cores: int, data: str | None = None
+                 ) -> str | None:
+    """The advice line, or None when the photos are not large (packing would not pay). `data`: the --data
+    the run read, which the command it prescribes packs."""
     paths = [s.path for s in manifest.train]
     pixels = median_pixels(paths)
     if pixels <= LARGE_PIXELS:
         return None
-    raw, packed, n = pack_gain(manifest, spec, pipeline_settings, batch_size=batch_size, cores=cores)
+    raw, packed_rate, n = pack_gain(manifest, spec, pipeline_settings, batch_size=batch_size, cores=cores)
+    command, packed = pack_command(data)
     return (f"input-bound on large photos (median {pixels / 1e6:.1f} Mpx); packing with --max-side {MAX_SIDE} raises "
-            f"the loader ceiling from {raw:.0f} to about {packed:.0f} images/s on these {cores} core(s) (measured on "
-            f"{n} of your images): python -m dali_pipe pack DATA PACKED --max-side {MAX_SIDE}, then --data PACKED.")
+            f"the loader ceiling from {raw:.0f} to about {packed_rate:.0f} images/s on these {cores} core(s) (measured on "
+            f"{n} of your images): {command}, then --data {shlex.quote(packed)}.")

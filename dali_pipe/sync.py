@@ -41,7 +41,7 @@ from .errors import UserError
 from .manifest import MANIFEST_NAME, ManifestError, check_columns, check_header, parse_rows, read_table, safe_relpath
 from .redact import redact
 from .transfer import Engine, TransferError, endpoint, endpoint_credentials, part_name
-from .workdir import human_bytes, is_disk_full, lock, pid_alive, remove_dead_temps, unlock, write_failure
+from .workdir import human_bytes, is_disk_full, lock, pid_alive, remove, remove_dead_temps, unlock, write_failure
 
 STATE_NAME = ".sync-state.json"
 CONNECT_TIMEOUT, READ_TIMEOUT, MAX_ATTEMPTS = 5.0, 20.0, 3  # one request: at most ~5 + 3 x 20 s
@@ -198,7 +198,7 @@ def clean_after_dead_syncs(dest: Path) -> None:
         remove_dead_temps(dest, ".*.part-*", recursive=True)
         remove_dead_temps(dest, f".{MANIFEST_NAME}.incoming-*")
         for m in dead:
-            m.unlink(missing_ok=True)
+            remove(m, dest)
 
 
 @contextmanager

@@ -1,5 +1,6 @@
 """Directories a process works in: an exclusive lock that names its holder, a check that an
-output directory can take what the run will write, and the clean-up of what dead writers left.
+output directory can take what the run will write, the one checked way to delete, and the clean-up
+of what dead writers left.
 
 The lock is `flock` on a file that lives OUTSIDE the directory it guards, in the user's lock folder
 (`locks/` under $DALI_PIPE_CACHE or ~/.cache/dali_pipe, whatever --cache-dir a run uses), named by a
@@ -11,6 +12,15 @@ name, so a removal racing with a new holder cannot give two holders).
 
 Why not a library: `filelock` keeps its lock file beside the target (in the directory here) and
 names no holder; `fcntl.flock` is the whole mechanism in a few lines.
+
+Deleting: whatever a run deletes or moves whose name it did not build in the same breath (a listing
+of a folder, a glob, a name read from a record such as the previous metrics.json, a folder of
+ours) goes through `remove(path, owner)` / `move(src, dst, owner)`, which refuse (OutsideError) a
+path that does not lie inside `owner`, the folder the run owns: its parent's real path, joined with
+its own name (a symlink is removed as itself, never followed; a folder's contents are removed by
+`shutil.rmtree`, which does not follow the links inside). Only a temporary file that a function
+names beside its own target (`.NAME.part-TID-PID`) and removes when its write fails is unlinked
+directly. A name read from a record is first checked with `plain_name`.
 """
 from __future__ import annotations
 
@@ -37,6 +47,51 @@ class BusyError(UserError):
 
 class OutputError(UserError):
     """An output directory cannot take what the run writes."""
+
+
+class OutsideError(UserError):
+    """A path to delete or move lies outside the folder the run owns (a crafted record, or a bug): refused."""
+
+
+def plain_name(name) -> bool:
+    """`name` is one file name: a non-empty string without a separator, not '.' or '..' (so, joined to a
+    folder, it names an entry of that folder and nothing else)."""
+    return (isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and "\\" not in name
+            and "\0" not in name)
+
+
+def inside(path: Path | str, owner: Path | str) -> Path:
+    """`path` as it lies in `owner`: its parent's real path joined with its own name (a symlink there is the
+    link itself, not its target). OutsideError unless that lies strictly inside `owner`'s real path."""
+    path, base = Path(path), Path(os.path.realpath(owner))
+    where = Path(os.path.realpath(path.parent)) / path.name if path.name not in ("", ".", "..") else None
+    if where is None or base not in where.parents:
+        raise OutsideError(f"refused to delete or move {redact(str(path))}: it lies outside "
+                           f"{redact(str(owner))}, the folder this run owns")
+    return where
+
+
+def remove(path: Path | str, owner: Path | str, *, quiet: bool = False) -> bool:
+    """Delete `path` (a file, a symlink, or a folder with all it holds) once `inside(path, owner)` has
+    checked it. False when nothing was there; other OSErrors are raised unless `quiet`. OutsideError always."""
+    where = inside(path, owner)
+    try:
+        if where.is_dir() and not where.is_symlink():
+            shutil.rmtree(where)
+        else:
+            where.unlink()
+    except FileNotFoundError:
+        return False
+    except OSError:
+        if not quiet:
+            raise
+        return False
+    return True
+
+
+def move(src: Path | str, dst: Path | str, owner: Path | str) -> None:
+    """os.replace(src, dst), both checked to lie inside `owner`."""
+    os.replace(inside(src, owner), inside(dst, owner))
 
 
 def lock_dir() -> Path:
@@ -143,10 +198,7 @@ def remove_dead_temps(directory: Path | str, pattern: str, *, recursive: bool = 
             continue
         pid = int(m.group(1))
         if (include_own and pid == os.getpid()) or (pid != os.getpid() and not pid_alive(pid)):
-            if tmp.is_dir() and not tmp.is_symlink():
-                shutil.rmtree(tmp, ignore_errors=True)
-            else:
-                tmp.unlink(missing_ok=True)
+            remove(tmp, directory, quiet=True)
             removed.append(tmp)
     return removed
 
@@ -202,6 +254,72 @@ def human_bytes(n: float) -> str:
         if n < 1024:
             return f"{n:.1f} {unit}"
     return f"{n / 1024:.1f} TiB"
+
+
+WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS}  # a write that the disk refused, whoever asked
+DENIED_ERRNOS = {errno.EACCES, errno.EPERM}  # a write refused to this user (or a read: only ours count)
+GONE_ERRNOS = {errno.ENOENT, errno.ENOTDIR, errno.ESTALE}  # the folder written to is no longer there
+
+
+def is_write_failure(err: BaseException) -> bool:
+    """An OSError of a write that the disk refused (full, a quota, read-only) or that was denied."""
+    return (isinstance(err, OSError) and err.errno in WRITE_ERRNOS | DENIED_ERRNOS) or is_disk_full(err)
+
+
+def chain(err: BaseException):
+    """`err`, then the exceptions it was raised from or while handling (a library that wraps an OSError in
+    its own error, as Lightning's logger does in a ValueError)."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        yield err
+        err = err.__cause__ or err.__context__
+
+
+def output_failure(err: BaseException, folders=()) -> tuple[Path, str] | None:
+    """(the path, why) when `err` or an error in its chain is a write the disk refused (full, read-only), or,
+    for a path in one of `folders` (the run's outputs), a write denied to this user or a path that is gone
+    (the folder was removed while the run wrote to it); else None. The path is the OSError's file name, else
+    the first of `folders` that is gone or refuses writes."""
+    for e in chain(err):
+        if not isinstance(e, OSError) or e.errno is None:
+            continue
+        name = os.fsdecode(e.filename) if e.filename is not None else None
+        ours = name is None or _under(name, folders)
+        if e.errno in WRITE_ERRNOS or (e.errno in DENIED_ERRNOS and ours and folders):
+            where = name or _first_unwritable(folders)
+            return (Path(where) if where else None), e.strerror or str(e)
+        if e.errno in GONE_ERRNOS and ours and folders:
+            gone = next((Path(f) for f in folders if not Path(f).is_dir()), None)
+            if gone is not None or name is not None:
+                return gone or Path(name), f"{e.strerror}: removed while the run wrote there"
+    return None
+
+
+def _under(name, folders) -> bool:
+    path = os.path.abspath(name)
+    return any(path == os.path.abspath(f) or path.startswith(os.path.abspath(f).rstrip("/") + "/") for f in folders)
+
+
+def _first_unwritable(folders) -> str | None:
+    for f in folders:
+        if not os.access(f, os.W_OK):
+            return str(f)
+    return None
+
+
+def fix_for(why: str, path: Path | str | None) -> str:
+    """What to do about a refused write of `path` (a file, or a folder), from its reason, in a few words."""
+    folder = Path(path) if path is not None else None
+    while folder is not None and not folder.is_dir() and folder.parent != folder and "removed" not in why:
+        folder = folder.parent  # the folder that holds the file (or the deepest one that is left)
+    if folder is None:
+        return "free space, or make the output writable"
+    if "No space" in why or "quota" in why:
+        return f"free space on the disk of {folder}"
+    if "removed" in why:
+        return f"find what removed {folder}"
+    return f"make {folder} writable for this user"
 
 
 def is_disk_full(err: BaseException) -> bool:

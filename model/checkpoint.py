@@ -10,7 +10,10 @@ carries the run's fingerprint, and a small `last.json` beside it
 repeats the fingerprint and progress so a rerun can decide without loading the weights.
 
 SIGTERM (spot reclaim, `docker stop`): the current training step finishes, every rank saves the
-same step, and the command exits 0 so the job can be rerun. A SIGTERM during validation lets the
+same step, and the command exits 0 so the job can be rerun. Ctrl-C (SIGINT) does the same, and the
+command exits 130 (the status of a process stopped by Ctrl-C); a second Ctrl-C stops at once (the
+default action of SIGINT: no save, the last checkpoint saved is kept, and a kill at any moment leaves
+it whole). Outside training (sync, scan, export) both stop at once, cleaning up. A SIGTERM during validation lets the
 validation finish (Lightning would stop mid-validation and, on resume, skip the rest of it), so
 every epoch's validation runs whole; the save follows the next training step. No checkpoint is taken
 at an epoch's last batch (periodic or for a SIGTERM): Lightning would resume it as a finished epoch,
@@ -57,7 +60,7 @@ from dali_pipe.config import flag_of, recipe_names
 from dali_pipe.datamodule import CheckedLoad
 from dali_pipe.datamodule import differences as fields_differ
 from dali_pipe.errors import RunMismatchError, UserError  # noqa: F401 (RunMismatchError: one class for both sides)
-from dali_pipe.workdir import remove_dead_temps, write_failure
+from dali_pipe.workdir import fix_for, move, remove, remove_dead_temps, write_failure
 
 from .loading import load_config
 
@@ -220,8 +223,8 @@ def plan_resume(resume: str, checkpoint_dir: Path, fingerprint: dict, targets: d
     if resume == "never":
         if last.is_file() and may_modify:
             aside = checkpoint_dir / f"last-{time.strftime('%Y%m%d-%H%M%S')}.ckpt"
-            os.replace(last, aside)
-            checkpoint_dir.joinpath(SIDECAR).unlink(missing_ok=True)
+            move(last, aside, checkpoint_dir)
+            remove(checkpoint_dir / SIDECAR, checkpoint_dir)
             return ResumePlan(None, note=f"--resume never: starting over; the previous checkpoint is kept as {aside}")
         return ResumePlan(None)
     path = last if resume == "auto" else Path(resume)
@@ -281,6 +284,11 @@ def between_epochs(checkpoint: dict) -> None:
 
 
 # -- the callback -------------------------------------------------------------------------------
+STOP_CODES = {"SIGTERM": 1, "SIGINT": 2}  # the ranks agree on the largest: Ctrl-C anywhere stops as Ctrl-C
+STOP_NAMES = {v: k for k, v in STOP_CODES.items()}
+EXIT_STATUS = {1: 0, 2: 130}  # SIGTERM: 0, so that the job is rerun; Ctrl-C: 130, as any program stopped by it
+
+
 class SpotSafeCheckpoint(pl.Callback):
     SAVES_FINAL = True  # this callback writes the final checkpoint (a subclass may leave it to a ModelCheckpoint)
 
@@ -291,11 +299,16 @@ class SpotSafeCheckpoint(pl.Callback):
         self.every_steps = every_steps
         self.fingerprint, self.targets = fingerprint or {}, targets or {}
         self.interrupted = False
+        self.stopped_by: str | None = None  # "SIGTERM" or "SIGINT": what stopped the run (every rank agrees)
         self.saves: list[tuple[int, float, float]] = []  # (global_step, start time, seconds) per save
         self._finishing = False
         self.final_error: CheckpointSaveError | None = None  # the end-of-training save failed (reported after export)
-        self._stop_requested = self._installed = False
+        self._stop_requested = 0  # STOP_CODES: the signal this rank received (0: none)
+        self._installed = False
+        self._fitting = False  # between setup and the end of training: Ctrl-C saves first
+        self._previous_sigint = None
         self._due = False  # a periodic save is due (deferred from an epoch's last batch)
+        self._pending_stop = False  # saved for a stop: fit ends at the next batch's start
         self._saved_final = False  # the final checkpoint was taken inside an epoch (--max-steps)
         self._after_epoch = False  # the save being made follows a finished epoch (the end of training)
         self._seen_step = 0  # the global step at the last batch end seen
@@ -316,6 +329,9 @@ class SpotSafeCheckpoint(pl.Callback):
             check()  # weights that are no longer finite never replace the last good checkpoint
         start = time.perf_counter()
         tmp = self.dir / f".{LAST}.tmp-{os.getpid()}"
+        if self.saves and trainer.is_global_zero and not self.dir.is_dir():
+            print(f"checkpoint: {self.dir} is gone (removed while the run trained, with the checkpoints saved "
+                  "before); saving there again", file=sys.stderr, flush=True)
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
             trainer.save_checkpoint(tmp, weights_only=False)  # every rank calls it (a barrier); rank 0 writes
@@ -332,8 +348,9 @@ class SpotSafeCheckpoint(pl.Callback):
             tmp.unlink(missing_ok=True)
             (self.dir / f".{SIDECAR}.tmp-{os.getpid()}").unlink(missing_ok=True)
             kept = "the previous checkpoint is kept" if (self.dir / LAST).is_file() else "no earlier checkpoint exists"
-            raise CheckpointSaveError(f"could not write a checkpoint to {self.dir} ({reason}); {kept}. Free space "
-                                      "there or pass another --checkpoint-dir.") from None
+            fix = fix_for(reason, self.dir)
+            raise CheckpointSaveError(f"could not write a checkpoint to {self.dir} ({reason}); {kept}. "
+                                      f"{fix[0].upper()}{fix[1:]}, or pass another --checkpoint-dir.") from None
         self.saves.append((trainer.global_step, start, time.perf_counter() - start))
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
@@ -362,10 +379,29 @@ class SpotSafeCheckpoint(pl.Callback):
             self._due = False
             self._saved_final = final
         if stop:
-            self.interrupted = True
-            raise SIGTERMException()  # Lightning tears down; the command reports and exits 0
+            self.interrupted, self.stopped_by = True, STOP_NAMES[stop]
+            self._fitting = False
+            if final:  # no next batch to wait for
+                self._stop(trainer)
+            # Stop at the next batch's start, not here: Lightning still logs this step's metrics (TensorBoard's
+            # curve would miss its point, which the resumed run does not train again) and the other callbacks
+            # see its end (progress, monitor); the checkpoint above already holds every rank's state.
+            self._pending_stop = True
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if self._pending_stop:
+            self._stop(trainer)
+
+    def _stop(self, trainer) -> None:
+        """End fit after the stop's save: Lightning tears down; the command reports and exits 0 (SIGTERM) or
+        130 (Ctrl-C)."""
+        self._pending_stop = False
+        raise SIGTERMException(EXIT_STATUS[STOP_CODES[self.stopped_by]])
 
     def on_train_end(self, trainer, pl_module) -> None:
+        self._fitting = False
+        if self._pending_stop:  # saved for a stop, and training ended before a next batch
+            self._stop(trainer)
         if self._saved_final:  # taken inside the epoch at --max-steps (on_train_batch_end)
             return
         self._finishing = self._after_epoch = True
@@ -377,9 +413,17 @@ class SpotSafeCheckpoint(pl.Callback):
             self._after_epoch = False
 
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        self._fitting = False
         if isinstance(exception, SIGTERMException) and not self.interrupted:
             self.save(trainer)
             self.interrupted = True
+            self.stopped_by = self.stopped_by or "SIGTERM"
+
+    def teardown(self, trainer, pl_module, stage: str) -> None:
+        self._fitting = False
+        if threading.current_thread() is threading.main_thread() and \
+                signal.getsignal(signal.SIGINT) == self._on_sigint and self._previous_sigint is not None:
+            signal.signal(signal.SIGINT, self._previous_sigint)  # as before fit (after an error, ours defers to it)
 
     # -- SIGTERM: every rank stops after the same step ------------------------------------------
     # Lightning's own handler stops each rank where it sees the signal (mid-validation too) and
@@ -395,6 +439,9 @@ class SpotSafeCheckpoint(pl.Callback):
         elif type(io) is TorchCheckpointIO:  # Lightning's default; a user's own is kept
             trainer.strategy.checkpoint_io = DirectCheckpointIO()
         self._group = None
+        if stage == "fit":
+            self._fitting = True
+            self._install_sigint()
         if trainer.world_size > 1:
             import torch.distributed as dist
 
@@ -418,14 +465,38 @@ class SpotSafeCheckpoint(pl.Callback):
     def _on_sigterm(self, signum, frame) -> None:
         if not self._stop_requested:
             print("SIGTERM received: saving a checkpoint after the current step", file=sys.stderr, flush=True)
-        self._stop_requested = True
+        self._stop_requested = max(self._stop_requested, STOP_CODES["SIGTERM"])
 
-    def _agree_to_stop(self, trainer) -> bool:
+    # Ctrl-C: from setup on (Lightning registers no SIGINT handler of its own, and a Ctrl-C while the loaders
+    # are built or the sanity check runs must not end in Lightning's "Detected KeyboardInterrupt", exit 1, no
+    # save). The first one asks for the same stop as SIGTERM, and gives SIGINT back its default action, so a
+    # second one stops the process at once, even inside a long call. Outside training (before setup, after
+    # the end of training: the export) the handler that was there before runs (the CLI's: stop, exit 130).
+    def _install_sigint(self) -> None:
+        if threading.current_thread() is threading.main_thread() and \
+                signal.getsignal(signal.SIGINT) != self._on_sigint:
+            self._previous_sigint = signal.getsignal(signal.SIGINT)
+            signal.signal(signal.SIGINT, self._on_sigint)
+
+    def _on_sigint(self, signum, frame) -> None:
+        if not self._fitting:
+            previous = self._previous_sigint
+            if callable(previous):
+                return previous(signum, frame)
+            raise KeyboardInterrupt
+        signal.signal(signal.SIGINT, signal.SIG_DFL)  # a second Ctrl-C: the default action, at once
+        print("Ctrl-C: saving a checkpoint after the current step, then stopping (exit status 130); press Ctrl-C "
+              "again to stop at once without saving (the last checkpoint saved is kept)", file=sys.stderr,
+              flush=True)
+        self._stop_requested = max(self._stop_requested, STOP_CODES["SIGINT"])
+
+    def _agree_to_stop(self, trainer) -> int:
+        """The stop every rank makes at this step: 0 (none), or the STOP_CODES of the signal any rank got."""
         if self._group is None:
-            return self._stop_requested
+            return int(self._stop_requested)
         import torch
         import torch.distributed as dist
 
         flag = torch.tensor([int(self._stop_requested)])
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
-        return bool(flag.item())
+        return int(flag.item())

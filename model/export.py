@@ -15,16 +15,23 @@ So after a kill (SIGTERM, kill -9, a full disk) between two moves, over an older
 either no metrics.json or one that names another run, step or selection, or files that do not match
 it: `problem()` says which, and the training command exports again from the checkpoint instead of
 saying "nothing to do". A temporary folder left by a killed writer is removed on the next run.
+
+What the previous export wrote and this one does not is removed (an older model's
+pytorch_model.bin, say), and only that: a name its metrics.json records is removed when it is a plain
+file name in OUT (no separator, not `..`, not a symlink) whose size and sha256 are still those
+recorded, i.e. a file that export wrote. Any other name (a folder reused as --output, a crafted or
+foreign metrics.json naming `../victim` or `/etc/passwd`) is left alone, with a line saying so.
 """
 from __future__ import annotations
 
 import json
 import os
-import shutil
+import sys
 from pathlib import Path
 
 from dali_pipe.errors import UserError
-from dali_pipe.workdir import remove_dead_temps, write_failure
+from dali_pipe.redact import redact
+from dali_pipe.workdir import plain_name, remove, remove_dead_temps, write_failure
 
 from . import checkpoint
 from .files import RECORD, damaged_files, file_record, read_record
@@ -45,8 +52,11 @@ def write(model, processor, out: Path, metrics: dict, *, run: str | None, select
     atomically as the module docstring says. Raises ExportError (the temporary folder removed)."""
     out = Path(out)
     tmp = out / f"{TEMP}{os.getpid()}"
+    if not out.is_dir():
+        print(f"export: {out} is gone (removed while the run trained); creating it again for the model",
+              file=sys.stderr)
     try:
-        shutil.rmtree(tmp, ignore_errors=True)
+        remove(tmp, out, quiet=True)
         tmp.mkdir(parents=True)
         model.save_pretrained(tmp)
         processor.save_pretrained(tmp)
@@ -60,13 +70,38 @@ def write(model, processor, out: Path, metrics: dict, *, run: str | None, select
         for name in files:
             os.replace(tmp / name, out / name)
         os.replace(tmp / RECORD, out / RECORD)
-        for name in (previous or {}).get("files", {}):  # what the previous export wrote and this one did not
-            if name not in files and name != RECORD:
-                (out / name).unlink(missing_ok=True)
+        for name in stale(out, previous, files):  # what the previous export wrote and this one did not
+            remove(out / name, out)
     except Exception as e:  # OSError, safetensors' SafetensorError: a full disk, a read-only OUT
         raise ExportError(f"the model could not be written to {out} ({write_failure(e, out)})") from None
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        remove(tmp, out, quiet=True)
+
+
+def stale(out: Path, previous: dict | None, files: dict) -> list[str]:
+    """The names the previous export record lists, this export does not write, and that export wrote: plain
+    file names of regular files in OUT with the size and sha256 recorded. Every other name it lists is
+    left alone, each with one line saying why."""
+    listed = (previous or {}).get("files", {})
+    out_names = []
+    for name, want in (listed.items() if isinstance(listed, dict) else ()):
+        if name in files or name == RECORD:
+            continue
+        why = None
+        if not plain_name(name):
+            why = "not a file name in that folder"
+        elif (out / name).is_symlink() or ((out / name).exists() and not (out / name).is_file()):
+            why = "not a file the export wrote (a link or a folder)"
+        elif not (out / name).exists():
+            continue
+        elif damaged_files(out, {"files": {name: want}}):
+            why = "its size or sha256 differ from what that export wrote"
+        if why:
+            print(f"export: left {redact(repr(name))} alone, which the previous {RECORD} in {out} lists: {why}",
+                  file=sys.stderr)
+        else:
+            out_names.append(name)
+    return out_names
 
 
 def problem(out: Path, *, run: str | None, global_step: int, select: str) -> str | None:

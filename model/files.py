@@ -8,6 +8,8 @@ import json
 import os
 from pathlib import Path
 
+from dali_pipe.workdir import plain_name
+
 RECORD = "metrics.json"  # the export's commit record (its `export` entry); see model/export.py
 
 
@@ -23,9 +25,10 @@ def sha256(path: Path) -> str:
 def read_record(out: Path) -> dict | None:
     """The export record in OUT's metrics.json, or None (none, unreadable, or an older version's)."""
     try:
-        return json.loads((out / RECORD).read_text()).get("export")
+        record = json.loads((out / RECORD).read_text()).get("export")
     except (OSError, ValueError, AttributeError):
         return None
+    return record if isinstance(record, dict) else None
 
 
 def file_record(folder: Path) -> dict:
@@ -41,12 +44,19 @@ def file_record(folder: Path) -> dict:
 def damaged_files(folder: Path, record: dict | None = None) -> list[str]:
     """The files of an export that differ from its record (missing, another size, another sha256);
     empty when the folder has no record (written by another tool or an older version). `record`
-    defaults to the export record in the folder's metrics.json."""
+    defaults to the export record in the folder's metrics.json. A name that is not a plain file name of
+    the folder (`../x`, an absolute path) is a problem too, and nothing outside the folder is read."""
     record = read_record(Path(folder)) if record is None else record
     problems = []
-    for name, want in (record or {}).get("files", {}).items():
-        path = Path(folder) / name
-        if not path.is_file():
+    listed = (record or {}).get("files", {})
+    for name, want in (listed.items() if isinstance(listed, dict) else [("files", None)]):
+        path = Path(folder) / name if plain_name(name) else None
+        if path is None or not isinstance(want, dict) or not isinstance(want.get("size"), int):
+            problems.append(f"the record in {Path(folder)} lists {name!r}, which is not a file name of that folder "
+                            "with its size and sha256")
+        elif path.is_symlink():
+            problems.append(f"{path} is a link, not the file that was written")
+        elif not path.is_file():
             problems.append(f"{path} is missing")
         elif path.stat().st_size != want["size"]:
             problems.append(f"{path} is damaged (truncated or overwritten: {path.stat().st_size} bytes, "

@@ -17,14 +17,13 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
 import sys
 from pathlib import Path
 
 import pytorch_lightning as pl
 
 from dali_pipe.errors import UserError
-from dali_pipe.workdir import pid_alive, remove_dead_temps, write_failure
+from dali_pipe.workdir import fix_for, move, pid_alive, remove, remove_dead_temps, write_failure
 
 from .files import damaged_files, file_record
 from .loading import ModelLoadError, load_checked
@@ -78,26 +77,28 @@ class BestModel(pl.Callback):
     def _save(self, model, best: dict) -> None:
         tmp = self.dir.with_name(f".best.tmp-{os.getpid()}")
         old = self.dir.with_name(f".best.old-{os.getpid()}")
+        root = self.dir.parent  # the checkpoint dir: what this run owns
         try:
-            shutil.rmtree(tmp, ignore_errors=True)
+            remove(tmp, root, quiet=True)
             model.save_pretrained(tmp)
             files = file_record(tmp)
             (tmp / RECORD).write_text(json.dumps({**best, "run": self.run_id, "files": files}))  # last: it is whole
         except Exception as e:  # OSError, safetensors' SafetensorError: a full disk
             reason = write_failure(e, tmp.parent)
-            shutil.rmtree(tmp, ignore_errors=True)
+            remove(tmp, root, quiet=True)
+            fix = fix_for(reason, root)
             kept = [what for what, path in (("the previous best model", self.dir),
                                             ("the last checkpoint", self.dir.with_name("last.ckpt"))) if path.exists()]
             raise BestSaveError(
                 f"could not save the best model (epoch {best['epoch']}, val_acc {best['val_acc']:.4f}) to {self.dir} "
                 f"({reason}); " + (f"{' and '.join(kept)} {'is' if len(kept) == 1 else 'are'} kept" if kept else
                                    "no checkpoint was saved before it (--checkpoint-every-steps saves within epochs)")
-                + ". Free space there (or pass another --checkpoint-dir) and rerun the same command"
+                + f". {fix[0].upper()}{fix[1:]} (or pass another --checkpoint-dir) and rerun the same command"
                 + (" to resume." if "the last checkpoint" in kept else ".")) from None
         if self.dir.exists():
-            os.replace(self.dir, old)
-        os.replace(tmp, self.dir)
-        shutil.rmtree(old, ignore_errors=True)
+            move(self.dir, old, root)
+        move(tmp, self.dir, root)
+        remove(old, root, quiet=True)
 
     def choice(self, select: str, last: dict) -> tuple[Path | None, dict]:
         """(folder holding the selected weights, or None for the in-memory last ones; the record for
@@ -151,6 +152,6 @@ def recover(checkpoint_dir: Path | str) -> None:
         candidates = [p for p in sorted(root.glob(".best.old-*")) if dead(p)]
         candidates += [p for p in sorted(root.glob(".best.tmp-*")) if dead(p) and (p / RECORD).is_file()]
         if candidates:
-            os.replace(candidates[0], best)
+            move(candidates[0], best, root)
     for pattern in (".best.tmp-*", ".best.old-*"):
         remove_dead_temps(root, pattern, include_own=True)

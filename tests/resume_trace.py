@@ -29,10 +29,11 @@ _ORIGINAL: dict = {}
 
 
 def install(trace: Path, *, sigterm_at_step: int | None = None, sigterm_in_val_epoch: int | None = None,
-            kill_at_step: int | None = None, patch=setattr) -> None:
+            kill_at_step: int | None = None, patch=setattr, stop_signal: int = signal.SIGTERM) -> None:
     """Patch ImageClassifier (in this process) to append every batch's labels to `trace` (JSON lines)
-    and to interrupt the run: SIGTERM after a training step, during validation of an epoch, or SIGKILL.
-    `patch` is setattr, or pytest's monkeypatch.setattr to undo it after the test."""
+    and to interrupt the run: `stop_signal` (SIGTERM, or SIGINT as Ctrl-C sends it) after a training step or
+    during validation of an epoch, or SIGKILL. `patch` is setattr, or pytest's monkeypatch.setattr to undo
+    it after the test."""
     from model.module import ImageClassifier
 
     if not _ORIGINAL:  # the unpatched steps, kept across installs (a second install must not wrap the first)
@@ -53,13 +54,13 @@ def install(trace: Path, *, sigterm_at_step: int | None = None, sigterm_in_val_e
         if not self.trainer.sanity_checking:
             write("val", self, batch[1])
             if sigterm_in_val_epoch == self.current_epoch and batch_idx == 0 and self.global_rank == 0:
-                os.kill(os.getpid(), signal.SIGTERM)
+                os.kill(os.getpid(), stop_signal)
         return val_step(self, batch, batch_idx)
 
     def on_train_batch_end(self, outputs, batch, batch_idx):
         if self.global_rank == 0:
             if sigterm_at_step is not None and self.global_step == sigterm_at_step:
-                os.kill(os.getpid(), signal.SIGTERM)
+                os.kill(os.getpid(), stop_signal)
             if kill_at_step is not None and self.global_step == kill_at_step:
                 os.kill(os.getpid(), signal.SIGKILL)
 

@@ -38,24 +38,97 @@ def _metric_lines(text: str) -> list[str]:
     return [ln for ln in text.splitlines() if ln.startswith("METRIC ")]
 
 
-def test_sigterm_mid_epoch_resumes_each_sample_once(indexed, tmp_path, cache_dir, monkeypatch, capsys):
-    """SIGTERM during step 5, epoch 1's last: its validation runs, then step 6 (epoch 2, batch 1), then the
-    save; the rerun continues the same permutation at the same place; across both runs every epoch
-    trains each sample once and validates each once; each epoch's METRIC line covers the whole epoch."""
+def _run(argv) -> int:
+    """train.py's entry in this process (its signal handlers, one-line errors and exit status)."""
+    import signal
+
+    from dali_pipe.cli import cli
+
+    old, streams = signal.getsignal(signal.SIGTERM), (sys.stdout, sys.stderr)
+    try:
+        return cli(lambda: train.main(argv))
+    finally:
+        signal.signal(signal.SIGTERM, old)
+        sys.stdout, sys.stderr = streams
+
+
+def _curves(log_dir: Path) -> dict[str, list[int]]:
+    """Every scalar curve in a TensorBoard folder as TensorBoard reads it (all event files, purges applied)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(log_dir))
+    acc.Reload()
+    return {tag: [e.step for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+def test_ctrl_c_mid_epoch_saves_and_the_rerun_resumes_each_sample_once(indexed, tmp_path, cache_dir, monkeypatch,
+                                                                       capsys):
+    """Ctrl-C (SIGINT) during step 5, epoch 1's last: its validation runs, then step 6 (epoch 2, batch 1), then the
+    save, and exit status 130 (before: Lightning's "Detected KeyboardInterrupt", exit 1, no checkpoint, and the
+    rerun started over). The rerun continues the same permutation at the same place; across both runs every
+    epoch trains each sample once and validates each once, each epoch's METRIC line covers the whole epoch, and
+    TensorBoard's curves, read back, hold each step once, as an uninterrupted run logs them (no second copy of
+    the steps the interrupted run logged, no gap at the resume)."""
+    import signal
+
+    import dali_pipe.cli.fit as fit
+
+    monkeypatch.setattr(fit, "LOG_EVERY", 1)  # a loss and lr point at every step
     trace, out = tmp_path / "trace.jsonl", tmp_path / "out"
-    rt.install(trace, sigterm_at_step=4, patch=monkeypatch.setattr)
-    first = train.main(_argv(indexed, out))
-    assert first == {"interrupted": True, "global_step": 6}  # signalled after step 4: not saved at 5, the last
+    rt.install(trace, sigterm_at_step=4, patch=monkeypatch.setattr, stop_signal=signal.SIGINT)
+    assert _run(_argv(indexed, out)) == 130  # signalled after step 4: not saved at 5, the epoch's last
+    first = capsys.readouterr()
+    assert "Ctrl-C: saving a checkpoint after the current step" in first.err and "Traceback" not in first.err
+    assert "stopped by Ctrl-C; checkpoint saved to " in first.out and "(step 6). Rerun the same command to resume." \
+        in first.out
     rt.install(trace, patch=monkeypatch.setattr)
     second = train.main(_argv(indexed, out))
     assert second["global_step"] == EPOCHS * (41 // BATCH)
     train_set, val_set = _sets(indexed)
     rt.assert_each_sample_once_per_epoch(rt.read(trace), train=train_set, epochs=EPOCHS, batch=BATCH, val=val_set)
-    text = capsys.readouterr().out
+    text = first.out + capsys.readouterr().out
     assert "resuming epoch 2, step 1 of 5 (global step 6) from " in text  # 5 steps of 8 per epoch
     lines = _metric_lines(text)
     assert [ln.split()[1] for ln in lines] == ["epoch=1", "epoch=2", "epoch=3"]
     assert all("train_samples=40" in ln and "val_samples=7" in ln for ln in lines), lines
+    curves = _curves(out / "tensorboard")
+    steps = list(range(EPOCHS * 5))
+    assert curves["train_loss_step"] == curves["lr-AdamW/pg1"] == steps, curves
+    assert curves["val_loss"] == curves["train_loss"] == [4, 9, 14] and curves["hp_metric"] == [0], curves
+
+
+def test_ctrl_c_outside_training_stops_and_a_second_one_stops_at_once(tmp_path, capsys):
+    """Ctrl-C before or after training (sync, scan, export) stops with exit 130 and one line; in training the
+    first asks for the save and gives SIGINT its default action back, so a second one stops the process at
+    once (without saving: the last checkpoint is kept); once training has ended, Ctrl-C stops at once again."""
+    import signal
+
+    from dali_pipe.cli import cli
+    from model.checkpoint import SpotSafeCheckpoint
+
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # Python's own, as a new process has it
+    assert cli(lambda: signal.raise_signal(signal.SIGINT)) == 130
+    assert capsys.readouterr().err.strip() == "stopped by Ctrl-C"
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # as it was before cli()
+
+    class Strategy:
+        checkpoint_io = None
+
+    class Trainer:
+        strategy, world_size = Strategy(), 1
+
+    cb = SpotSafeCheckpoint(tmp_path)
+    try:
+        cb.setup(Trainer(), None, "fit")
+        signal.raise_signal(signal.SIGINT)
+        assert cb._agree_to_stop(Trainer()) == 2 and signal.getsignal(signal.SIGINT) is signal.SIG_DFL
+        assert "press Ctrl-C again to stop at once without saving" in capsys.readouterr().err
+        signal.signal(signal.SIGINT, cb._on_sigint)  # as Lightning's teardown puts back what it found
+        cb.teardown(Trainer(), None, "fit")
+        with pytest.raises(KeyboardInterrupt):
+            signal.raise_signal(signal.SIGINT)
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def test_sigterm_during_validation_finishes_it_then_resumes(indexed, tmp_path, cache_dir, monkeypatch, capsys):

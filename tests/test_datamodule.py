@@ -53,12 +53,53 @@ def test_dali_runs_on_the_trainers_cuda_device(tmp_path, cache_dir, monkeypatch,
 
 
 def test_batch_larger_than_a_ranks_share_is_refused(photo_root, tmp_path, cache_dir):
-    from dali_pipe.datamodule import BatchTooLargeError
+    """The refusal names the largest batch that fits, and that batch size is accepted."""
+    from dali_pipe.datamodule import BatchTooLargeError, check_batch
 
     dm = datamodule(photo_root, tmp_path / "out", batch_size=64, cache_dir=cache_dir, spec=SPEC)
     dm.prepare_data()
-    with pytest.raises(BatchTooLargeError, match="--batch-size 64 is larger than the 43 training images"):
+    with pytest.raises(BatchTooLargeError, match="--batch-size 64 is larger than the 43 training images") as e:
         dm.setup("fit")
+    advised = int(str(e.value).split("lower --batch-size to at most ")[1].rstrip("."))
+    check_batch(43, advised, 1)  # following the advice works
+    with pytest.raises(BatchTooLargeError, match="at most 21"):
+        check_batch(43, 22, 2)
+    check_batch(43, 21, 2)
+
+
+def test_every_loader_asked_for_before_setup_says_which_call_is_missing(photo_root, tmp_path, cache_dir):
+    """train/val/test/predict_dataloader before setup(): NotPreparedError naming the missing calls (before: None
+    for train, [] for val, which trains nothing, and 'the validation split is empty' for predict)."""
+    from dali_pipe.datamodule import NotPreparedError
+
+    dm = datamodule(photo_root, tmp_path / "out", batch_size=8, cache_dir=cache_dir, spec=SPEC, val_fraction=0.25)
+    calls = ("train_dataloader", "val_dataloader", "test_dataloader", "predict_dataloader")
+    for call in calls:
+        with pytest.raises(NotPreparedError, match=rf"dm\.{call}\(\) was called before .* call dm\.prepare_data\(\), "
+                                                   r"then dm\.setup\(\) first"):
+            getattr(dm, call)()
+    dm.prepare_data()
+    with pytest.raises(NotPreparedError, match=r"call dm\.setup\(\) first"):
+        dm.val_dataloader()
+    dm.setup("fit")
+    assert all(getattr(dm, call)() is not None for call in calls)
+
+
+def test_the_bad_fraction_refusal_names_a_value_that_lets_the_run_go_on(tmp_path):
+    """5 of 24 bad (20.8%): the refusal asks for a --max-bad-fraction that passes (0.21, not the 20.8% it shows)."""
+    from dali_pipe.config import DataSettings
+    from dali_pipe.datamodule import ScanError, check_bad_fraction
+    from dali_pipe.scan import ScanResult
+
+    result = ScanResult(bad={f"/d/{i}.jpg": "truncated JPEG" for i in range(5)}, total=24)
+    with pytest.raises(ScanError, match=r"raise --max-bad-fraction to 0\.21 to train") as e:
+        check_bad_fraction(result, DataSettings(max_bad_fraction=0.05), tmp_path)
+    advised = float(str(e.value).split("--max-bad-fraction to ")[1].split()[0])
+    check_bad_fraction(result, DataSettings(max_bad_fraction=advised), tmp_path)
+    for bad, total in ((1, 3), (2, 3), (29, 100), (57, 100), (1, 7), (3, 3)):
+        from dali_pipe.datamodule import enough_fraction
+
+        assert bad / total <= float(enough_fraction(bad, total)) < bad / total + 0.01
 
 
 def test_drop_note_says_what_each_epoch_leaves_out_and_a_better_batch():
@@ -71,6 +112,8 @@ def test_drop_note_says_what_each_epoch_leaves_out_and_a_better_batch():
                            "process(es) trains 1 full batch(es) of 32 and drops its partial batch")
     assert "--batch-size 27 would drop 1." in note and note.endswith("Validation still sees every image.")
     assert drop_note(55, 5, 1) is None and drop_note(1000, 32, 1) is None  # 0 and 8 dropped
+    assert drop_note(55, 27, 1) is None and drop_note(55, int(drop_note(55, 8, 2).split("--batch-size ")[1].split()[0]),
+                                                        2) is None  # the batch size it names drops no more than 10%
 
 
 def test_trainer_test_and_predict_run_over_the_validation_split(photo_root, tmp_path, cache_dir):

@@ -167,6 +167,35 @@ def test_a_full_disk_at_the_best_model_and_at_the_export(small, tmp_path, cache_
         _assert_holds_checkpoint_model(out, 2)
 
 
+def test_out_turning_read_only_mid_training_is_one_line_naming_the_checkpoint_kept(small, tmp_path, cache_dir,
+                                                                                  monkeypatch, capsys):
+    """OUT (a tmpfs) turns read-only after step 3, the checkpoint dir elsewhere: one line naming the file that
+    could not be written, the checkpoint kept (step 3, there to resume from) and the fix, exit 2, no traceback
+    (before: a thread's traceback, a ValueError from Lightning's logger, then OSError: [Errno 30])."""
+    import subprocess
+
+    from helpers import small_disk
+
+    from model.module import ImageClassifier
+
+    ckpt = tmp_path / "ckpt"
+    with small_disk(tmp_path / "disk", "16m") as out:
+        def read_only_after_step_3(self, outputs, batch, batch_idx):
+            if self.global_step == 3:
+                subprocess.run(["mount", "-o", "remount,ro", str(out)], check=True)
+
+        monkeypatch.setattr(ImageClassifier, "on_train_batch_end", read_only_after_step_3)
+        argv = _argv(small, out, "--epochs", "2", "--checkpoint-dir", str(ckpt), "--checkpoint-every-steps", "1")
+        assert _run(argv) == 2
+        err = capsys.readouterr().err
+        assert f"error: training stopped: cannot write {out / 'tensorboard'}" in err, err
+        assert f"(Read-only file system); the last checkpoint, {ckpt / 'last.ckpt'} (step 3), is kept. Make " \
+               f"{out / 'tensorboard'} writable for this user (or write elsewhere), then rerun the same command to " \
+               "resume." in err, err
+        assert "Traceback" not in err and "Exception in thread" not in err and "you tried to log" not in err, err
+        assert json.loads((ckpt / "last.json").read_text())["global_step"] == 3
+
+
 def _finished_copy(trained: Path, dest: Path) -> Path:
     """A copy of the session's trained OUT (model and checkpoints)."""
     shutil.copytree(trained, dest, ignore=shutil.ignore_patterns(".dali_pipe.lock"))
@@ -203,3 +232,40 @@ def test_a_damaged_model_in_out_is_exported_again_and_refused_by_evaluate(traine
     assert f"{weights} is damaged" in text and "exporting the model again" in text
     assert f"{out} {weights}" not in text, "the folder named twice in a row"
     _assert_holds_checkpoint_model(out, 16)
+
+
+def test_the_export_removes_only_what_the_previous_export_wrote(trained, tmp_path, capsys):
+    """OUT's metrics.json (crafted, or a downloaded model folder reused as --output) names `../victim`, an
+    absolute path, a link and a file changed since: the export leaves each alone with one line saying why,
+    and removes only the plain file it recorded, unchanged, that the new export does not write (before, it
+    deleted ../victim and the absolute path and exited 0). The check before "nothing to do" reads nothing
+    outside OUT either."""
+    from model.export import problem, write
+    from model.files import sha256
+    from model.loading import load_processor, load_trained
+
+    victim, absolute, out = tmp_path / "victim", tmp_path / "absolute", tmp_path / "out"
+    out.mkdir()
+    for f in (victim, absolute):
+        f.write_text("keep")
+    (out / "old.bin").write_bytes(b"the previous export's weights")
+    (out / "edited.txt").write_text("the user's")
+    (out / "link").symlink_to(victim)
+
+    def rec(p):
+        return {"size": p.stat().st_size, "sha256": sha256(p)}
+
+    files = {"../victim": rec(victim), str(absolute): rec(absolute), "old.bin": rec(out / "old.bin"),
+             "edited.txt": {"size": 10, "sha256": "0" * 64}, "link": rec(victim)}
+    (out / "metrics.json").write_text(json.dumps({"export": {"run": "r", "global_step": 1, "select": "last",
+                                                             "files": files}}))
+    assert "'../victim', which is not a file name of that folder" in problem(out, run="r", global_step=1,
+                                                                            select="last")
+    capsys.readouterr()
+    write(load_trained(str(trained)), load_processor(str(trained)), out, {"global_step": 2}, run="s", select="last")
+    assert victim.read_text() == absolute.read_text() == "keep"
+    assert (out / "link").is_symlink() and (out / "edited.txt").read_text() == "the user's"
+    assert not (out / "old.bin").exists() and problem(out, run="s", global_step=2, select="last") is None
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("export: left")]
+    assert len(lines) == 4 and all(f"previous metrics.json in {out} lists" in ln for ln in lines), lines
+    assert sum("not a file name in that folder" in ln for ln in lines) == 2

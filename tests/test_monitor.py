@@ -148,6 +148,7 @@ def test_monitor_prescribes_packing_for_large_photos(tmp_path, cache_dir, capsys
     fit.advise_packing(s, report, read(s.data), ImageSpec(64, 64, (0.5,) * 3, (0.5,) * 3))
     line = capsys.readouterr().out.strip()
     assert line.startswith("MONITOR input-bound on large photos (median 2.") and "--max-side 384" in line, line
+    assert line.endswith(f": python -m dali_pipe pack {big} {big}-packed --max-side 384, then --data {big}-packed."), line
     fit.advise_packing(s, {"diagnosis": ["training: compute-bound (CPU)"]}, read(s.data), None)
     assert capsys.readouterr().out == ""
 
@@ -205,3 +206,22 @@ def test_a_second_fit_is_measured_from_its_own_start(photo_root, tmp_path, cache
     trainer.fit(module, datamodule=dm)
     budget = monitor.report["time_budget"]
     assert trainer.global_step == 4 and budget["seconds"]["startup"] < time.perf_counter() - between, budget
+
+
+def test_the_packing_advice_is_a_command_that_runs_as_printed(tmp_path):
+    """The prescription's pack command names the run's own --data and a folder (or prefix) beside it, quoted
+    for the shell, not the words DATA and PACKED: it parses as the pack command with exactly those paths."""
+    import shlex
+
+    from dali_pipe.cli.commands import parser
+    from dali_pipe.config import settings_from
+    from dali_pipe.prescribe import pack_command
+
+    for data in (str(tmp_path / "my photos"), "s3://bucket/prefix/"):
+        command, packed = pack_command(data)
+        argv = shlex.split(command)
+        assert argv[:3] == ["python", "-m", "dali_pipe"] and packed == data.rstrip("/") + "-packed"
+        ns = parser().parse_args(argv[3:])
+        del ns.command
+        s = settings_from(ns)
+        assert (s.pack.src, s.pack.dst, s.pack.max_side) == (data, packed, 384)

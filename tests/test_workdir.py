@@ -127,3 +127,66 @@ def test_temporary_folders_of_dead_writers_go_and_those_of_live_ones_stay(tmp_pa
         assert [p.name for p in tmp_path.iterdir()] == [f".model-tmp-{live.pid}"]
     finally:
         live.kill()
+
+
+def test_remove_deletes_only_inside_the_folder_it_is_given(tmp_path):
+    """The one checked way to delete: a file, a link (as itself) or a folder inside OWNER goes; a path that
+    lies outside it (`..`, absolute, through a symlinked folder) is refused and nothing is touched."""
+    from dali_pipe.workdir import OutsideError, move, remove
+
+    owner, victim = tmp_path / "out", tmp_path / "victim"
+    owner.mkdir()
+    victim.mkdir()
+    (victim / "precious").write_text("keep")
+    (owner / "escape").symlink_to(victim)  # a symlinked folder inside OWNER that points outside it
+    (owner / "old").mkdir()
+    (owner / "old" / "f").write_text("x")
+    (owner / "old" / "link").symlink_to(victim / "precious")
+    for outside in (owner / ".." / "victim", victim / "precious", owner / "escape" / "precious", owner, owner / "."):
+        with pytest.raises(OutsideError, match="outside"):
+            remove(outside, owner)
+    with pytest.raises(OutsideError):
+        move(owner / "old", victim / "moved", owner)
+    assert remove(owner / "escape", owner) and remove(owner / "old", owner) and not remove(owner / "gone", owner)
+    assert (victim / "precious").read_text() == "keep" and list(owner.iterdir()) == []
+
+
+def test_no_module_deletes_a_folder_but_through_the_checked_helper():
+    """shutil.rmtree is called in dali_pipe/workdir.py only: every folder we delete is checked to lie inside the
+    folder we own (workdir.remove)."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    callers = [str(p.relative_to(root)) for d in ("dali_pipe", "model") for p in (root / d).rglob("*.py")
+               if "rmtree(" in p.read_text() and p.name != "workdir.py"]
+    assert callers == [], callers
+
+
+def test_write_failures_are_found_behind_the_errors_that_wrap_them(tmp_path):
+    """A refused write named with its path and the fix, also when a library wraps it (Lightning's logger
+    raises ValueError from the OSError); a missing path counts only inside the run's folders, a denied one
+    too (reading an input without permission is not an output failure)."""
+    import errno
+
+    from dali_pipe.workdir import fix_for, output_failure
+
+    out = tmp_path / "out"
+    (out / "tensorboard").mkdir(parents=True)
+    ro = OSError(errno.EROFS, "Read-only file system", str(out / "tensorboard" / "events"))
+    try:
+        try:
+            raise ro
+        except OSError as e:
+            raise ValueError("you tried to log 1.1 which is currently not supported") from e
+    except ValueError as wrapped:
+        path, why = output_failure(wrapped, [out])
+    assert (path, why) == (out / "tensorboard" / "events", "Read-only file system")
+    assert fix_for(why, path) == f"make {out / 'tensorboard'} writable for this user"
+    gone = FileNotFoundError(errno.ENOENT, "No such file or directory", str(tmp_path / "logs" / "events"))
+    assert output_failure(gone, [out]) is None and output_failure(gone) is None
+    assert output_failure(gone, [out, tmp_path / "logs"]) == (tmp_path / "logs", "No such file or directory: "
+                                                                               "removed while the run wrote there")
+    denied = PermissionError(errno.EACCES, "Permission denied", "/data/dataset.tsv")
+    assert output_failure(denied, [out]) is None
+    full = OSError(errno.ENOSPC, "No space left on device")
+    assert fix_for(output_failure(full, [out])[1], out) == f"free space on the disk of {out}"

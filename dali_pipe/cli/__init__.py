@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import threading
 import warnings
 from pathlib import Path
 
@@ -33,7 +34,7 @@ from ..errors import RunFailed, UserError, dali_missing
 from ..forms import forms_text
 from ..manifest import MANIFEST_NAME, Manifest, read_manifest
 from ..redact import RedactingStream, redact
-from ..workdir import is_disk_full
+from ..workdir import fix_for, is_disk_full, output_failure
 
 TRAIN_DOC = """Train an image classifier from a dataset.tsv of JPEGs (local or S3) with a DALI pipeline.
 
@@ -134,6 +135,18 @@ def _terminate(signum, frame):
     raise Terminated()
 
 
+def _interrupt(signum, frame):
+    """Ctrl-C outside training: unwind as for SIGTERM (KeyboardInterrupt; exit 130), and give SIGINT its
+    default action back, so that a second Ctrl-C stops at once (training installs its own: save first)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    raise KeyboardInterrupt
+
+
+def exit_status(result) -> int:
+    """0, or 130 for a run that Ctrl-C stopped after saving its checkpoint."""
+    return 130 if isinstance(result, dict) and result.get("stopped_by") == "SIGINT" else 0
+
+
 _OURS = (str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parents[2] / "model"))
 _python_format = warnings.formatwarning
 
@@ -147,15 +160,18 @@ def plain_warning(message, category, filename, lineno, line=None) -> str:
 
 
 def cli(entry=main) -> int:
-    """Entry point: secrets never printed, SIGTERM handled from the first line, and user errors (and a
-    full disk) as one clear message with exit status 2 instead of a traceback; a failed run (training
+    """Entry point: secrets never printed, SIGTERM and Ctrl-C handled from the first line, and user errors
+    (and a full disk) as one clear message with exit status 2 instead of a traceback; a failed run (training
     diverged) as one clear message with exit status 1."""
     if not isinstance(sys.stdout, RedactingStream):
         sys.stdout, sys.stderr = RedactingStream(sys.stdout), RedactingStream(sys.stderr)
     warnings.formatwarning = plain_warning
     signal.signal(signal.SIGTERM, _terminate)  # training replaces it with its own (save, then exit 0)
+    sigint = signal.getsignal(signal.SIGINT)
+    if sigint is signal.default_int_handler:  # not where the shell ignores it (a job started with &)
+        signal.signal(signal.SIGINT, _interrupt)  # training replaces it with its own (save, then exit 130)
     try:
-        entry()
+        return exit_status(entry())
     except UserError as e:
         print(f"error: {redact(e)}", file=sys.stderr)
         return 2
@@ -174,14 +190,19 @@ def cli(entry=main) -> int:
             raise
         print(f"error: {missing}", file=sys.stderr)
         return 2
-    except OSError as e:  # a full disk wherever it strikes (an output file, a log): one line, not a traceback
-
-        if not is_disk_full(e):
+    except OSError as e:  # a full or read-only disk wherever it strikes (an output file, a log): one line
+        failure = output_failure(e)
+        if failure is None and not is_disk_full(e):
             raise
-        print(f"error: no space left on device writing {redact(e.filename or 'a file')}; free space there (or "
-              "write elsewhere) and rerun", file=sys.stderr)
+        if failure is None or "No space" in failure[1]:
+            print(f"error: no space left on device writing {redact(e.filename or 'a file')}; free space there (or "
+                  "write elsewhere) and rerun", file=sys.stderr)
+        else:
+            print(f"error: cannot write {redact(str(failure[0] or 'a file'))} ({failure[1]}); "
+                  f"{redact(fix_for(failure[1], failure[0]))} (or write elsewhere) and rerun", file=sys.stderr)
         return 2
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
-    return 0
+        if sigint is not None and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGINT, sigint)  # as it was (the tests call cli() in their own process)

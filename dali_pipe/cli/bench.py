@@ -123,7 +123,8 @@ def verdicts(b: Bench, results: dict, ratio: dict) -> list[str]:
     bound = any(results[n]["diagnosis"][0].startswith(f"{n}: input-bound") for n in ("dali", "baseline")
                 if n in results)
     if bound and not isinstance(b.train, Shards):
-        advice = prescription(b.dm.manifest, b.spec, b.pipeline, batch_size=b.s.data.batch_size, cores=cores)
+        advice = prescription(b.dm.manifest, b.spec, b.pipeline, batch_size=b.s.data.batch_size, cores=cores,
+                              data=b.s.data.data)
         if advice:
             lines.append(advice)
     return lines + b.notes

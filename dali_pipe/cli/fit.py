@@ -7,7 +7,7 @@ the other local ranks, which skip what only one process may do):
   PID); the other nodes never touch OUT, which may be one folder shared by all;
 - with several nodes, join the hosts' meeting first (hosts.py), and meet after the sync and scan;
 - check that OUT and the checkpoint dir are writable directories with room for two checkpoints
-  and the model;
+  and the model, and that the report and TensorBoard folders are writable;
 - sync s3:// data, scan, write the report (once; Lightning's own `prepare_data` is then a no-op);
 - fingerprint the run (the data and every setting that changes the weights) and decide what to resume
   (`--resume`), before any training: a checkpoint, or a model in OUT, of another run stops it naming
@@ -44,7 +44,7 @@ from ..prescribe import prescription
 from ..redact import redact_tree
 from ..scan import is_empty_report
 from ..spec import ImageSpec
-from ..workdir import OutputError, check_writable, lock, no_empty_folders_on_failure, unlock
+from ..workdir import OutputError, check_writable, fix_for, lock, no_empty_folders_on_failure, output_failure, unlock
 from .hosts import fail_together, join, plan_text
 from .noise import quiet_known_noise
 
@@ -67,13 +67,16 @@ def is_first_node() -> bool:
     return os.environ.get("NODE_RANK", "0") == "0"
 
 
-def make_trainer(s: Settings, callbacks: list, *, logger=True, **overrides):
-    """The one Trainer configuration training and the benchmark share."""
+def make_trainer(s: Settings, callbacks: list, *, logger=True, purge_step: int | None = None, **overrides):
+    """The one Trainer configuration training and the benchmark share. `purge_step`: TensorBoard drops the
+    events of earlier runs in --log-dir from that step on (see tensorboard_purge_step)."""
     import pytorch_lightning as pl
     from pytorch_lightning.loggers import TensorBoardLogger
 
     if logger is True:
-        logger = TensorBoardLogger(s.run.log_dir, name="", version="")
+        # a resumed run logs no second placeholder hp_metric at step 0 (its first run's is kept)
+        logger = TensorBoardLogger(s.run.log_dir, name="", version="", purge_step=purge_step,
+                                   default_hp_metric=not purge_step)
     world = world_size(s)
     strategy = "auto"
     if world > 1:  # collectives (and Lightning's own rendezvous) give up after --dist-timeout, naming no hang
@@ -130,6 +133,8 @@ def run(s: Settings, manifest: Manifest | None = None, style: str = "flag") -> d
                 lock(out, "training run", "wait for it to finish, or pass another --output")
             if main and s.run.report_dir and Path(s.run.report_dir) != out:
                 check_writable(s.run.report_dir, "--report-dir")
+            if writes_out and s.run.log_dir:  # TensorBoard's folder: written by global rank 0 only
+                check_writable(s.run.log_dir, "--log-dir")
             return _fit(s, out, ckpt_dir, main, meeting, started, manifest, style)
         except BaseException as e:
             if meeting is not None:
@@ -213,19 +218,36 @@ def _fit(s: Settings, out: Path, ckpt_dir: Path, main: bool, meeting=None,
     callbacks = [ckpt, best, LearningRateMonitor(logging_interval="step"), DaliMemoryLog()]
     callbacks += [TerminalProgressBar() if sys.stderr.isatty() else PlainProgressBar()]  # a bar on a terminal
     callbacks += [monitor] if monitor else []
-    trainer = make_trainer(s, callbacks, log_every_n_steps=max(1, min(LOG_EVERY, steps_per_epoch(s, p.manifest))))
+    trainer = make_trainer(s, callbacks, log_every_n_steps=max(1, min(LOG_EVERY, steps_per_epoch(s, p.manifest))),
+                           purge_step=tensorboard_purge_step(p.plan))
     try:
         trainer.fit(module, datamodule=p.dm, ckpt_path=p.plan.ckpt_path)
     except SIGTERMException:
-        pass  # SpotSafeCheckpoint saved; report below and exit 0
+        pass  # SpotSafeCheckpoint saved; report below and exit 0 (SIGTERM) or 130 (Ctrl-C)
     except TrainingDiverged as e:  # nothing is exported; say which checkpoint is the last good one
         meta = read_meta(ckpt_dir / LAST) if (ckpt_dir / LAST).is_file() else None
         kept = (f"{ckpt_dir / LAST} (step {meta.get('global_step')}) is the last checkpoint, saved while the weights "
                 "were finite" if meta else "no checkpoint was saved before it")
         raise TrainingDiverged(f"{e} Nothing was exported to {out}; {kept}.") from None
+    except SystemExit as e:  # Lightning's "Detected KeyboardInterrupt": a Ctrl-C before SpotSafeCheckpoint's own
+        if isinstance(e.__context__, KeyboardInterrupt):  # handler was installed (while the loaders were built)
+            raise KeyboardInterrupt from None  # the CLI: "stopped by Ctrl-C", exit 130
+        raise
+    except Exception as e:  # an output folder turned read-only, vanished or filled up: one line, not a traceback
+        failure = None if isinstance(e, UserError) else output_failure(e, outputs(s))
+        if failure is None:
+            raise
+        path, why = failure
+        left, resumable = kept(ckpt_dir)
+        fix = fix_for(why, path)
+        then = "then rerun the same command" + (" to resume." if resumable else ".")
+        raise OutputError(f"training stopped: cannot write {path or 'an output'} ({why}); {left}. {fix[0].upper()}"
+                          f"{fix[1:]} (or write elsewhere), {then}") from None
     if ckpt.interrupted:
-        print(f"stopped by SIGTERM; checkpoint saved to {ckpt_dir}. Rerun the same command to resume.")
-        return {"interrupted": True, "global_step": trainer.global_step}
+        what = "Ctrl-C" if ckpt.stopped_by == "SIGINT" else "SIGTERM"
+        print(f"stopped by {what}; checkpoint saved to {ckpt_dir} (step {trainer.global_step}). Rerun the same "
+              "command to resume.")
+        return {"interrupted": True, "global_step": trainer.global_step, "stopped_by": ckpt.stopped_by}
     if monitor and monitor.report and trainer.is_global_zero:
         advise_packing(s, monitor.report, p.manifest, p.spec)
     if trainer.is_global_zero:
@@ -234,6 +256,37 @@ def _fit(s: Settings, out: Path, ckpt_dir: Path, main: bool, meeting=None,
         raise OutputError(f"training finished, but {ckpt.final_error}")
     last = module.epoch_metrics[-1] if module.epoch_metrics else {}
     return {**last, "global_step": trainer.global_step}
+
+
+def outputs(s: Settings) -> list[str]:
+    """The folders a training run writes to: OUT, the checkpoints, TensorBoard, the reports, the cache."""
+    return [s.run.output, s.run.checkpoint_dir, s.run.log_dir, s.run.report_dir, s.data.cache_dir]
+
+
+def kept(ckpt_dir: Path) -> tuple[str, bool]:
+    """Which checkpoint a failed run leaves to resume from, in words, and whether there is one."""
+    last = ckpt_dir / LAST
+    try:
+        step = (read_meta(last) or {}).get("global_step") if last.is_file() else None
+    except UserError:  # damaged: the rerun names it
+        step = None
+    if not last.is_file():
+        return "no checkpoint was saved before it (--checkpoint-every-steps saves within epochs)", False
+    return f"the last checkpoint, {last}" + (f" (step {step})" if step is not None else "") + ", is kept", True
+
+
+def tensorboard_purge_step(plan) -> int | None:
+    """Where this run's TensorBoard curves take over from the events already in --log-dir: at the step of the
+    checkpoint it resumes (Lightning logs step N's points at index N - 1, so what the earlier run logged from
+    index N on came after that checkpoint: trained again after a kill -9, it would appear twice),
+    or from step 0 for a run that starts over (the curves of the run it replaces are dropped from view).
+    None (nothing dropped) for a checkpoint of an older version, which does not say its step. The
+    SummaryWriter writes a session start at this step, and TensorBoard drops the earlier files' events from
+    there on (the files themselves stay)."""
+    if not plan.ckpt_path:
+        return 0
+    step = (read_meta(Path(plan.ckpt_path)) or {}).get("global_step")
+    return step if isinstance(step, int) else None
 
 
 def export(s: Settings, module, p: Prepared, best, ckpt, global_step: int, out: Path) -> None:
@@ -294,7 +347,7 @@ def advise_packing(s: Settings, report: dict, manifest, spec) -> None:
     """--monitor found the loader input-bound: if the photos are large, measure what packing would give."""
     if isinstance(manifest, Manifest) and report["diagnosis"][0].startswith("training: input-bound"):
         advice = prescription(manifest, spec, s.pipeline, batch_size=s.data.batch_size,
-                              cores=len(os.sched_getaffinity(0)))
+                              cores=len(os.sched_getaffinity(0)), data=s.data.data)
         if advice:
             print(f"MONITOR {advice}", flush=True)
 

@@ -26,6 +26,8 @@ import atexit
 import json
 import os
 import socket
+import sys
+import tempfile
 import threading
 import time
 from contextlib import contextmanager
@@ -40,8 +42,10 @@ from ..redact import redact
 POLL = 0.2  # seconds between looks at the meeting
 WATCH = 1.0  # seconds between looks for a failed host while this one syncs and scans
 CONNECT_TRY = 0.5  # seconds one connection attempt may block (a SIGTERM waits at most this long)
+STORE_TRY = 5.0  # seconds a store attempt on a port that accepts may take before it counts as never answering
 BEAT = 2.0  # seconds between heartbeats once the hosts have met (to name a host that died without a word)
 LINGER = 10.0  # seconds the first host keeps the meeting open after failing, so the others read why
+INTERVAL = 30.0  # seconds between two lines of a host that waits (each says why it still waits)
 
 
 class HostsError(UserError):
@@ -133,8 +137,9 @@ class Meeting:
         self._stop_watching()  # from here on this loop, and then the collectives, notice a failed host
         self.store.set(f"arrived/{self.rank}", json.dumps({"host": self.me, "plan": plan,
                                                            "fingerprint": fingerprint}))
-        deadline = time.monotonic() + self.timeout
-        said = False
+        start = time.monotonic()
+        deadline = start + self.timeout
+        said_at = -INTERVAL
         while True:
             peer = self.peer_failure()
             if peer:
@@ -146,10 +151,11 @@ class Meeting:
                 raise HostsError(f"host(s) {', '.join(missing)} did not arrive within {self.timeout:g} s "
                                  "(--dist-timeout); see their logs and output/failure, or raise --dist-timeout "
                                  "if their sync takes that much longer")
-            if not said:
-                print(f"hosts: {self.me} waiting for {', '.join(missing)} (at most {self.timeout:g} s, "
-                      "--dist-timeout)", flush=True)
-                said = True
+            now = time.monotonic()
+            if now - said_at >= INTERVAL:  # at most one line per INTERVAL
+                print(redact(f"hosts: {self.me} waiting for {', '.join(missing)} ({now - start:.0f} s of at most "
+                             f"{self.timeout:g} s, --dist-timeout)"), flush=True)
+                said_at = now
             time.sleep(POLL)
         arrived = [json.loads(self.store.get(k)) for k in self._keys("arrived")]
         if len({a["plan"] for a in arrived}) > 1:
@@ -322,7 +328,8 @@ def open_meeting(addr: str, port: int, rank: int, names: list[str], timeout: flo
 
     if rank == 0:
         try:
-            store = TCPStore(addr, port, None, True, timedelta(seconds=timeout), wait_for_workers=False)
+            with cpp_stderr_quiet():
+                store = TCPStore(addr, port, None, True, timedelta(seconds=timeout), wait_for_workers=False)
         except Exception as e:  # noqa: BLE001
             raise HostsError(f"host {names[0]} cannot open the hosts' meeting on port {port} (MASTER_PORT + 1): "
                              f"{str(e).splitlines()[0]}; free the port or set another MASTER_PORT") from None
@@ -331,48 +338,103 @@ def open_meeting(addr: str, port: int, rank: int, names: list[str], timeout: flo
     return Meeting(store, rank, names, timeout)
 
 
+@contextmanager
+def cpp_stderr_quiet():
+    """While a TCPStore tries to connect or open: file descriptor 2 into a temporary file, dropped after.
+    Its C++ logging writes stack traces there directly, past sys.stderr and our redaction; the failure
+    itself comes back as the exception, which says it in one line. (This thread only waits meanwhile.)"""
+    sys.stderr.flush()
+    try:
+        saved = os.dup(2)
+    except OSError:  # no stderr to keep clean
+        yield
+        return
+    try:
+        with tempfile.TemporaryFile() as sink:
+            os.dup2(sink.fileno(), 2)
+            try:
+                yield
+            finally:
+                os.dup2(saved, 2)
+    finally:
+        os.close(saved)
+
+
+def probe(addr: str, port: int, timeout: float) -> str | None:
+    """None when something accepts a TCP connection at addr:port; else why not, as measured by a plain socket
+    (TCPStore's client would say "timed out" for all of these, and print C++ stack traces on stderr)."""
+    try:
+        with socket.create_connection((addr, port), timeout=timeout):
+            return None
+    except ConnectionRefusedError:
+        return "nothing is listening on that port yet (connection refused)"
+    except (socket.timeout, TimeoutError):
+        return f"no answer within {timeout:g} s (the host is not up yet, or a firewall drops the connection)"
+    except socket.gaierror as e:
+        return f"the address does not resolve ({e.strerror})"
+    except OSError as e:
+        return e.strerror or type(e).__name__
+
+
 def _connect(addr: str, port: int, names: list[str], rank: int, timeout: float):
     """Connect to the first host's meeting, retrying until `timeout`; SIGTERM ends the wait at once.
 
-    Each attempt runs in a daemon thread that this one waits for in POLL slices: TCPStore's client blocks
-    inside C++, past its own timeout, on a peer that accepts the connection but never answers (another
-    program on MASTER_PORT + 1, a frozen first host), and a SIGTERM would wait for it too."""
+    Each try first probes the port with a plain socket, and builds a TCPStore client only when something
+    accepts there: TCPStore's client writes C++ stack traces to stderr for every failed try (straight to the
+    file descriptor, past our redaction) and reports a port with nothing listening as a timeout. A store
+    attempt runs in a daemon thread that this one waits for in POLL slices: TCPStore's client blocks inside
+    C++, past its own timeout, on a peer that accepts the connection but never answers (another program on
+    MASTER_PORT + 1, a frozen first host), and a SIGTERM would wait for it too; after such a try, the next
+    store attempt waits INTERVAL (probes go on). The wait prints at most one line per INTERVAL, saying why."""
     from torch.distributed import TCPStore
 
-    deadline = time.monotonic() + timeout
-    said = False
+    start = time.monotonic()
+    deadline = start + timeout
+    said, said_at, next_store = None, -INTERVAL, 0.0
     with _sigterm_means(f"waiting for host {names[0]} (the first host)"):
         while True:
             left = max(0.1, min(CONNECT_TRY, deadline - time.monotonic()))
-            result: dict = {}
+            error = probe(addr, port, left)
+            if error is None and next_store <= time.monotonic() < deadline - CONNECT_TRY:
+                result: dict = {}
 
-            def attempt(left=left, result=result):
-                try:
-                    result["store"] = TCPStore(addr, port, None, False, timedelta(seconds=left))
-                except Exception as e:  # noqa: BLE001  (DistNetworkError, RuntimeError, ... by torch version)
-                    result["error"] = str(e).splitlines()[0] if str(e) else type(e).__name__
+                def attempt(left=left, result=result):
+                    try:
+                        result["store"] = TCPStore(addr, port, None, False, timedelta(seconds=left))
+                    except Exception as e:  # noqa: BLE001  (DistNetworkError, RuntimeError, ... by torch version)
+                        result["error"] = str(e).splitlines()[0] if str(e) else type(e).__name__
 
-            thread = threading.Thread(target=attempt, daemon=True, name="dali_pipe-hosts-connect")
-            thread.start()
-            while thread.is_alive() and time.monotonic() <= deadline:
-                thread.join(POLL)  # a SIGTERM's handler runs between the slices
-            if "store" in result:
-                return result["store"]
-            if thread.is_alive():  # stuck on a silent peer: end its connection so the thread ends before we exit
-                _shutdown_connections(port)
-                thread.join(2.0)
-                error = ("the connection was accepted but the meeting's store never answered: another program may "
-                         "hold that port, or the first host is frozen")
-            else:
-                error = result.get("error", "no answer")
-            if time.monotonic() > deadline:
-                raise HostsError(f"host {names[rank]} could not reach host {names[0]} (the first host) at "
-                                 f"{addr}:{port} within {timeout:g} s (--dist-timeout): {error}. Check that it "
-                                 "started, and that the hosts can reach each other on MASTER_PORT + 1")
-            if not said:
-                print(f"hosts: {names[rank]} waiting for host {names[0]} at {addr}:{port} (at most {timeout:g} s, "
-                      "--dist-timeout)", flush=True)
-                said = True
+                thread = threading.Thread(target=attempt, daemon=True, name="dali_pipe-hosts-connect")
+                until = min(deadline, time.monotonic() + STORE_TRY)
+                with cpp_stderr_quiet():
+                    thread.start()
+                    while thread.is_alive() and time.monotonic() <= until:
+                        thread.join(POLL)  # a SIGTERM's handler runs between the slices
+                    stuck = thread.is_alive()
+                    if stuck:  # on a silent peer: end its connection so the thread ends before we exit
+                        _shutdown_connections(port)
+                        thread.join(left + 2.0)  # its retries end within its own timeout (`left`)
+                if "store" in result:
+                    return result["store"]
+                if stuck:
+                    error = ("the connection was accepted but the meeting's store never answered: another program "
+                             "may hold that port, or the first host is frozen")
+                elif probe(addr, port, left) is not None:
+                    error = "the first host closed the connection (it stopped, or is restarting)"
+                else:
+                    error = f"the meeting's store refused this host: {result.get('error', 'no answer')}"
+                next_store = time.monotonic() + INTERVAL
+            elif error is None:
+                error = said or "waiting to try the meeting's store again"
+            now = time.monotonic()
+            if now > deadline:
+                raise HostsError(redact(f"host {names[rank]} could not reach host {names[0]} (the first host) at "
+                                        f"{addr}:{port} within {timeout:g} s (--dist-timeout): {error}. Check that it "
+                                        "started, and that the hosts can reach each other on MASTER_PORT + 1"))
+            if now - said_at >= INTERVAL:
+                print(redact(f"hosts: {names[rank]} waiting for host {names[0]} at {addr}:{port}: {error} "
+                             f"({now - start:.0f} s of at most {timeout:g} s, --dist-timeout)"), flush=True)
+                said, said_at = error, now
             time.sleep(POLL)
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import errno
 import json
-import shutil
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -37,7 +36,7 @@ from ..sync import (
     read_object,
     sync_objects,
 )
-from ..workdir import lock, unlock
+from ..workdir import lock, remove, unlock
 
 REPLACED = ".replaced-packed.json"  # in the staging folder: the packed.json of the pack being replaced in S3
 
@@ -137,7 +136,7 @@ def _replaced(staging: Path) -> dict | None:
 def _clear(staging: Path) -> None:
     """Empty our staging folder (its lock lives outside it, workdir.lock_path)."""
     for p in staging.iterdir() if staging.is_dir() else []:
-        shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
+        remove(p, staging)
 
 
 def _finished_shards(staging: Path) -> int:

@@ -22,6 +22,11 @@ decoded.
   optimal rule, not a guess. DDP: each rank fetches the shards of its own share (the plan splits
   the data by rank), into its own folder, with bound / local ranks; ranks fetch disjoint data,
   so fetching once per node would save only the few shards cut by a rank boundary.
+  The cache heals itself: a shard that is missing, shorter than its index or changed when a reader
+  comes to it (its size and mtime are compared with those it landed with, and a changed one is hashed
+  again) is removed and fetched again, through the same bound, order and fetch limits, at most
+  HEALS times per shard and run; a rerun keeps every shard that landed whole (those the verdicts
+  file, saved every few seconds, does not know yet are hashed again instead of fetched).
 - Shards of others on S3 or at an https:// server are streamed the same way (their sizes and
   sha256 from indexing); gzipped ones were decompressed into the cache dir while indexed
   (shards/source.py) and are local files here.
@@ -59,7 +64,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..config import default_cache_dir
+from ..config import default_cache_dir, parse_size
 from ..errors import UserError
 from ..https import HttpError, Stopped, cache_name, download, is_http, shown
 from ..redact import redact
@@ -74,7 +79,7 @@ from ..sync import (
     sync_objects,
 )
 from ..transfer import Engine, TransferError, temp_path
-from ..workdir import lock, remove_dead_temps, unlock
+from ..workdir import is_write_failure, lock, remove, remove_dead_temps, unlock
 from .format import PACKED_NAME, PackedFormatError, file_sha256, parse_packed
 
 VERDICTS_NAME = "shard-verdicts.json"
@@ -88,6 +93,7 @@ ATTEMPT_DEADLINE = 120.0  # seconds an attempt may take at most, plus the time t
 MIN_RATE = 2e6  # bytes/s: the slowest transfer an attempt is given time for
 STREAM_SHARE = 0.5  # default --stream-cache: this share of the cache disk's free space
 HASH_WORKERS = 4
+HEALS = 2  # times one shard may be fetched again in a run after it went missing or changed in the cache
 
 
 class ShardError(UserError):
@@ -263,13 +269,13 @@ class Fetcher:
         rename (a mismatch is fetched once more). Returns the bytes. Raises ShardError / ShardFetchError."""
         bucket, key = _split(remote.url)
         size = remote.size if remote.size is not None else self.size_of(remote.url)
-        dest.parent.mkdir(parents=True, exist_ok=True)
         mismatch, failure = None, None
         for attempt in range(ATTEMPTS):
             if stop is not None and stop.is_set():
                 raise ShardFetchError(f"{_where(remote.url)}: the fetch was stopped")
             tmp = temp_path(dest)
             try:
+                dest.parent.mkdir(parents=True, exist_ok=True)  # each time: a cache folder removed meanwhile comes back
                 self._one(bucket, key, tmp, size, on_bytes, remote.etag)
                 problem = check_file(tmp, size, remote.sha256)
                 if problem is None:
@@ -284,6 +290,9 @@ class Fetcher:
                 if e.errno == errno.ENOSPC:
                     raise ShardError(f"the disk of {dest.parent} is full ({remote.url} did not fit); free space, or "
                                      "lower --stream-cache, or pass another --cache-dir") from None
+                if is_write_failure(e):  # a read-only cache, or not ours
+                    raise ShardError(f"cannot write {remote.url} into {dest.parent} ({e.strerror}); make that "
+                                     "folder writable, or pass another --cache-dir") from None
                 failure, mismatch = f"{type(e).__name__}: {str(e)[:200]}", None
             except TransferError as e:
                 if e.code in ("NoSuchKey", "404", "NotFound", "NoSuchBucket", "AccessDenied", "403", "credentials"):
@@ -351,7 +360,6 @@ class HttpFetcher:
 
     def fetch(self, remote: Remote, dest: Path, *, stop: threading.Event | None = None,
               verdicts: Verdicts | None = None, on_bytes=None) -> int:
-        dest.parent.mkdir(parents=True, exist_ok=True)
         deadline_s = ATTEMPT_DEADLINE + (remote.size or 0) / MIN_RATE
         mismatch, failure = None, None
         for _ in range(ATTEMPTS):
@@ -360,6 +368,7 @@ class HttpFetcher:
             tmp = temp_path(dest)
             stopping = _Either(stop, self._stop)
             try:
+                dest.parent.mkdir(parents=True, exist_ok=True)  # each time: a cache folder removed meanwhile comes back
                 with open(tmp, "wb") as f:
                     download(remote.url, f, size=remote.size, deadline=time.monotonic() + deadline_s, stop=stopping,
                              on_bytes=on_bytes)
@@ -382,6 +391,9 @@ class HttpFetcher:
                 if e.errno in (errno.ENOSPC, errno.EDQUOT):
                     raise ShardError(f"the disk of {dest.parent} is full ({_where(remote.url)} did not fit); free "
                                      "space, or lower --stream-cache, or pass another --cache-dir") from None
+                if is_write_failure(e):  # a read-only cache, or not ours
+                    raise ShardError(f"cannot write {_where(remote.url)} into {dest.parent} ({e.strerror}); make "
+                                     "that folder writable, or pass another --cache-dir") from None
                 raise
             finally:
                 tmp.unlink(missing_ok=True)
@@ -416,15 +428,24 @@ class StreamCacheError(ShardError):
     """--stream-cache cannot hold what the epoch plan reads at once, or the disk cannot hold --stream-cache."""
 
 
-def _mb(n: float, *, up: bool = False) -> str:
+def _mb(n: float, *, up: bool = False, down: bool = False) -> str:
     """A size in decimal units, as --stream-cache takes it ('812 bytes', '37.5 kB', '12.0 MB', '1.2 GB'; never
-    '0.0 MB'); `up`: rounded up, for a size that must be enough."""
+    '0.0 MB'); `up`: rounded up, for a size that must be enough; `down`: rounded down, for room there is."""
     if n < 1000:
         return f"{math.ceil(n) if up else int(n)} bytes"
     for unit, scale in (("kB", 1e3), ("MB", 1e6), ("GB", 1e9)):
         if n < scale * 1000 or unit == "GB":
             v = n / scale
-            return f"{math.ceil(v * 10) / 10 if up else v:.1f} {unit}"
+            v = math.ceil(round(v * 10, 6)) / 10 if up else math.floor(round(v * 10, 6)) / 10 if down else v
+            return f"{v:.1f} {unit}"
+
+
+def stream_room(folder: Path, local_ranks: int = 1) -> int:
+    """The disk the node's stream caches could use: the free space of `folder`'s disk and what this rank's
+    cache holds already (each rank's about as much)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    here = sum(f.stat().st_size for f in folder.iterdir() if f.is_file())
+    return shutil.disk_usage(folder).free + here * local_ranks
 
 
 def stream_folder(data: str, cache_dir: str | Path) -> Path:
@@ -443,14 +464,12 @@ def http_copies(data: str, cache_dir: str | Path) -> Path:
 def stream_bound(setting: int | None, folder: Path, local_ranks: int = 1) -> int:
     """This rank's cache bound: --stream-cache (or STREAM_SHARE of the free space) over the node's
     ranks; refused when the disk cannot hold it."""
-    folder.mkdir(parents=True, exist_ok=True)
-    here = sum(f.stat().st_size for f in folder.iterdir() if f.is_file())
-    room = shutil.disk_usage(folder).free + here * local_ranks  # what this node's ranks could use
+    room = stream_room(folder, local_ranks)
     if setting is None:
         return max(1, int(room * STREAM_SHARE) // local_ranks)
     if setting > room:
-        raise StreamCacheError(f"--stream-cache {_mb(setting)}: the disk of {folder} has {_mb(room)} free for it; "
-                               "free space, pass a smaller --stream-cache, or another --cache-dir")
+        raise StreamCacheError(f"--stream-cache {_mb(setting)}: the disk of {folder} has {_mb(room, down=True)} free "
+                               "for it; free space, pass a smaller --stream-cache, or another --cache-dir")
     return setting // local_ranks
 
 
@@ -519,6 +538,7 @@ class StreamCache:
         self.resident: dict[str, int] = {}
         self.inflight: dict[str, int] = {}
         self.failed: dict[str, Exception] = {}
+        self.healed: dict[str, int] = {}  # URL -> times fetched again after it went missing or changed
         self.demands: dict[int, _Demand] = {}
         self.active: int | None = None
         self.waiting: str | None = None  # the URL a reader is blocked on
@@ -536,23 +556,32 @@ class StreamCache:
               f"(at most {_mb(bound)} there; {len(self.resident)} already there)", file=sys.stderr, flush=True)
 
     def _adopt(self) -> None:
-        """Shards left by an earlier run that still match are kept (a resume refetches only the rest)."""
+        """Shards left by an earlier run that still match are kept (a resume refetches only the rest): by
+        their verdict, or hashed again when a kill came before the verdicts file was saved (a shard lands
+        under its name only once it has matched, so one of the right size is most likely whole)."""
         wanted = {self.names[u]: u for u in self.remotes}
+        check = []
         for f in self.folder.iterdir():
             url = wanted.get(f.name)
             if url is None:  # not a shard of this pack (any more): it would only take room
                 if f.is_file() and not f.name.startswith(".") and f.name != VERDICTS_NAME:
-                    f.unlink(missing_ok=True)
+                    remove(f, self.folder)
                 continue
-            if not f.is_file():
-                continue
+            if f.is_file() and not f.is_symlink():
+                check.append((url, f))
+
+        def whole(item):
+            url, f = item
             r = self.remotes[url]
-            ok = f.stat().st_size == r.size and (r.sha256 is None or self.verdicts.matches(f, r.sha256))
-            if ok:
-                self.resident[url] = r.size
-            else:
-                f.unlink(missing_ok=True)
-                self.verdicts.forget(f)
+            return url, f, check_file(f, r.size, r.sha256, self.verdicts) is None
+
+        with ThreadPoolExecutor(HASH_WORKERS) as pool:
+            for url, f, ok in pool.map(whole, check):
+                if ok:
+                    self.resident[url] = self.remotes[url].size
+                else:
+                    remove(f, self.folder)
+                    self.verdicts.forget(f)
 
     def local(self, url: str) -> Path:
         return self.folder / self.names[url]
@@ -561,23 +590,43 @@ class StreamCache:
         return CacheView(self, shards)
 
     # -- the reader side -------------------------------------------------------------------------
-    def register(self, reader, urls: list[str]) -> None:
-        """A reader (a ShardReader) whose plan drives the fetching; refused when the bound cannot
-        hold what its plans (and those registered before) have in use at once."""
+    def register(self, reader, urls: list[str], *, check: bool = True) -> None:
+        """A reader (a ShardReader) whose plan drives the fetching; refused (`check`) when the bound cannot
+        hold what its plans and those registered before have in use at once. Register every reader of a
+        run with check=False, then call check() once: its refusal then asks for a size enough for all."""
         sizes = [self.remotes[u].size if u in self.remotes else 0 for u in urls]
         need = max(reader.plan(e).in_use(sizes, extra=reader.batch) for e in (0, 1))
         with self._cv:
             self._forget_dead()
             d = _Demand(reader, urls, set(self.remotes))
-            d.need = need
+            d.need, d.largest = need, max(sizes, default=0)
             self.demands[id(reader)] = d
-            total = sum(x.need for x in self.demands.values()) + max(sizes, default=0)
-        if total > self.bound:
-            raise StreamCacheError(
-                f"--stream-cache gives this process {_mb(self.bound)}, but its readers have up to {_mb(total)} of "
-                f"shards in use at once (the shuffle window's shards, up to {_mb(max(sizes, default=0))} each, and "
-                f"one more); raise --stream-cache to at least {_mb(total * self.local_ranks, up=True)}, or pack with a "
-                "smaller --shard-size")
+        if check:
+            self.check()
+
+    def minimum(self) -> int:
+        """The least --stream-cache (for the node's ranks) that holds what the registered readers have in
+        use at once: their shuffle windows' shards and one more shard."""
+        with self._cv:
+            self._forget_dead()
+            demands = list(self.demands.values())
+        return (sum(d.need for d in demands) + max((d.largest for d in demands), default=0)) * self.local_ranks
+
+    def check(self) -> None:
+        """StreamCacheError when the bound is below minimum(), asking for a size that is enough for every
+        registered reader (and saying so when the disk has less room than that)."""
+        total = -(-self.minimum() // self.local_ranks)
+        if total <= self.bound:
+            return
+        largest = max((d.largest for d in self.demands.values()), default=0)
+        enough = _mb(total * self.local_ranks, up=True)
+        room = stream_room(self.folder, self.local_ranks)
+        disk = (f"; the disk of {self.folder} has only {_mb(room, down=True)} free for it, so free space there or "
+                "pass another --cache-dir" if parse_size(enough) > room else "")
+        raise StreamCacheError(
+            f"--stream-cache gives this process {_mb(self.bound)}, but its readers (training and validation) have up "
+            f"to {_mb(total)} of shards in use at once (their shuffle windows' shards, up to {_mb(largest)} each, "
+            f"and one more); raise --stream-cache to at least {enough}{disk}, or pack with a smaller --shard-size")
 
     def _forget_dead(self) -> None:
         for key in [k for k, d in self.demands.items() if d.reader is None]:
@@ -601,7 +650,36 @@ class StreamCache:
             self._thread.start()
 
     def path(self, url: str, reader) -> str:
-        """The local path of `url` once it has landed and matched; waits (bounded) until then."""
+        """The local path of `url` once it has landed and matched, checked again (a stat; a hash when its
+        size or mtime changed) before it is handed out: a shard gone or changed is fetched again."""
+        r = self.remotes[url]
+        while True:
+            local = self._landed(url, reader)
+            problem = check_file(local, r.size, r.sha256, self.verdicts)
+            if problem is None:
+                return local
+            self.lost(url, problem)
+
+    def lost(self, url: str, why: str) -> None:
+        """`url`'s local copy is missing or damaged (`why`): remove it and fetch it again, HEALS times at most
+        per run; then a ShardError (something else keeps changing the cache)."""
+        with self._cv:
+            if url not in self.resident:  # evicted meanwhile (not lost): fetched again when it is needed
+                return
+            n = self.healed.get(url, 0)
+            if n >= HEALS:
+                raise ShardError(f"{self.local(url)} (the cached copy of {url}) {why}, after it was fetched again "
+                                 f"{n} time(s): something else removes or writes files in {self.folder}; give this "
+                                 "run a --cache-dir of its own")
+            self.healed[url] = n + 1
+            self.resident.pop(url)
+            remove(self.local(url), self.folder, quiet=True)
+            self.verdicts.forget(self.local(url))
+            self._cv.notify_all()
+        print(f"stream: {self.local(url)} {why}; fetching {url} again", file=sys.stderr, flush=True)
+
+    def _landed(self, url: str, reader) -> str:
+        """Wait (bounded) until `url` is resident, then its local path."""
         r = self.remotes[url]
         limit = ATTEMPTS * (ATTEMPT_DEADLINE + (r.size or 0) / MIN_RATE) + 60
         start = time.monotonic()
@@ -681,7 +759,7 @@ class StreamCache:
     def _evict(self, url: str) -> int:
         size = self.resident.pop(url)
         path = self.local(url)
-        path.unlink(missing_ok=True)
+        remove(path, self.folder, quiet=True)
         self.verdicts.forget(path)
         return size
 
@@ -726,12 +804,21 @@ class CacheView:
     def __init__(self, cache: StreamCache, shards):
         self.cache, self.paths = cache, list(shards.paths)
 
-    def register(self, reader) -> None:
-        self.cache.register(reader, self.paths)
+    def register(self, reader, *, check: bool = True) -> None:
+        self.cache.register(reader, self.paths, check=check)
 
     def path(self, shard: int, reader) -> str:
         p = self.paths[shard]
         return self.cache.path(p, reader) if is_remote(p) else p
+
+    def lost(self, shard: int, reader, why: str) -> bool:
+        """The reader found shard's local file missing or short (`why`): True when it is fetched again (a
+        streamed shard), False for a local file, which only the user can restore."""
+        p = self.paths[shard]
+        if not is_remote(p):
+            return False
+        self.cache.lost(p, why)
+        return True
 
     def advance(self, reader, epoch: int, position: int) -> None:
         self.cache.advance(reader, epoch, position)

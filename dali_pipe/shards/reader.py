@@ -17,7 +17,10 @@ from the epoch and iteration saved in the checkpoint"), is all an exact resume n
 
 Bytes come from local files only, through a store: `LocalStore` for shards on disk (checked
 against their sha256 before training, dali_pipe/shards/cache.py), or the streaming cache, which
-fetches shards ahead in plan order and blocks a read until its shard has landed and matched.
+fetches shards ahead in plan order and blocks a read until its shard has landed and matched. A
+shard file that cannot be opened, or ends before a sample its index lists, is reported to the store:
+the streaming cache fetches it again and the read is retried once; a local file is named, with the
+way out.
 
 The source runs in the training process (DALI's serial mode): per sample it costs one `pread`
 of the image and label members (adjacent in our tars), measured at about 10 us; DALI's parallel
@@ -43,6 +46,10 @@ OPEN_GROUPS = 24  # table groups kept in memory at once (the plan has at most pl
 
 class ShardReadError(UserError):
     """A shard or its index cannot be read as the plan needs; the message names it and the fix."""
+
+
+class _Short(Exception):
+    """A shard file ended before a sample its index lists."""
 
 
 @dataclass(frozen=True)
@@ -105,6 +112,10 @@ class LocalStore:
     def advance(self, reader, epoch: int, position: int) -> None:
         """The reader has read up to `position` of `epoch` (nothing to do on local disk)."""
 
+    def lost(self, shard: int, reader, why: str) -> bool:
+        """A local shard is gone or short: nothing fetches it again (False); the reader names it."""
+        return False
+
 
 class ShardReader:
     """DALI external_source callable (batch mode, `batch_info=True`): BatchInfo -> (images, labels)."""
@@ -166,12 +177,17 @@ class ShardReader:
     def _fd(self, shard: int) -> int:
         fd = self._files.get(shard)
         if fd is None:
-            path = self.store.path(shard, self)
-            try:
-                fd = os.open(path, os.O_RDONLY)
-            except OSError as e:
-                raise ShardReadError(f"{self.shards.paths[shard]} cannot be opened ({e.strerror}); it was there when "
-                                     "training started: restore it, or pack the data again") from None
+            while True:
+                path = self.store.path(shard, self)
+                try:
+                    fd = os.open(path, os.O_RDONLY)
+                    break
+                except OSError as e:  # gone: the streaming cache fetches it again (bounded); a local file is named
+                    if not isinstance(e, FileNotFoundError) or not self.store.lost(shard, self,
+                                                                                   f"cannot be opened ({e.strerror})"):
+                        raise ShardReadError(f"{self.shards.paths[shard]} cannot be opened ({e.strerror}); it was "
+                                             "there when training started: restore it, or pack the data "
+                                             "again") from None
             self._files[shard] = fd
             while len(self._files) > OPEN_FILES:
                 os.close(self._files.popitem(last=False)[1])
@@ -209,6 +225,18 @@ class ShardReader:
         return data[offsets[entry]:offsets[entry + 1]], (label if remap is None else remap[label])
 
     def _sample(self, shard: int, entry: int) -> tuple[np.ndarray, int]:
+        while True:
+            try:
+                return self._read_sample(shard, entry)
+            except _Short:  # damaged (truncated) under us: fetched again when streamed, else named
+                key = self.entries[shard].keys[entry]
+                os.close(self._files.pop(shard))
+                if not self.store.lost(shard, self, f"ends before sample {key!r} (shorter than its index says)"):
+                    raise ShardReadError(f"{self.shards.paths[shard]} ends before sample {key!r}: the file is "
+                                         "shorter than its index says (changed after it was checked); restore it or "
+                                         "pack the data again") from None
+
+    def _read_sample(self, shard: int, entry: int) -> tuple[np.ndarray, int]:
         e = self.entries[shard]
         if e.group is not None:
             return self._row(shard, entry)
@@ -241,8 +269,7 @@ class ShardReader:
         return np.frombuffer(image, np.uint8), label
 
     def _short(self, shard: int, key: str):
-        raise ShardReadError(f"{self.shards.paths[shard]} ends before sample {key!r}: the file is shorter than its "
-                             "index says (changed after it was checked); restore it or pack the data again")
+        raise _Short()
 
     def close(self) -> None:
         while self._files:

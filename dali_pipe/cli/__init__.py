@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import signal
 import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -58,8 +59,18 @@ def prepared(s: Settings) -> Settings:
     return s
 
 
+def process_start() -> float:
+    """This process's start as a `time.perf_counter()` value (the interpreter's start, before any import)."""
+    import psutil
+
+    return time.perf_counter() - max(0.0, time.time() - psutil.Process().create_time())
+
+
 def main(argv: list[str] | None = None) -> dict:
     """train.py as a library: `main([...flags])` trains or benchmarks and returns the result dict."""
+    # the origin of --monitor's time budget: the process's start when this process is the command (so a
+    # restart's start-up share holds the interpreter and its imports), else this call's start
+    started = process_start() if argv is None else time.perf_counter()
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] in (["train"], ["serve"]) or not argv:  # a first argument only: a flag's value never lands here
         from . import sagemaker  # lazy: a command's module loads Lightning (~10 s); --help must answer at once
@@ -77,7 +88,7 @@ def main(argv: list[str] | None = None) -> dict:
         return run(s)
     from .fit import run  # lazy: as above, the training command loads Lightning
 
-    return run(s)
+    return run(s, started)
 
 
 class Terminated(SystemExit):

@@ -106,9 +106,12 @@ def bytes_needed(params: int) -> int:
     return int((2 * 12 + 4 * 4) * params * 1.1)
 
 
-def run(s: Settings) -> dict:
-    """Fit the model and write it to OUTPUT in save_pretrained form. Returns the last epoch's metrics."""
-    started = time.perf_counter()  # the --monitor time budget's origin (its start-up share begins here)
+def run(s: Settings, started: float | None = None) -> dict:
+    """Fit the model and write it to OUTPUT in save_pretrained form. Returns the last epoch's metrics.
+    `started`: when the command began (a `time.perf_counter()` value; default now), the origin of --monitor's
+    time budget, whose start-up share then holds the imports before this function ran too."""
+    started = time.perf_counter() if started is None else started
+    imports = (started, time.perf_counter())  # the interpreter's start and the imports before this function ran
     quiet_known_noise()
     out, ckpt_dir = Path(s.run.output), Path(s.run.checkpoint_dir)
     main = is_main_process()
@@ -122,7 +125,7 @@ def run(s: Settings) -> dict:
             lock(out, "training run", "wait for it to finish, or pass another --output")
         if main and s.run.report_dir and Path(s.run.report_dir) != out:
             check_writable(s.run.report_dir, "--report-dir")
-        return _fit(s, out, ckpt_dir, main, meeting, started)
+        return _fit(s, out, ckpt_dir, main, meeting, started, imports)
     except BaseException as e:
         if meeting is not None:
             fail_together(meeting, e)  # tells the others; raises another host's failure when it caused this one
@@ -173,7 +176,7 @@ def preflight(s: Settings, out: Path, ckpt_dir: Path, main: bool) -> Prepared:
 
 
 def _fit(s: Settings, out: Path, ckpt_dir: Path, main: bool, meeting=None,
-         started: float | None = None) -> dict:
+         started: float | None = None, imports: tuple[float, float] | None = None) -> dict:
     from pytorch_lightning.callbacks import LearningRateMonitor
     from pytorch_lightning.utilities.exceptions import SIGTERMException
 
@@ -195,7 +198,8 @@ def _fit(s: Settings, out: Path, ckpt_dir: Path, main: bool, meeting=None,
     best = BestModel(ckpt_dir, run_id=ckpt.run_id)
     monitor = MonitorCallback(Path(s.run.report_dir or out), origin=started,  # monitor.json beside the reports
                               cli={"checkpoint_every_steps": s.run.checkpoint_every_steps,
-                                   "val_fraction": s.data.val_fraction}) if s.run.monitor else None
+                                   "val_fraction": s.data.val_fraction},
+                              spans={"imports": imports} if imports else None) if s.run.monitor else None
     callbacks = [ckpt, best, LearningRateMonitor(logging_interval="step"), DaliMemoryLog()]
     callbacks += [PlainProgressBar()] if not sys.stderr.isatty() else []  # lines in logs; tqdm on a terminal
     callbacks += [monitor] if monitor else []

@@ -4,8 +4,9 @@
 A reclaim is a SIGTERM (SageMaker and EC2 give two minutes), the process's exit, a new instance, and the
 same command run again. This tool times each part, repeated, in one run:
 
-  sigterm   a fresh run is sent SIGTERM mid-epoch: seconds from the signal to the exit (the current step
-            finishes, every rank saves last.ckpt, exit 0); the step saved is read from last.json.
+  sigterm   a fresh run is sent SIGTERM mid-epoch: seconds from the signal to its "checkpoint saved" line (the
+            current step finishes, every rank saves last.ckpt) and to the process's exit (exit 0, the
+            DataModule's and the interpreter's teardown); the step saved is read from last.json.
   local     the same command again with the data already on disk: seconds from the process's start to
             its first training step (`--monitor`'s start-up share, which starts at the process's start:
             imports, data check, checkpoint restore, pipeline build, first batch), and the steps replayed
@@ -76,12 +77,21 @@ class Run:
                 if line.startswith("progress: "):
                     self._progress.set()
 
-    def wait_training(self, timeout: float = 900.0) -> None:
-        """Until the first progress line (training has taken steps), or fail with the log."""
-        while not self._progress.wait(0.2):
+    def wait_training(self, min_step: int = 0, timeout: float = 900.0) -> None:
+        """Until a progress line at global step `min_step` or later (training has taken steps), or fail with
+        the log."""
+        while True:
+            if self._progress.wait(0.2):
+                per_epoch = steps_per_epoch(self.text())
+                if (progress_step(self.text(), per_epoch) or 0) >= min_step:
+                    return
             if self.proc.poll() is not None or time.perf_counter() - self.started > timeout:
                 self.finish()
                 raise SystemExit(f"the run ended or hung before training (see {self.log}):\n" + self.text()[-2000:])
+
+    def when(self, prefix: str) -> float | None:
+        """The time the first line starting with `prefix` came."""
+        return next((t for t, line in self.lines if line.startswith(prefix)), None)
 
     def finish(self, timeout: float = 900.0) -> int:
         rc = self.proc.wait(timeout)
@@ -120,7 +130,7 @@ def steps_per_epoch(text: str) -> int:
 
 def monitor_startup(out: Path) -> tuple[float, dict]:
     report = json.loads((out / "monitor.json").read_text())
-    budget = report["budget"]
+    budget = report["time_budget"]
     return budget["seconds"]["startup"], budget.get("startup_parts", {})
 
 
@@ -156,7 +166,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="tiny", help="tiny, vit-b16-random, or a local model folder")
     p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--every", type=int, default=10, help="--checkpoint-every-steps of the kill -9 scenario")
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--s3", action="store_true", help="also time a new instance's restart through sync and stream")
@@ -174,7 +184,7 @@ def main() -> None:
     data = demo_dataset(cache)  # the bundled demo photos (what `python train.py` trains on)
     common = ["--model", args.model, "--batch-size", str(args.batch_size), "--epochs", str(args.epochs),
               "--device", "cpu", "--seed", "0"]
-    results: dict[str, list] = {k: [] for k in ("sigterm_exit_s", "restart_local_s", "replayed_after_sigterm",
+    results: dict[str, list] = {k: [] for k in ("sigterm_saved_s", "sigterm_exit_s", "restart_local_s", "replayed_after_sigterm",
                                                 "kill9_resumed_step", "kill9_reached_step", "restart_sync_s",
                                                 "restart_stream_s", "sync_s", "checkpoint_mb")}
     parts_seen: list[dict] = []
@@ -203,6 +213,8 @@ def main() -> None:
             if rc != 0 or "stopped by SIGTERM" not in run.text():
                 raise SystemExit(f"SIGTERM run: exit {rc} (see {run.log})")
             results["sigterm_exit_s"].append(time.perf_counter() - signalled)
+            saved_at = run.when("stopped by SIGTERM")
+            results["sigterm_saved_s"].append(saved_at - signalled if saved_at else None)
             saved = last_step(out / "checkpoints")
             results["checkpoint_mb"].append((out / "checkpoints" / "last.ckpt").stat().st_size / 1e6)
             again = Run(flags + ["--monitor"], env, tmp / f"local-{r}.log")
@@ -218,8 +230,8 @@ def main() -> None:
             flags9 = ["--data", str(data), "--output", str(out9), "--checkpoint-every-steps", str(args.every),
                       *common]
             run = Run(flags9, env, tmp / f"kill9-{r}.log")
-            run.wait_training()
-            time.sleep(rng.uniform(0.5, 3.0))
+            run.wait_training(min_step=args.every + 1)  # past the first periodic save
+            time.sleep(rng.uniform(0.0, 2.0))
             run.proc.send_signal(signal.SIGKILL)
             run.finish()
             per_epoch = steps_per_epoch(run.text())

@@ -47,7 +47,8 @@ sys.path.insert(0, str(ROOT))
 from dali_pipe.demo import demo_dataset  # noqa: E402
 
 SERVER = """
-import sys, time
+import logging, sys, time
+logging.getLogger("werkzeug").setLevel(logging.ERROR)
 sys.path.insert(0, {tools!r})
 from s3server import delayed_server
 s = delayed_server({delay})

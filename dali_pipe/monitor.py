@@ -277,7 +277,8 @@ def budget_verdicts(name: str, b: dict, *, cli: dict | None = None) -> list[str]
     sh, sec, wall = b["shares"], b["seconds"], b["wall_s"]
     if sh["startup"] >= VERDICT_SHARE:
         parts = b.get("startup_parts") or {}
-        words = {"prepare_data": "data preparation (sync, scan)", "setup": "pipeline build"}
+        words = {"imports": "interpreter start and imports", "prepare_data": "data preparation (sync, scan)",
+                 "setup": "pipeline build"}
         named = [f"{words[k]} {v:.1f} s" for k, v in parts.items() if k in words and v >= 0.05]
         rest = max(0.0, sec["startup"] - sum(parts.values()))
         detail = (f": {', '.join(named)}, the rest (model load, Trainer set-up, the first batches) {rest:.1f} s"
@@ -535,7 +536,8 @@ class MonitorCallback(pl.Callback):
     utilization, `monitor/time_<share>`), and the verdicts as text where it takes text (TensorBoard).
     `output`: a folder that also gets `monitor.json`. `origin`: when the run started (a
     `time.perf_counter()` value; default: this callback's creation, or the DataModule's
-    `prepare_data` when that came first).
+    `prepare_data` when that came first). `spans`: more named start-up parts, `{name: (start, end)}` in
+    `time.perf_counter()` values, beside the DataModule's own (the CLI's `imports`).
 
     How it measures: host timestamps of what Lightning profiles (the batch fetch, the training batch,
     `save_checkpoint`, every hook), read through the Trainer's profiler, which keeps working as
@@ -546,8 +548,10 @@ class MonitorCallback(pl.Callback):
     """
 
     def __init__(self, output=None, hz: float = 20.0, *, skip_steps: int = 0, sync_window: bool = True,
-                 name: str = "training", verbose: bool = True, origin: float | None = None, cli: dict | None = None):
+                 name: str = "training", verbose: bool = True, origin: float | None = None, cli: dict | None = None,
+                 spans: dict | None = None):
         self.output, self.hz = output, hz
+        self.spans = dict(spans or {})
         self.skip_steps, self.sync_window, self.name, self.verbose = skip_steps, sync_window, name, verbose
         self.origin, self.cli = origin if origin is not None else time.perf_counter(), cli
         self._given_origin = origin is not None
@@ -684,7 +688,7 @@ class MonitorCallback(pl.Callback):
         started = self._started if self._started is not None else end
         c = self.clock
         runs = self._val["runs"]
-        spans = getattr(trainer.datamodule, "spans", None) or {}
+        spans = {**self.spans, **(getattr(trainer.datamodule, "spans", None) or {})}
         parts = {k: e - s for k, (s, e) in spans.items() if s >= self.origin - 1e-6}
         return time_budget(
             end - self.origin, startup=started - self.origin, data_wait=c.fetch, model_step=c.step,

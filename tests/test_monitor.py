@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 
 import train
 from dali_pipe.monitor import Sampler, StepLog, diagnose
@@ -76,6 +77,20 @@ def test_time_budget_adds_up_and_each_large_share_gets_its_fix():
     assert any(x.startswith("training: data wait takes 30% of the run; a loader that kept up would make it about 1.4x")
                for x in lines)
     assert not [x for x in lines if "start-up takes" in x]  # 5% gets no verdict
+
+
+def test_start_up_names_its_parts_from_the_process_start():
+    """A command's start-up begins at the process's start: the imports are a named part beside the data
+    preparation and the pipeline build, and what is left is the model load, the Trainer and the first batch."""
+    from dali_pipe.cli import process_start
+    from dali_pipe.monitor import budget_verdicts, time_budget
+
+    assert 0 <= time.perf_counter() - process_start() < 3600  # this process started earlier, and today
+    b = time_budget(40.0, startup=20.0, data_wait=1.0, model_step=18.0,
+                    startup_parts={"imports": 11.0, "prepare_data": 4.0, "setup": 1.5})
+    line = [v for v in budget_verdicts("training", b) if "start-up takes" in v][0]
+    assert ("start-up takes 50% of the run (20.0 s: interpreter start and imports 11.0 s, data preparation (sync, "
+            "scan) 4.0 s, pipeline build 1.5 s, the rest (model load, Trainer set-up, the first batches) 3.5 s)") in line
 
 
 def test_the_validation_fix_for_a_trainer_is_one_that_trainer_can_take():

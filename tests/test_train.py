@@ -326,7 +326,7 @@ def test_train_reads_the_manifest_once_and_hands_it_to_the_command(photo_root, t
     reads, seen = [], {}
     real = manifest_module.read_table
     monkeypatch.setattr(manifest_module, "read_table", lambda tsv: reads.append(tsv) or real(tsv))
-    monkeypatch.setattr(fit, "run", lambda s, manifest=None, style="flag": seen.update(manifest=manifest) or {})
+    monkeypatch.setattr(fit, "run", lambda s, manifest=None, style="flag", **kw: seen.update(manifest=manifest) or {})
     train.main(["--data", str(photo_root), "--model", "tiny", "--output", str(tmp_path / "o"), "--device", "cpu"])
     assert reads == [photo_root / "dataset.tsv"]
     assert len(seen["manifest"].train) + len(seen["manifest"].val) == 48
@@ -370,7 +370,7 @@ def test_with_several_nodes_the_manifest_is_read_after_the_hosts_meet(photo_root
 
     seen = {}
     monkeypatch.setattr(cli, "described", lambda data, what="--data": pytest.fail("read before the meeting"))
-    monkeypatch.setattr(fit, "run", lambda s, manifest=None, style="flag": seen.update(manifest=manifest) or {})
+    monkeypatch.setattr(fit, "run", lambda s, manifest=None, style="flag", **kw: seen.update(manifest=manifest) or {})
     train.main(["--data", str(photo_root), "--model", "tiny", "--device", "cpu", "--num-nodes", "2",
                 "--output", str(tmp_path / "o")])
     assert seen == {"manifest": None}

@@ -14,6 +14,7 @@ import os
 import signal
 import sys
 import threading
+import time
 import warnings
 from pathlib import Path
 
@@ -97,9 +98,19 @@ def described(data: DataSettings, what: str = "--data") -> Manifest | None:
     return read_manifest(root, val_fraction=data.val_fraction, seed=data.seed, skip_missing=data.skip_missing)
 
 
+def process_start() -> float:
+    """This process's start as a `time.perf_counter()` value (the interpreter's start, before any import)."""
+    import psutil
+
+    return time.perf_counter() - max(0.0, time.time() - psutil.Process().create_time())
+
+
 def main(argv: list[str] | None = None, style: str = "flag") -> dict:
     """train.py as a library: `main([...flags])` trains or benchmarks and returns the result dict. `style`:
     how the user named the settings (config.named; "hyperparameter" under SageMaker), for the advice printed."""
+    # the origin of --monitor's time budget: the process's start when this process is the command (so a
+    # restart's start-up share holds the interpreter and its imports), else this call's start
+    started = process_start() if argv is None else time.perf_counter()
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] in (["train"], ["serve"]) or not argv:  # a first argument only: a flag's value never lands here
         from . import sagemaker  # lazy: a command's module loads Lightning (~10 s); --help must answer at once
@@ -121,7 +132,7 @@ def main(argv: list[str] | None = None, style: str = "flag") -> dict:
         return run(s, manifest)
     from .fit import run  # lazy: as above, the training command loads Lightning
 
-    return run(s, manifest, style)
+    return run(s, manifest, style, started=started)
 
 
 class Terminated(SystemExit):

@@ -113,11 +113,14 @@ def bytes_needed(params: int) -> int:
     return int((2 * 12 + 4 * 4) * params * 1.1)
 
 
-def run(s: Settings, manifest: Manifest | None = None, style: str = "flag") -> dict:
+def run(s: Settings, manifest: Manifest | None = None, style: str = "flag", started: float | None = None) -> dict:
     """Fit the model and write it to OUTPUT in save_pretrained form. Returns the last epoch's metrics.
     `manifest`: the local dataset's, read already (cli.described), so it is not read again; `style`: how the
-    user names settings, for the summary's advice (config.named)."""
-    started = time.perf_counter()  # the --monitor time budget's origin (its start-up share begins here)
+    user names settings, for the summary's advice (config.named); `started`: when the command began (a
+    `time.perf_counter()` value; default now), the origin of --monitor's time budget, whose start-up share
+    then holds the imports before this function ran too."""
+    started = time.perf_counter() if started is None else started
+    imports = (started, time.perf_counter())  # the interpreter's start and the imports before this function ran
     quiet_known_noise()
     out, ckpt_dir = Path(s.run.output), Path(s.run.checkpoint_dir)
     main = is_main_process()
@@ -135,7 +138,7 @@ def run(s: Settings, manifest: Manifest | None = None, style: str = "flag") -> d
                 check_writable(s.run.report_dir, "--report-dir")
             if writes_out and s.run.log_dir:  # TensorBoard's folder: written by global rank 0 only
                 check_writable(s.run.log_dir, "--log-dir")
-            return _fit(s, out, ckpt_dir, main, meeting, started, manifest, style)
+            return _fit(s, out, ckpt_dir, main, meeting, started, manifest, style, imports)
         except BaseException as e:
             if meeting is not None:
                 fail_together(meeting, e)  # tells the others; raises another host's failure when it caused this one
@@ -192,7 +195,8 @@ def preflight(s: Settings, out: Path, ckpt_dir: Path, main: bool, manifest: Mani
 
 
 def _fit(s: Settings, out: Path, ckpt_dir: Path, main: bool, meeting=None,
-         started: float | None = None, manifest: Manifest | None = None, style: str = "flag") -> dict:
+         started: float | None = None, manifest: Manifest | None = None, style: str = "flag",
+         imports: tuple[float, float] | None = None) -> dict:
     from pytorch_lightning.callbacks import LearningRateMonitor
     from pytorch_lightning.utilities.exceptions import SIGTERMException
 
@@ -214,7 +218,8 @@ def _fit(s: Settings, out: Path, ckpt_dir: Path, main: bool, meeting=None,
     best = BestModel(ckpt_dir, run_id=ckpt.run_id)
     monitor = MonitorCallback(Path(s.run.report_dir or out), origin=started,  # monitor.json beside the reports
                               cli={"checkpoint_every_steps": s.run.checkpoint_every_steps,
-                                   "val_fraction": s.data.val_fraction}) if s.run.monitor else None
+                                   "val_fraction": s.data.val_fraction},
+                              spans={"imports": imports} if imports else None) if s.run.monitor else None
     callbacks = [ckpt, best, LearningRateMonitor(logging_interval="step"), DaliMemoryLog()]
     callbacks += [TerminalProgressBar() if sys.stderr.isatty() else PlainProgressBar()]  # a bar on a terminal
     callbacks += [monitor] if monitor else []

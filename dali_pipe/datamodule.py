@@ -213,7 +213,7 @@ def check_batch(n: int, batch_size: int, num_shards: int) -> None:
     """Training keeps full batches only: each rank's share must hold at least one."""
     if n // num_shards < batch_size:
         most = n // num_shards
-        fix = f"lower --batch-size to at most {most}" if most else "add training images (or train on fewer processes)"
+        fix = f"pass --batch-size {most} or lower" if most else "add training images (or train on fewer processes)"
         raise BatchTooLargeError(f"--batch-size {batch_size} is larger than the {most} training "
                                  f"images each of the {num_shards} rank(s) gets; {fix}.")
 

@@ -97,8 +97,8 @@ def test_keywords_are_the_cli_flags_checked_and_resolved_the_same_way(photo_root
     err = capsys.readouterr().err
     assert "note: 11 of the 43 training images (26%) are left out of every epoch" in err
     assert "; batch_size=21 would drop 1." in err  # the keyword, not --batch-size
-    with pytest.raises(dali_pipe.UserError, match=r"^batch_size=64 is larger than the 43 training images .*; lower "
-                                                  r"batch_size=\.$"):
+    with pytest.raises(dali_pipe.UserError, match=r"^batch_size=64 is larger than the 43 training images .*; pass "
+                                                  r"batch_size=43 or lower\.$"):
         dali_pipe.DaliDataModule(data=photo_root, model="tiny", batch_size=64, num_threads=1).setup("fit")
 
 

@@ -231,9 +231,9 @@ def _fit(s: Settings, out: Path, ckpt_dir: Path, main: bool, meeting=None,
         pass  # SpotSafeCheckpoint saved; report below and exit 0 (SIGTERM) or 130 (Ctrl-C)
     except TrainingDiverged as e:  # nothing is exported; say which checkpoint is the last good one
         meta = read_meta(ckpt_dir / LAST) if (ckpt_dir / LAST).is_file() else None
-        kept = (f"{ckpt_dir / LAST} (step {meta.get('global_step')}) is the last checkpoint, saved while the weights "
+        good = (f"{ckpt_dir / LAST} (step {meta.get('global_step')}) is the last checkpoint, saved while the weights "
                 "were finite" if meta else "no checkpoint was saved before it")
-        raise TrainingDiverged(f"{e} Nothing was exported to {out}; {kept}.") from None
+        raise TrainingDiverged(f"{e} Nothing was exported to {out}; {good}.") from None
     except SystemExit as e:  # Lightning's "Detected KeyboardInterrupt": a Ctrl-C before SpotSafeCheckpoint's own
         if isinstance(e.__context__, KeyboardInterrupt):  # handler was installed (while the loaders were built)
             raise KeyboardInterrupt from None  # the CLI: "stopped by Ctrl-C", exit 130

@@ -35,9 +35,16 @@ def _run(base, cache_dir, *args, timeout=600, env=None):
 
 
 def test_bad_hyperparameter_writes_failure(tmp_path, photo_root, cache_dir):
+    """A bad value is told in the job's words before torch or Lightning load (the meeting's module loaded
+    Lightning first: ~10 s before a typo was said)."""
     base = _opt_ml(tmp_path, photo_root, {"epochs": "banana", "model": "tiny", "device": "cpu"})
-    r = _run(base, cache_dir, timeout=120)
+    code = ("import sys\nsys.argv = ['train.py', 'train']\nimport train\nfrom dali_pipe.cli import cli\n"
+            "try:\n    sys.exit(cli(train.main))\nfinally:\n"
+            "    print('LOADED', [m for m in ('torch', 'pytorch_lightning') if m in sys.modules])\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT,
+                       env={**os.environ, "SAGEMAKER_BASE_DIR": str(base), "DALI_PIPE_CACHE": str(cache_dir)})
     assert r.returncode != 0
+    assert "LOADED []" in r.stdout, r.stdout[-2000:] + r.stderr[-2000:]
     failure = (base / "output" / "failure").read_text()
     assert "\"epochs\": 'banana' is not an integer" in failure and len(failure) <= 1024  # the key, not --epochs
     assert "--epochs" not in failure and "--epochs" not in r.stderr

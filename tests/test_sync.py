@@ -243,7 +243,7 @@ def test_the_instance_role_of_a_container_signs_the_requests(s3, photo_root, tmp
     finally:
         proxy.stop()
         creds.shutdown()
-    assert stats.downloaded == 48 and asked == ["/role"]
+    assert stats.downloaded == 48 and asked and set(asked) == {"/role"}  # botocore retries a slow answer (1 s)
     headers = [{k.lower(): v for k, v in r[3].items()} for r in proxy.requests]
     assert headers and all("Credential=ASIAROLEKEY000000001/" in h["authorization"]
                            and h.get("x-amz-security-token") == "role-token-xyz" for h in headers)

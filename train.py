@@ -12,7 +12,8 @@ also a library: tests call `main([...])`.
 """
 import sys
 
-from dali_pipe.cli import UsageError, cli, main  # noqa: F401  (UsageError: what main() raises on bad flags)
+from dali_pipe.cli import UsageError, as_a_command, cli, main  # noqa: F401  (UsageError: what main() raises)
 
 if __name__ == "__main__":
+    as_a_command()
     sys.exit(cli())

@@ -14,9 +14,10 @@ sys.path[:0] = [str(HERE.parent), str(HERE)]
 
 import resume_trace  # noqa: E402
 
-from dali_pipe.cli import main  # noqa: E402
+from dali_pipe.cli import as_a_command, main  # noqa: E402
 
 if __name__ == "__main__":
+    as_a_command()  # as train.py exits
     trace, at = sys.argv[1], sys.argv[2]
     resume_trace.install(Path(trace), sigterm_at_step=None if at == "none" else int(at))
     print("RESULT", main(sys.argv[sys.argv.index("--") + 1:]), flush=True)

@@ -112,6 +112,7 @@ class Engine:
 
     def __init__(self, *, concurrency: int, connect_timeout: float, read_timeout: float, attempts: int):
         self.concurrency, self.attempts = max(1, concurrency), max(1, attempts)
+        self.ranges = True  # False once the server answered a ranged GET with the whole object (200)
         self.connect_timeout, self.read_timeout = connect_timeout, read_timeout
         self._stores: dict[str, object] = {}
         self._lock = threading.Lock()
@@ -261,6 +262,9 @@ class Engine:
                 n = _write_all(fd, memoryview(data), 0)
                 if on_bytes is not None:
                     on_bytes(n)
+            elif not self.ranges:  # the server ignores Range (below): one streamed GET at once
+                async with self._slot():
+                    n, got_etag = await _stream_whole(store, key, fd, etag, on_bytes)
             else:
                 got_etag = etag
                 ranges = [(start, min(start + PART, size)) for start in range(0, size, PART)]
@@ -270,6 +274,7 @@ class Engine:
                 except TransferError as e:
                     if e.code != "NotPartial":
                         raise
+                    self.ranges = False  # the objects after this one go as whole GETs at once
                     # the server ignores Range (it answers 200, as rclone's serve s3 does): one GET of the whole
                     # object, streamed to the file (no part was written: each failed before its body)
                     os.ftruncate(fd, 0)

@@ -228,11 +228,11 @@ def main() -> None:
             results["replayed_after_sigterm"].append(None if resumed is None or saved is None else saved - resumed)
             # -- kill -9 between periodic saves ----------------------------------------------------
             out9 = tmp / f"kill9-{r}"
+            longer = [*common[:common.index("--epochs") + 1], str(args.epochs + 3), *common[common.index("--epochs") + 2:]]
             flags9 = ["--data", str(data), "--output", str(out9), "--checkpoint-every-steps", str(args.every),
-                      *common]
+                      *longer]  # epochs enough that the kill lands mid-training on a fast machine too
             run = Run(flags9, env, tmp / f"kill9-{r}.log")
-            run.wait_training(min_step=args.every + 1)  # past the first periodic save
-            time.sleep(rng.uniform(0.0, 2.0))
+            run.wait_training(min_step=args.every + 1 + rng.randrange(max(1, args.every - 1)))  # between saves
             run.proc.send_signal(signal.SIGKILL)
             run.finish()
             per_epoch = steps_per_epoch(run.text())

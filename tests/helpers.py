@@ -125,3 +125,20 @@ def under_a_terminal(argv: list[str], env: dict, columns: int = 80, timeout: flo
     _, status = os.waitpid(pid, 0)
     return os.waitstatus_to_exitcode(status), out.decode(errors="replace")
 
+
+
+def run_train(argv: list[str]) -> int:
+    """train.py's entry in this process: its signal handlers, its one-line errors and exit status (the
+    SIGTERM handler and the redacting streams it installs are put back afterwards)."""
+    import signal
+    import sys
+
+    import train
+    from dali_pipe.cli import cli
+
+    old, streams = signal.getsignal(signal.SIGTERM), (sys.stdout, sys.stderr)
+    try:
+        return cli(lambda: train.main(argv))
+    finally:
+        signal.signal(signal.SIGTERM, old)
+        sys.stdout, sys.stderr = streams

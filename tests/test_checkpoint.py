@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import resume_trace as rt
+from helpers import run_train
 
 import train
 
@@ -38,18 +39,7 @@ def _metric_lines(text: str) -> list[str]:
     return [ln for ln in text.splitlines() if ln.startswith("METRIC ")]
 
 
-def _run(argv) -> int:
-    """train.py's entry in this process (its signal handlers, one-line errors and exit status)."""
-    import signal
-
-    from dali_pipe.cli import cli
-
-    old, streams = signal.getsignal(signal.SIGTERM), (sys.stdout, sys.stderr)
-    try:
-        return cli(lambda: train.main(argv))
-    finally:
-        signal.signal(signal.SIGTERM, old)
-        sys.stdout, sys.stderr = streams
+_run = run_train  # train.py's entry in this process (tests/helpers.py)
 
 
 def _curves(log_dir: Path) -> dict[str, list[int]]:

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 import pytorch_lightning  # noqa: F401  (imported here, its log handler holds pytest's stderr, not one test's)
+from helpers import run_train
 
 import train
-from dali_pipe.cli import cli
 
 
 @pytest.fixture(scope="module")
@@ -29,17 +29,7 @@ def _argv(data, out, *extra):
             "--output", str(out), *extra]
 
 
-def _run(argv) -> int:
-    """train.py's entry in this process: its SIGTERM handler, its one-line errors and exit status (the
-    handler and the redacting streams it installs are put back afterwards)."""
-    import sys
-
-    old, streams = signal.getsignal(signal.SIGTERM), (sys.stdout, sys.stderr)
-    try:
-        return cli(lambda: train.main(argv))
-    finally:
-        signal.signal(signal.SIGTERM, old)
-        sys.stdout, sys.stderr = streams
+_run = run_train  # train.py's entry in this process (tests/helpers.py)
 
 
 def _signal_after_move(monkeypatch, out: Path, name: str, action):

@@ -326,7 +326,7 @@ class SpotSafeCheckpoint(pl.Callback):
     def save(self, trainer: pl.Trainer) -> None:
         check = getattr(getattr(trainer, "lightning_module", None), "check_finite", None)  # ImageClassifier's
         if callable(check):
-            check()  # weights that are no longer finite never replace the last good checkpoint
+            check(weights=True)  # weights that are no longer finite never replace the last good checkpoint
         start = time.perf_counter()
         tmp = self.dir / f".{LAST}.tmp-{os.getpid()}"
         if self.saves and trainer.is_global_zero and not self.dir.is_dir():

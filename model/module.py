@@ -117,14 +117,15 @@ class ImageClassifier(pl.LightningModule):
         self._since = torch.where(bad & (self._streak == 0), self.global_step + 1, self._since)
         self._streak = torch.where(bad, self._streak + 1, 0)
 
-    def divergence(self) -> str | None:
+    def divergence(self, weights: bool = False) -> str | None:
         """Why training cannot go on, or None. Reads the count from the device (a sync): call it only where
-        the run synchronises anyway."""
+        the run synchronises anyway. `weights`: look at the weights even when every loss was finite (before a
+        checkpoint is saved: one update with a finite loss can still make them NaN)."""
         streak = 0 if self._streak is None else int(self._streak)
-        if streak == 0:
+        if streak == 0 and not weights:
             return None
-        weights = torch.stack([torch.isfinite(p).all() for p in self.model.parameters()]).all()
-        broken = not bool(weights)
+        finite = torch.stack([torch.isfinite(p).all() for p in self.model.parameters()]).all()
+        broken = not bool(finite)
         if not broken and streak < PATIENCE:
             return None  # e.g. fp16's GradScaler skipped an overflowing step: the weights are whole
         s = self.settings
@@ -135,16 +136,18 @@ class ImageClassifier(pl.LightningModule):
                           "and H100; else 32-true)")
         if s.clip_grad_norm is None:
             causes.append("exploding gradients (--clip-grad-norm 1.0)")
-        return (f"training diverged: the training loss is not finite (NaN or inf) since step {int(self._since)} "
-                f"(step {self.global_step} now), " + ("and the weights are no longer finite" if broken else
-                                                       f"{streak} batches in a row") +
+        what = (f"the training loss is not finite (NaN or inf) since step {int(self._since)} (step "
+                f"{self.global_step} now), " + ("and the weights are no longer finite" if broken else
+                                                f"{streak} batches in a row") if streak else
+                f"the weights are no longer finite at step {self.global_step} (the loss was still finite)")
+        return (f"training diverged: {what}" +
                 ". Likely cause: " + "; or ".join(causes) + ". Rerun with that changed and --resume never (another "
                 "recipe is another run).")
 
-    def check_finite(self) -> None:
+    def check_finite(self, weights: bool = False) -> None:
         """Raise TrainingDiverged when `divergence()` finds a reason on any process (all decide together:
         every rank calls this at the same points)."""
-        reason = self.divergence()
+        reason = self.divergence(weights)
         stop = reason is not None
         if self.trainer.world_size > 1:
             stop = self.trainer.strategy.reduce_boolean_decision(stop, all=False)

@@ -473,8 +473,10 @@ class SpotSafeCheckpoint(pl.Callback):
     # second one stops the process at once, even inside a long call. Outside training (before setup, after
     # the end of training: the export) the handler that was there before runs (the CLI's: stop, exit 130).
     def _install_sigint(self) -> None:
-        if threading.current_thread() is threading.main_thread() and \
-                signal.getsignal(signal.SIGINT) != self._on_sigint:
+        current = signal.getsignal(signal.SIGINT)
+        if current is signal.SIG_IGN:  # the parent ignores Ctrl-C for us (a job started with & by a script): kept
+            return
+        if threading.current_thread() is threading.main_thread() and current != self._on_sigint:
             self._previous_sigint = signal.getsignal(signal.SIGINT)
             signal.signal(signal.SIGINT, self._on_sigint)
 

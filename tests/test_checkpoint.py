@@ -117,6 +117,11 @@ def test_ctrl_c_outside_training_stops_and_a_second_one_stops_at_once(tmp_path, 
         cb.teardown(Trainer(), None, "fit")
         with pytest.raises(KeyboardInterrupt):
             signal.raise_signal(signal.SIGINT)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a parent that ignores Ctrl-C for us (a job started with &)
+        ignoring = SpotSafeCheckpoint(tmp_path)
+        ignoring.setup(Trainer(), None, "fit")
+        signal.raise_signal(signal.SIGINT)  # ignored: training goes on
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN and ignoring._agree_to_stop(Trainer()) == 0
     finally:
         signal.signal(signal.SIGINT, signal.default_int_handler)
 

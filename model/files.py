@@ -31,6 +31,17 @@ def read_record(out: Path) -> dict | None:
     return record if isinstance(record, dict) else None
 
 
+def unreadable(path: Path) -> bool:
+    """Whether `path` exists and is not JSON (a damaged metrics.json; one another tool wrote is JSON)."""
+    try:
+        json.loads(path.read_text())
+    except FileNotFoundError:
+        return False
+    except (OSError, ValueError):
+        return True
+    return False
+
+
 def file_record(folder: Path) -> dict:
     """{name: {"size", "sha256"}} of every file in `folder`, each flushed to disk first."""
     files = {}
@@ -46,7 +57,11 @@ def damaged_files(folder: Path, record: dict | None = None) -> list[str]:
     empty when the folder has no record (written by another tool or an older version). `record`
     defaults to the export record in the folder's metrics.json. A name that is not a plain file name of
     the folder (`../x`, an absolute path) is a problem too, and nothing outside the folder is read."""
-    record = read_record(Path(folder)) if record is None else record
+    if record is None:
+        record = read_record(Path(folder))
+        if record is None and unreadable(Path(folder) / RECORD):
+            return [f"{Path(folder) / RECORD} is damaged (not JSON), so the checksums of the folder's files cannot "
+                    "be checked"]
     problems = []
     listed = (record or {}).get("files", {})
     for name, want in (listed.items() if isinstance(listed, dict) else [("files", None)]):

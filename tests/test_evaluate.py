@@ -144,3 +144,42 @@ def test_a_split_flag_given_is_honoured_and_said_to_differ(trained, photo_root, 
     assert record is None and s.data.val_fraction == 0.1
     assert note == (f"note: {older} does not record how its validation split was made (written by an older version):"
                     " --val-fraction 0.1 and --seed 0 decide it here; pass those of training")
+
+
+def test_a_damaged_split_record_is_named_and_a_damaged_metrics_json_is_refused(trained, photo_root, tmp_path):
+    """A split record edited or damaged (a seed that is no integer, no data digest, not a record at all) is named,
+    and the flags decide the split; a metrics.json that is no JSON makes the folder's checksums uncheckable, so
+    the model is refused (before: the split fell to the defaults silently, and a flipped weight byte went
+    unnoticed)."""
+    import shutil
+
+    from dali_pipe.cli.commands import parser
+    from dali_pipe.cli.evaluate import trained_split
+    from dali_pipe.config import parse, resolve, settings_from
+    from model.loading import ModelLoadError, load_trained
+
+    def copy(name: str, edit) -> Path:
+        folder = tmp_path / name
+        shutil.copytree(trained, folder, ignore=shutil.ignore_patterns("checkpoints", "tensorboard", ".dali_pipe.lock"))
+        metrics = json.loads((folder / "metrics.json").read_text())
+        edit(metrics)
+        (folder / "metrics.json").write_text(json.dumps(metrics))
+        return folder
+
+    def split_of(folder: Path):
+        ns, _ = parse(["evaluate", "--model", str(folder), "--data", str(photo_root)], parser())
+        del ns.command
+        s = resolve(settings_from(ns))
+        return trained_split(s), s
+
+    for name, edit, words in (("seed", lambda m: m["split"].update(seed="five"), "seed: 'five'"),
+                              ("digest", lambda m: m["split"].pop("samples"), "samples: None"),
+                              ("garbage", lambda m: m.update(split="garbage"), "'garbage'")):
+        (record, note), s = split_of(copy(name, edit))
+        assert record is None and s.data.val_fraction == 0.1 and s.data.seed == 0, name
+        assert note.startswith(f"note: {tmp_path / name}/metrics.json's split record is damaged (") and words in note
+        assert note.endswith("--val-fraction 0.1 and --seed 0 decide it here; pass those of training"), note
+    broken = copy("broken", lambda m: None)
+    (broken / "metrics.json").write_text((broken / "metrics.json").read_text() + "}garbage")
+    with pytest.raises(ModelLoadError, match=r"metrics.json is damaged \(not JSON\), so the checksums"):
+        load_trained(str(broken))

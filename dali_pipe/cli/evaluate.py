@@ -38,17 +38,23 @@ def trained_split(s: Settings) -> tuple[dict | None, str | None]:
     they were not given."""
     metrics = training_metrics(s.model.model)
     record = (metrics or {}).get("split")
+    here = f"--val-fraction {s.data.val_fraction} and --seed {s.data.seed} decide it here; pass those of training"
+    if metrics is not None and "split" in metrics and not (isinstance(record, dict) and record):
+        return None, f"note: {redact(s.model.model)}/metrics.json's split record is damaged ({record!r:.60}): {here}"
     if not isinstance(record, dict) or not record:
         note = None if metrics is None else (
             f"note: {redact(s.model.model)} does not record how its validation split was made (written by an older "
-            f"version): --val-fraction {s.data.val_fraction} and --seed {s.data.seed} decide it here; pass those "
-            "of training")
+            f"version): {here}")
         return None, note
+    bad = [f"{name}: {record.get(name)!r:.40}" for name in (*SPLIT_FLAGS, "samples")
+           if name in SPLIT_FLAGS and record.get(name) is not None
+           and field_problems(settings_from_keywords({name: record[name]}, [name]), [name])
+           or name == "samples" and not isinstance(record.get(name), str)]
+    if bad:  # a record edited or damaged: named, and the flags decide (no claim about the data either way)
+        return None, f"note: {redact(s.model.model)}/metrics.json's split record is damaged ({'; '.join(bad)}): {here}"
     for name in SPLIT_FLAGS:
         if name not in s.given and record.get(name) is not None:
-            probe = settings_from_keywords({name: record[name]}, [name])  # checked as a flag's value is
-            if not field_problems(probe, [name]):  # else a damaged record: the default stays, the digest check says
-                setattr(s.data, name, getattr(probe.data, name))
+            setattr(s.data, name, getattr(settings_from_keywords({name: record[name]}, [name]).data, name))
     return record, None
 
 
@@ -65,7 +71,7 @@ def split_check(record: dict, s: Settings, digest: str) -> dict:
         typed = [f"{flag_of(n)} {getattr(s.data, n)} (training: {record[n]})" for n in SPLIT_FLAGS
                  if n in s.given and n in record and getattr(s.data, n) != record[n]]
         why = ("; ".join(typed) if typed else "the data, its labels or the images the scan left out differ from "
-               "what training read")
+               "what training read (or the split record in metrics.json was edited)")
         line = (f"note: this is not the split the model validated on: {why}. Some of these images may be ones "
                 "it trained on")
     return {**record, "as_in_training": same, "line": line}

@@ -72,7 +72,8 @@ def damaged_files(folder: Path, record: dict | None = None) -> list[str]:
         elif path.is_symlink():
             problems.append(f"{path} is a link, not the file that was written")
         elif not path.is_file():
-            problems.append(f"{path} is missing")
+            problems.append(f"{path} is a folder, not the file that was written" if path.exists() else
+                            f"{path} is missing")
         elif path.stat().st_size != want["size"]:
             problems.append(f"{path} is damaged (truncated or overwritten: {path.stat().st_size} bytes, "
                             f"{want['size']} when it was written)")

@@ -27,6 +27,9 @@ def _has_gpu() -> tuple[bool, str]:
 
 
 def pytest_collection_modifyitems(config, items):
+    # the long multi-process tests first (a stable sort: the same order on every xdist worker), so that none
+    # of them starts last and leaves the other worker idle at the end
+    items.sort(key=lambda item: "slow" not in item.keywords)
     ok, why = _has_gpu()
     if ok:
         return

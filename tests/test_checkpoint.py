@@ -177,6 +177,7 @@ def test_max_steps_mid_epoch_then_more_steps_resumes_inside_that_epoch(indexed, 
     assert json.loads((out / "metrics.json").read_text())["global_step"] == 10
 
 
+@pytest.mark.slow
 def test_kill_9_resumes_from_the_periodic_checkpoint_and_replays_only_after_it(indexed, tmp_path, cache_dir,
                                                                             monkeypatch):
     """kill -9 at step 8 with a checkpoint every 3 steps: the rerun resumes at step 6 and trains

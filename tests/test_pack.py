@@ -89,6 +89,7 @@ def test_the_same_input_gives_byte_identical_shards(photo_root, tmp_path, cache_
         assert (tmp_path / "a" / sh["name"]).read_bytes() == (tmp_path / "b" / sh["name"]).read_bytes()
 
 
+@pytest.mark.slow
 def test_resume_after_kill_9_gives_the_same_pack(photo_root, tmp_path, cache_dir):
     """Killed after its first shards, the rerun skips them and ends byte-identical to a clean pack."""
     _pack(photo_root, tmp_path / "clean")

@@ -68,6 +68,7 @@ def test_precision_auto():
     assert resolve_precision("16-mixed", "cpu") == "16-mixed"
 
 
+@pytest.mark.slow
 def test_cli_documented_form_and_clean_errors(photo_root, tmp_path, cache_dir, capsys):
     """`python train.py --data DIR --model tiny --epochs 2 --device cpu --output OUT` works as written, in a
     terminal of 80 columns: each METRIC line is one line that SageMaker's metric regex (docs/sagemaker.md)
@@ -383,7 +384,6 @@ def test_a_diverging_run_stops_with_exit_1_exports_nothing_and_keeps_the_last_fi
     step and --lr, no traceback); OUT holds no model, and last.ckpt is the step it names, every tensor finite
     (before, the save after step 3 wrote NaN weights and the message called them finite)."""
     import torch
-
     from helpers import run_train
 
     out = tmp_path / "out"

@@ -264,7 +264,7 @@ class Engine:
                     on_bytes(n)
             elif not self.ranges:  # the server ignores Range (below): one streamed GET at once
                 async with self._slot():
-                    n, got_etag = await _stream_whole(store, key, fd, etag, on_bytes)
+                    n, got_etag = await _stream_to(store, key, fd, etag, on_bytes)
             else:
                 got_etag = etag
                 ranges = [(start, min(start + PART, size)) for start in range(0, size, PART)]
@@ -279,7 +279,7 @@ class Engine:
                     # object, streamed to the file (no part was written: each failed before its body)
                     os.ftruncate(fd, 0)
                     async with self._slot():
-                        n, got_etag = await _stream_whole(store, key, fd, etag, on_bytes)
+                        n, got_etag = await _stream_to(store, key, fd, etag, on_bytes)
             if size is not None and n != size:
                 raise TransferError("size", f"got {n} bytes of {key}, {size} expected")
         except BaseException:
@@ -290,30 +290,9 @@ class Engine:
         return n, (got_etag or "").strip('"') or None
 
     async def _part(self, store, key: str, fd: int, start: int, end: int, etag: str | None, on_bytes) -> int:
-        import obstore
-
-        offset = start
         async with self._slot():
-            try:
-                result = await obstore.get_async(store, key, options={"range": (start, end)})
-                stream = result.stream(min_chunk_size=CHUNK)
-                got = (result.meta.get("e_tag") or "").strip('"')
-            except Exception as e:
-                raise classify(e) from None
-            if etag and got and got != etag.strip('"'):  # (If-Match with a Range: some S3 servers ignore the range)
-                raise TransferError("PreconditionFailed", f"{key} changed during the download (ETag {got}, "
-                                    f"{etag.strip(chr(34))} listed)", 412)
-            while True:
-                try:
-                    chunk = await stream.__anext__()
-                except StopAsyncIteration:
-                    break
-                except Exception as e:
-                    raise classify(e) from None
-                offset += _write_all(fd, memoryview(chunk), offset)
-                if on_bytes is not None:
-                    on_bytes(len(chunk))
-        return offset - start
+            n, _ = await _stream_to(store, key, fd, etag, on_bytes, (start, end))
+        return n
 
     async def download_all(self, bucket: str, jobs: list, done, on_bytes=None) -> None:
         """Each job (key, tmp, dest, size; paths as str) downloaded into tmp, then renamed to dest (its folder must
@@ -348,13 +327,15 @@ async def _all_or_none(coros: list) -> int:
         raise
 
 
-async def _stream_whole(store, key: str, fd: int, etag: str | None, on_bytes) -> tuple[int, str | None]:
-    """One GET of a whole object, written to `fd` as it comes: (bytes, its ETag); a replaced object (another
-    ETag than the listed one) fails."""
+async def _stream_to(store, key: str, fd: int, etag: str | None, on_bytes,
+                     byte_range: tuple[int, int] | None = None) -> tuple[int, str | None]:
+    """One GET of an object, or of its `byte_range` [start, end), written to `fd` at the object's offsets as
+    it comes: (bytes written, its ETag); a replaced object (another ETag than the listed one) fails. (The
+    ETag check covers servers that ignore If-Match with a Range too.)"""
     import obstore
 
     try:
-        result = await obstore.get_async(store, key)
+        result = await obstore.get_async(store, key, **({"options": {"range": byte_range}} if byte_range else {}))
         stream = result.stream(min_chunk_size=CHUNK)
         got = (result.meta.get("e_tag") or "").strip('"')
     except Exception as e:
@@ -362,7 +343,7 @@ async def _stream_whole(store, key: str, fd: int, etag: str | None, on_bytes) ->
     if etag and got and got != etag.strip('"'):
         raise TransferError("PreconditionFailed", f"{key} changed during the download (ETag {got}, "
                             f"{etag.strip(chr(34))} listed)", 412)
-    offset = 0
+    start = offset = byte_range[0] if byte_range else 0
     while True:
         try:
             chunk = await stream.__anext__()
@@ -373,7 +354,7 @@ async def _stream_whole(store, key: str, fd: int, etag: str | None, on_bytes) ->
         offset += _write_all(fd, memoryview(chunk), offset)
         if on_bytes is not None:
             on_bytes(len(chunk))
-    return offset, got or None
+    return offset - start, got or None
 
 
 async def _whole(store, key: str):

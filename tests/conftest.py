@@ -81,19 +81,14 @@ def s3_process_port() -> int:
 def s3_process(monkeypatch, s3_process_port):
     """moto's S3 server in its own process (DALI's own S3 client must not wait on this process's GIL,
     as it would with the threaded server), fresh for each test; the AWS env points boto3 and DALI at it."""
-    import socket
     import subprocess
-    import time
+
+    from s3server import wait_listening
 
     port = s3_process_port
     proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    for _ in range(200):
-        try:
-            socket.create_connection(("127.0.0.1", port), 0.2).close()
-            break
-        except OSError:
-            time.sleep(0.05)
+    wait_listening(port)
     url = f"http://127.0.0.1:{port}"
     for k, v in {"AWS_ENDPOINT_URL": url, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
                  "AWS_DEFAULT_REGION": "us-east-1"}.items():

@@ -34,6 +34,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tools")]
+
+from s3server import delayed_server, wait_listening  # noqa: E402
+
 KEY, SECRET = "bench", "bench-secret"
 
 
@@ -57,12 +60,7 @@ def rclone_server(folder: Path):
     proc = subprocess.Popen([tool("rclone"), "serve", "s3", "--auth-key", f"{KEY},{SECRET}", "--addr",
                              f"127.0.0.1:{port}", "--config", os.devnull, str(folder)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    for _ in range(200):
-        try:
-            socket.create_connection(("127.0.0.1", port), 0.2).close()
-            break
-        except OSError:
-            time.sleep(0.05)
+    wait_listening(port)
     return proc, f"http://127.0.0.1:{port}"
 
 
@@ -139,8 +137,6 @@ def compare_s5cmd(args, work: Path, report: dict) -> None:
 
 def compare_moto(args, work: Path, report: dict) -> None:
     import logging
-
-    from s3server import delayed_server
 
     from dali_pipe.demo import make_photo_dataset
     from dali_pipe.sync import make_client

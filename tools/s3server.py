@@ -3,6 +3,7 @@ optional delay per request to stand in for S3's per-request latency (loopback an
 microseconds; S3 takes tens of milliseconds to the first byte)."""
 from __future__ import annotations
 
+import socket
 import time
 
 
@@ -28,3 +29,13 @@ def delayed_server(delay: float = 0.0):
     server.delay = delay
     server.start()
     return server
+
+
+def wait_listening(port: int, tries: int = 200) -> None:
+    """Until a server started in another process accepts connections on 127.0.0.1:`port` (about 10 s at most)."""
+    for _ in range(tries):
+        try:
+            socket.create_connection(("127.0.0.1", port), 0.2).close()
+            return
+        except OSError:
+            time.sleep(0.05)

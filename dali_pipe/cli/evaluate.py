@@ -34,27 +34,33 @@ SPLIT_FLAGS = ("val_fraction", "seed")  # the settings that decide a split made 
 
 def trained_split(s: Settings) -> tuple[dict | None, str | None]:
     """(how the model's validation split was made, from its folder's metrics.json, or None; a note for a
-    folder of ours written before it recorded that). Fills --val-fraction and --seed from the record where
-    they were not given."""
+    folder of ours written before it recorded that, or whose record is damaged). Fills --val-fraction and
+    --seed from the record where they were not given."""
     metrics = training_metrics(s.model.model)
-    record = (metrics or {}).get("split")
+    if metrics is None:  # a hub id, or a folder another tool wrote: the flags decide, as always
+        return None, None
     here = f"--val-fraction {s.data.val_fraction} and --seed {s.data.seed} decide it here; pass those of training"
-    if metrics is not None and "split" in metrics and not (isinstance(record, dict) and record):
-        return None, f"note: {redact(s.model.model)}/metrics.json's split record is damaged ({record!r:.60}): {here}"
+    if "split" not in metrics:
+        return None, (f"note: {redact(s.model.model)} does not record how its validation split was made (written "
+                      f"by an older version): {here}")
+    record, values, bad = metrics["split"], {}, []
     if not isinstance(record, dict) or not record:
-        note = None if metrics is None else (
-            f"note: {redact(s.model.model)} does not record how its validation split was made (written by an older "
-            f"version): {here}")
-        return None, note
-    bad = [f"{name}: {record.get(name)!r:.40}" for name in (*SPLIT_FLAGS, "samples")
-           if name in SPLIT_FLAGS and record.get(name) is not None
-           and field_problems(settings_from_keywords({name: record[name]}, [name]), [name])
-           or name == "samples" and not isinstance(record.get(name), str)]
+        bad.append(f"{record!r:.60}")
+    else:
+        for name in SPLIT_FLAGS:
+            if record.get(name) is not None:
+                probe = settings_from_keywords({name: record[name]}, [name])  # checked as a flag's value is
+                if field_problems(probe, [name]):
+                    bad.append(f"{name}: {record[name]!r:.40}")
+                else:
+                    values[name] = getattr(probe.data, name)
+        if not isinstance(record.get("samples"), str):
+            bad.append(f"samples: {record.get('samples')!r:.40}")
     if bad:  # a record edited or damaged: named, and the flags decide (no claim about the data either way)
         return None, f"note: {redact(s.model.model)}/metrics.json's split record is damaged ({'; '.join(bad)}): {here}"
-    for name in SPLIT_FLAGS:
-        if name not in s.given and record.get(name) is not None:
-            setattr(s.data, name, getattr(settings_from_keywords({name: record[name]}, [name]).data, name))
+    for name, value in values.items():
+        if name not in s.given:
+            setattr(s.data, name, value)
     return record, None
 
 

@@ -136,10 +136,12 @@ class ImageClassifier(pl.LightningModule):
                           "and H100; else 32-true)")
         if s.clip_grad_norm is None:
             causes.append("exploding gradients (--clip-grad-norm 1.0)")
-        what = (f"the training loss is not finite (NaN or inf) since step {int(self._since)} (step "
-                f"{self.global_step} now), " + ("and the weights are no longer finite" if broken else
-                                                f"{streak} batches in a row") if streak else
-                f"the weights are no longer finite at step {self.global_step} (the loss was still finite)")
+        if not streak:  # every loss finite, the weights not (a save's look at them)
+            what = f"the weights are no longer finite at step {self.global_step} (the loss was still finite)"
+        else:
+            what = (f"the training loss is not finite (NaN or inf) since step {int(self._since)} (step "
+                    f"{self.global_step} now), " + ("and the weights are no longer finite" if broken else
+                                                    f"{streak} batches in a row"))
         return (f"training diverged: {what}" +
                 ". Likely cause: " + "; or ".join(causes) + ". Rerun with that changed and --resume never (another "
                 "recipe is another run).")

@@ -228,7 +228,8 @@ def main() -> None:
             results["replayed_after_sigterm"].append(None if resumed is None or saved is None else saved - resumed)
             # -- kill -9 between periodic saves ----------------------------------------------------
             out9 = tmp / f"kill9-{r}"
-            longer = [*common[:common.index("--epochs") + 1], str(args.epochs + 3), *common[common.index("--epochs") + 2:]]
+            longer = list(common)
+            longer[longer.index("--epochs") + 1] = str(args.epochs + 3)
             flags9 = ["--data", str(data), "--output", str(out9), "--checkpoint-every-steps", str(args.every),
                       *longer]  # epochs enough that the kill lands mid-training on a fast machine too
             run = Run(flags9, env, tmp / f"kill9-{r}.log")

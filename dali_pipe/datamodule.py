@@ -16,7 +16,6 @@ call, `dali_pipe.DaliDataModule(data=..., batch_size=...)`, is its subclass in `
 """
 from __future__ import annotations
 
-import math
 import os
 import sys
 import time
@@ -26,28 +25,16 @@ from pathlib import Path
 import pytorch_lightning as pl
 from lightning_fabric.plugins import CheckpointIO
 
-from .config import DataSettings, PipelineSettings, SyncSettings, named, recipe, recipe_names, resolve_device
+from .config import DataSettings, PipelineSettings, named, recipe_names, resolve_device
+from .dataset import check_batch, data_line, differences, drop_note, fingerprint, prepare, read, scan_manifest
 from .errors import RunMismatchError, UserError
-from .imagefolder import read_image_folder, sync_image_folder
 from .loader import DaliLoader, ReaderChanged
-from .manifest import Manifest, Sample, read_manifest
+from .manifest import Manifest, Sample
 from .pipeline import Augment, Files, PipelineOptions, Shards, build_pipeline, resources_for_rank, shard_reader
-from .scan import ScanResult, scan, write_report
-from .shards import source
-from .shards.cache import Remote, StreamCache, is_remote, stream_bound, stream_folder, verify_local
-from .shards.source import SHARD_KINDS, ShardSet, open_shards, source_kind
-from .shards.tables import TABLE_KINDS, open_tables, prepare_tables
+from .scan import ScanResult
+from .shards.cache import Remote, StreamCache, is_remote, stream_bound, stream_folder
+from .shards.source import ShardSet
 from .spec import ImageSpec
-from .sync import local_target, sync
-from .workdir import OutputError
-
-
-class ScanError(UserError):
-    """Too many bad images; the message points at the report."""
-
-
-class BatchTooLargeError(UserError):
-    """The batch is larger than one rank's share of the training data."""
 
 
 class NotPreparedError(UserError):
@@ -61,161 +48,6 @@ class EmptySplitError(UserError):
 
 class DeviceMismatchError(UserError):
     """device='gpu' for a Trainer that runs on the CPU."""
-
-
-def local_root(data: DataSettings) -> Path:
-    """The local dataset root: the directory itself, or the sync target of an s3:// URI."""
-    if data.data.startswith("s3://"):
-        return local_target(data.data, Path(data.cache_dir))
-    return Path(data.data)
-
-
-def read(data: DataSettings, *, labels: bool = True) -> Manifest | ShardSet:
-    """The manifest of the (local) dataset (dataset.tsv, or an ImageFolder's class folders), split as the
-    settings say; or the shards at --data (a pack, shards written by others, a Hugging Face dataset's
-    tables), checked (shards/source.py, shards/tables.py; cached verdicts). `labels` False: shards without
-    cls are read too (predict)."""
-    kind = source_kind(data.data, data.cache_dir)
-    if kind in TABLE_KINDS:
-        return open_tables(data)
-    if kind in SHARD_KINDS:
-        return open_shards(data, labels=labels)
-    if kind == "imagefolder":
-        return read_image_folder(local_root(data), val_fraction=data.val_fraction, seed=data.seed)
-    return read_manifest(local_root(data), val_fraction=data.val_fraction, seed=data.seed,
-                         skip_missing=data.skip_missing)
-
-
-def scan_manifest(manifest: Manifest, data: DataSettings, *, num_threads: int, progress: bool) -> ScanResult:
-    """Scan every file of the manifest (verdicts cached under the cache dir)."""
-    return scan([s.path for s in manifest.train + manifest.val], data.scan, max_pixels=data.max_pixels,
-                num_threads=num_threads, cache_path=Path(data.cache_dir) / "scan-cache.json", progress=progress)
-
-
-def missing_reasons(manifest: Manifest) -> dict[str, str]:
-    """{absolute path: reason} for the files the manifest lists but the disk lacks (--skip-missing)."""
-    root = manifest.root.resolve()
-    return {str(root / rel): "missing on disk (listed in dataset.tsv; --skip-missing)" for rel in manifest.missing}
-
-
-def report(manifest: Manifest, result: ScanResult, data: DataSettings, output: Path, *, empty: bool = True) -> None:
-    """Write OUT/bad_images.tsv (bad and, with --skip-missing, missing files) and say what was excluded
-    (`empty`: also when nothing was)."""
-    if data.skip_missing and manifest.missing:
-        print(f"--skip-missing: training without {len(manifest.missing)} listed file(s) that are missing, "
-              f"e.g. {manifest.missing[0]!r}", file=sys.stderr)
-    if not result.bad and not manifest.missing and (data.scan == "off" or not empty):
-        return
-    missing = missing_reasons(manifest)
-    try:
-        path = write_report({**result.bad, **missing}, manifest.root.resolve(), output)
-    except OSError as e:
-        raise OutputError(f"could not write {Path(output) / 'bad_images.tsv'} ({e.strerror or e}); free space there, "
-                          "or pass another output (--output, or output= to DaliDataModule)") from None
-    if result.bad or missing:
-        print(f"scan: excluded {len(result.bad) + len(missing)} of {result.total + len(missing)} file(s); "
-              f"reasons in {path}", file=sys.stderr)
-
-
-def check_bad_fraction(result: ScanResult, data: DataSettings, output: Path) -> None:
-    """Abort when more than --max-bad-fraction of the files are bad."""
-    if result.total and len(result.bad) / result.total > data.max_bad_fraction:
-        path, reason = next(iter(sorted(result.bad.items())))
-        raise ScanError(f"{len(result.bad)} of {result.total} images are bad "
-                        f"({len(result.bad) / result.total:.1%} > --max-bad-fraction {data.max_bad_fraction}), "
-                        f"e.g. {path}: {reason}. See {output / 'bad_images.tsv'}; fix or remove them, or raise "
-                        f"--max-bad-fraction to {enough_fraction(len(result.bad), result.total)} to train without "
-                        "them.")
-
-
-def enough_fraction(bad: int, total: int) -> str:
-    """The shortest decimal at least bad / total (so that --max-bad-fraction of that value lets them pass)."""
-    for digits in range(2, 10):
-        text = f"{math.ceil(bad / total * 10 ** digits) / 10 ** digits:.{digits}f}".rstrip("0").rstrip(".")
-        if float(text) >= bad / total and float(text) - bad / total < 0.01:
-            return text
-    return repr(bad / total)
-
-
-def prepare(data: DataSettings, output: Path, *, num_threads: int, report_empty: bool = True, labels: bool = True,
-            manifest: Manifest | None = None) -> tuple[Manifest, ScanResult]:
-    """Once per node: sync s3:// data, scan, write the report, enforce --max-bad-fraction.
-    Returns the manifest without the bad files, and the scan's result (`labels`: as for read). `manifest`: the
-    local dataset's, already read (the CLI reads it before the heavy imports), so it is not read again."""
-    kind = source_kind(data.data, data.cache_dir)
-    if kind in SHARD_KINDS:  # shards: fetch a pack, index others', sync and check a Hugging Face dataset
-        if kind in TABLE_KINDS:
-            shards = prepare_tables(data, num_threads=num_threads, workers=SyncSettings.workers)
-        else:
-            shards = source.prepare_shards(data, num_threads=num_threads, workers=SyncSettings.workers,
-                                           labels=labels)
-
-        verify_local(shards.everything, data.cache_dir)  # size and sha256 of every local shard, once
-        source.report(shards, data.scan, output)
-        result = shards.scan_result()
-        check_bad_fraction(result, data, output)
-        return shards, result
-    if data.data.startswith("s3://") and kind == "imagefolder":
-        sync_image_folder(data.data, local_root(data), workers=SyncSettings.workers)
-    elif data.data.startswith("s3://"):
-        sync(data.data, local_root(data), workers=SyncSettings.workers, skip_missing=data.skip_missing, rows=True)
-    manifest = manifest or read(data)
-    result = scan_manifest(manifest, data, num_threads=num_threads, progress=True)
-    report(manifest, result, data, output, empty=report_empty)
-    check_bad_fraction(result, data, output)
-    return manifest.without(set(result.bad)), result
-
-
-def data_line(manifest: Manifest | ShardSet, scan_mode: str, scan_result: ScanResult | None) -> str:
-    """The data in one line: classes, the split's counts, what the scan excluded (and what the source notes)."""
-    names = ", ".join(manifest.classes[:6]) + (", ..." if len(manifest.classes) > 6 else "")
-    scan = (f"scan {scan_mode}: {len(scan_result.bad)} of {scan_result.total} excluded" if scan_result
-            else f"scan {scan_mode}")
-    return (f"data: {len(manifest.classes)} classes ({names}); {len(manifest.train)} train + {len(manifest.val)} val "
-            f"images; {scan}" + (f"; {manifest.note}" if getattr(manifest, "note", "") else ""))
-
-
-SPLIT_RULES = {"column": "the split column of dataset.tsv", "pack": "the pack's split (made when it was packed)",
-               "folders": "the train/ and val/ folders (ImageNet's layout)",
-               "names": "the shards or files named val or validation",
-               "hash": "a hash of each sample's path or key with the val fraction and seed, per class"}
-
-
-def split_record(manifest: Manifest | ShardSet, data: DataSettings, digest: str) -> dict:
-    """How the validation split of a run was made, for the model folder: the rule (and in words), the val
-    fraction and seed it took (they decide the split only for rule "hash"), the sample counts, and the
-    data's identity (`digest`: its samples, labels and split; the run fingerprint's "samples")."""
-    return {"rule": manifest.split_rule, "made_by": SPLIT_RULES[manifest.split_rule],
-            "val_fraction": data.val_fraction, "seed": data.seed, "train": len(manifest.train),
-            "val": len(manifest.val), "samples": digest}
-
-
-def dropped_per_epoch(n: int, batch_size: int, num_shards: int) -> int:
-    """Training images left out of each epoch: each rank keeps full batches of its share only."""
-    return n - num_shards * ((n // num_shards) // batch_size) * batch_size
-
-
-def drop_note(n: int, batch_size: int, num_shards: int) -> str | None:
-    """One line when the dropped partial batches exceed 10% of the training images: how many, why, and
-    the largest batch size up to this one that drops at most 10%; else None."""
-    dropped = dropped_per_epoch(n, batch_size, num_shards)
-    if not n or dropped <= 0.10 * n:
-        return None
-    better = next((b for b in range(batch_size - 1, 0, -1) if dropped_per_epoch(n, b, num_shards) <= 0.10 * n), None)
-    steps = (n // num_shards) // batch_size
-    fix = (f"; --batch-size {better} would drop {dropped_per_epoch(n, better, num_shards)}" if better else "")
-    return (f"note: {dropped} of the {n} training images ({dropped / n:.0%}) are left out of every epoch: each of the "
-            f"{num_shards} process(es) trains {steps} full batch(es) of {batch_size} and drops its partial batch (the "
-            f"order changes every epoch, so a different {dropped} each time){fix}. Validation still sees every image.")
-
-
-def check_batch(n: int, batch_size: int, num_shards: int) -> None:
-    """Training keeps full batches only: each rank's share must hold at least one."""
-    if n // num_shards < batch_size:
-        most = n // num_shards
-        fix = f"pass --batch-size {most} or lower" if most else "add training images (or train on fewer processes)"
-        raise BatchTooLargeError(f"--batch-size {batch_size} is larger than the {most} training "
-                                 f"images each of the {num_shards} rank(s) gets; {fix}.")
 
 
 class DaliDataModule(pl.LightningDataModule):
@@ -282,9 +114,8 @@ class DaliDataModule(pl.LightningDataModule):
         weights become (batch size, seed, crop and augmentations: config.py's identity=RECIPE)."""
         if self._digest is None:  # a hash over every sample: once, not at every checkpoint
             self._digest = self._read().digest()
-        return {"samples": self._digest, "classes": list(self.classes),
-                "image_size": [self.spec.height, self.spec.width], "world_size": world_size or self._rank()[1],
-                **recipe(self.data), **recipe(self.pipeline)}
+        return fingerprint(self._digest, self.classes, (self.spec.height, self.spec.width),
+                           world_size or self._rank()[1], self.data, self.pipeline)
 
     def _rank(self) -> tuple[int, int, int, int]:
         """(global rank, world size, local rank, processes on this node)."""
@@ -551,10 +382,6 @@ class _Positions:
         return len(self.positions)
 
 
-FINGERPRINT_NAMES = {"samples": "the data (files, labels or split)", "classes": "the classes",
-                     "image_size": "the image size", "world_size": "the number of "
-                     "processes (the Trainer's devices x num_nodes)",
-                     **{n: n for n in recipe_names(("data", "pipeline"))}}  # the keywords, as the library takes them
 LIBRARY_OPTIONAL = frozenset(recipe_names(("pipeline",)))  # what checkpoints written before they counted lack
 
 
@@ -600,25 +427,3 @@ def check_before_restore(trainer, name: str, check) -> None:
         io = CheckedLoad(io, trainer)
         trainer.strategy.checkpoint_io = io
     io.checks[name] = check
-
-
-def differences(saved: dict, current: dict, names: dict = FINGERPRINT_NAMES,
-                sides: tuple[str, str] = ("in the checkpoint", "now"), optional=frozenset()) -> list[str]:
-    """What differs between two fingerprints, one line per field: 'LABEL: A SIDE0, B SIDE1'. `names`
-    labels the fields (the library's words; the CLI passes its flags); a field in `optional` is compared
-    only where both hold it (fields that older checkpoints lack)."""
-    out = []
-    for key, label in names.items():
-        if key in optional and (key not in saved or key not in current):
-            continue
-        a, b = saved.get(key), current.get(key)
-        if a != b:
-            a, b = (_shown(key, v) for v in (a, b))
-            out.append(f"{label}: {a} {sides[0]}, {b} {sides[1]}")
-    return out
-
-
-def _shown(key: str, value) -> str:
-    if key == "classes" and isinstance(value, list):
-        return f"{len(value)} classes ({', '.join(map(str, value[:4]))}{', ...' if len(value) > 4 else ''})"
-    return repr(value)

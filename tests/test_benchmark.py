@@ -93,7 +93,7 @@ def test_model_none_times_loaders_only(photo_root, tmp_path, cache_dir):
 
 
 def test_batch_larger_than_the_data_is_refused_not_spun_on(photo_root, tmp_path, cache_dir):
-    from dali_pipe.datamodule import BatchTooLargeError
+    from dali_pipe.dataset import BatchTooLargeError
 
     with pytest.raises(BatchTooLargeError, match="--batch-size 64 is larger than the 43 training images"):
         train.main(["--benchmark", "--data", str(photo_root), "--output", str(tmp_path / "b"), "--device", "cpu",

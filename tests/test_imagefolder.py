@@ -98,7 +98,7 @@ def test_an_imagefolder_on_s3_reads_what_the_bucket_holds(photo_root, s3, tmp_pa
     """s3://bucket/prefix of class folders: the images are synced (nothing else), classes and split as for the local
     folder; an object removed from the bucket is not read again from the cache's copy."""
     from dali_pipe.config import DataSettings
-    from dali_pipe.datamodule import prepare
+    from dali_pipe.dataset import prepare
     from dali_pipe.sync import make_client
 
     client = make_client(4)

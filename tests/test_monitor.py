@@ -153,7 +153,7 @@ def test_monitor_prescribes_packing_for_large_photos(tmp_path, cache_dir, capsys
     planted in test_benchmark; here the verdict is given)."""
     from dali_pipe.cli import fit, parse_train
     from dali_pipe.config import resolve
-    from dali_pipe.datamodule import read
+    from dali_pipe.dataset import read
     from dali_pipe.demo import make_photo_dataset
     from dali_pipe.spec import ImageSpec
 

@@ -110,7 +110,7 @@ def test_scan_cache_rescans_only_what_changed(corpus, tmp_path):
 
 
 def test_too_many_bad_files_abort_with_pointer_to_report(corpus, tmp_path, cache_dir):
-    from dali_pipe.datamodule import ScanError
+    from dali_pipe.dataset import ScanError
 
     root, _ = corpus
     with pytest.raises(ScanError, match=r"--max-bad-fraction 0.01.*bad_images.tsv"):

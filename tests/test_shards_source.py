@@ -37,7 +37,7 @@ def test_shards_of_others_classes_split_and_bad_members(peer_dir, tmp_path, monk
     every bad member (no cls, a non-integer cls, a broken or missing image, a repeated key; a corrupt one with
     --scan full) left out and listed with shard and key; indexed once into the cache dir, the folder untouched."""
     import dali_pipe.shards.source as source
-    from dali_pipe.datamodule import ScanError, prepare
+    from dali_pipe.dataset import ScanError, prepare
 
     before = _listing(peer_dir)
     s = _open(peer_dir, tmp_path / "cache", scan="full", max_bad_fraction=0.2)

@@ -101,7 +101,7 @@ def test_save_to_disk_dataset_dict_holds_out_its_test_split(hf, tmp_path):
 def test_bad_rows_are_listed_and_ambiguous_columns_named(hf, tmp_path):
     """A truncated JPEG, a GIF (which DALI cannot decode), a row without bytes and a label of -1 are left out and
     listed in bad_images.tsv with file and row; two ClassLabel columns are an error naming --label-column."""
-    from dali_pipe.datamodule import prepare
+    from dali_pipe.dataset import prepare
 
     with pytest.raises(TableSourceError, match=r"several label columns \(label, coarse\); pass --label-column"):
         _open(hf / "bad", tmp_path)
@@ -124,7 +124,7 @@ def test_bad_rows_are_listed_and_ambiguous_columns_named(hf, tmp_path):
 
 def test_parquet_on_s3_is_synced_then_read(hf, s3, tmp_path):
     """An s3:// prefix of the Hub's layout (moto's server): synced to the cache dir, then read as the local copy."""
-    from dali_pipe.datamodule import prepare
+    from dali_pipe.dataset import prepare
     from dali_pipe.sync import make_client
 
     client = make_client(4)

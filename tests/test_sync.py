@@ -427,7 +427,7 @@ def test_training_data_with_a_bad_row_fails_naming_the_s3_manifest_before_any_do
     """--data s3://...: a row training would refuse (an empty label beside labelled rows) stops the sync
     before any GET, naming the manifest in S3 (the copy in the cache dir is overwritten by every sync)."""
     from dali_pipe.config import DataSettings
-    from dali_pipe.datamodule import prepare
+    from dali_pipe.dataset import prepare
 
     client = _upload(photo_root)
     rows = "".join(f"{line}\t{line.split('/')[0]}\n" for line in

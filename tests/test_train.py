@@ -198,7 +198,7 @@ def test_start_up_summary_says_what_small_data_drops(photo_root, cache_dir):
     """48 training images at batch 32: the summary says 16 are dropped each epoch, and that 24 drops none."""
     from dali_pipe.cli import fit, parse_train
     from dali_pipe.config import resolve
-    from dali_pipe.datamodule import read
+    from dali_pipe.dataset import read
 
     s = resolve(parse_train(["--data", str(photo_root), "--model", "tiny", "--batch-size", "32", "--val-fraction", "0"]))
     text = fit.summary(s, read(s.data), None, 250_000)
@@ -231,7 +231,7 @@ def test_steps_per_epoch_count_the_step_of_an_epochs_last_partial_accumulation(p
 
     from dali_pipe.cli import fit, parse_train
     from dali_pipe.config import resolve
-    from dali_pipe.datamodule import read
+    from dali_pipe.dataset import read
 
     s = resolve(parse_train(["--data", str(photo_root), "--model", "tiny", "--batch-size", "8", "--val-fraction", "0",
                              "--grad-accum", "4"]))
@@ -336,7 +336,7 @@ def test_train_reads_the_manifest_once_and_hands_it_to_the_command(photo_root, t
 def test_a_failed_run_leaves_no_empty_folder_of_ours(photo_root, tmp_path, cache_dir):
     """A run that fails after its pre-flight made OUT and OUT/checkpoints (a batch larger than the data) removes
     the folders it made that are still empty; a folder that was there before stays, and so does what is in it."""
-    from dali_pipe.datamodule import BatchTooLargeError
+    from dali_pipe.dataset import BatchTooLargeError
 
     argv = ["--data", str(photo_root), "--model", "tiny", "--device", "cpu", "--batch-size", "64", "--num-threads", "1"]
     with pytest.raises(BatchTooLargeError):

@@ -36,7 +36,8 @@ from model.progress import PlainProgressBar, TerminalProgressBar
 from model.selection import BestModel, recover
 
 from ..config import Settings, named, recipe
-from ..datamodule import DaliDataModule, data_line, drop_note, split_record
+from ..datamodule import DaliDataModule
+from ..dataset import data_line, drop_note, split_record
 from ..errors import UserError
 from ..manifest import Manifest
 from ..monitor import DaliMemoryLog, MonitorCallback

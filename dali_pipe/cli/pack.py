@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from ..config import Settings, SyncSettings, cores, resolve
-from ..datamodule import missing_reasons, prepare
+from ..dataset import missing_reasons, prepare
 from ..forms import form_problem, forms_text
 from ..https import is_http
 from ..manifest import Manifest

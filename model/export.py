@@ -33,7 +33,7 @@ from dali_pipe.errors import UserError
 from dali_pipe.redact import redact
 from dali_pipe.workdir import plain_name, remove, remove_dead_temps, write_failure
 
-from . import checkpoint
+from . import checkpoint, resume
 from .files import RECORD, damaged_files, file_record, read_record
 from .loading import ModelLoadError, load_checked
 from .selection import BestModel
@@ -135,9 +135,9 @@ def check_identity(out: Path, fingerprint: dict) -> None:
     weights. An OUT without a model, or written before its export recorded a fingerprint, passes."""
     saved = (read_record(Path(out)) or {}).get("fingerprint")
     if isinstance(saved, dict) and saved:
-        diff = checkpoint.differences(saved, fingerprint, ("in its model", "now"))
+        diff = resume.differences(saved, fingerprint, ("in its model", "now"))
         if diff:
-            raise checkpoint.mismatch(Path(out), diff, "holds the model of another run (its metrics.json says so)",
+            raise resume.mismatch(Path(out), diff, "holds the model of another run (its metrics.json says so)",
                                       "its model is replaced when this run exports; an old checkpoint is moved "
                                       "aside, not deleted")
 
@@ -173,7 +173,7 @@ def from_checkpoint(path: Path, checkpoint_dir: Path, name: str, classes: list[s
                     split: dict | None = None) -> dict:
     """Export a finished run again from its final checkpoint (the last weights, in `epoch` at `global_step`;
     its epochs' metrics, its best record) or its best model; returns the record of what was selected."""
-    state = checkpoint.load(path)
+    state = resume.load(path)
     best = BestModel(checkpoint_dir, run_id=run)
     best.load_state_dict(state.get("callbacks", {}).get(best.state_key, {}))
     model, selected = selected_model(best, select, None, {"epoch": epoch, "global_step": global_step})

@@ -156,7 +156,7 @@ def test_max_steps_mid_epoch_then_more_steps_resumes_inside_that_epoch(indexed, 
     a next epoch part-way): the epoch trains each sample once, validates each once, and reaches all its steps.
     Then --max-steps 10 continues the finished run at epoch 2 (before, an empty epoch 2 ran and the data trained
     as epoch 3), and --epochs 1 stops, naming what the checkpoint was trained to (before, a Lightning traceback)."""
-    from model.checkpoint import PastTheEndError
+    from model.resume import PastTheEndError
 
     trace, out = tmp_path / "trace.jsonl", tmp_path / "out"
     rt.install(trace, patch=monkeypatch.setattr)
@@ -259,7 +259,7 @@ cb.save(T(True))
     p.wait()
     import torch
 
-    from model.checkpoint import plan_resume
+    from model.resume import plan_resume
 
     assert torch.load(ckdir / "last.ckpt", weights_only=False)["global_step"] == 1
     live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
@@ -325,7 +325,7 @@ def test_final_checkpoint_failure_still_exports_the_model_and_fails(photo_root, 
 def test_reused_output_never_returns_a_model_of_other_data(photo_root, indexed, tmp_path, cache_dir, capsys):
     """Same OUT, other data: stop before training naming what differs; --resume never moves the old
     checkpoint aside and trains; a finished run rerun with the same settings has nothing to do."""
-    from model.checkpoint import RunMismatchError
+    from dali_pipe.errors import RunMismatchError
 
     out = tmp_path / "out"
     args = ["--model", "tiny", "--device", "cpu", "--epochs", "1", "--batch-size", "8", "--num-threads", "1",
@@ -408,7 +408,7 @@ def test_a_damaged_checkpoint_is_named_with_the_ways_out(trained, photo_root, tm
     --resume never, never a traceback; --resume never moves the damaged file aside."""
     import shutil
 
-    from model.checkpoint import CheckpointDamagedError, plan_resume
+    from model.resume import CheckpointDamagedError, plan_resume
 
     out = tmp_path / "out"
     shutil.copytree(trained, out, ignore=shutil.ignore_patterns(".dali_pipe.lock"))
@@ -470,7 +470,7 @@ def test_an_output_on_another_disk_without_room_for_the_model_stops_before_train
 def test_a_resume_with_another_grad_accum_is_refused_naming_it():
     """--grad-accum is part of the run (the batch per optimizer step, the steps per epoch): a checkpoint of
     another value is refused naming the flag; one written before the fingerprint held it is still resumed."""
-    from model.checkpoint import differences
+    from model.resume import differences
 
     assert differences({"grad_accum": 2}, {"grad_accum": 1}) == ["--grad-accum: 2 in the checkpoint, 1 now"]
     assert differences({}, {"grad_accum": 1}) == []
@@ -489,7 +489,7 @@ def test_a_finished_run_rerun_with_another_recipe_stops_naming_each_setting(trai
     from its metrics.json."""
     import shutil
 
-    from model.checkpoint import RunMismatchError
+    from dali_pipe.errors import RunMismatchError
 
     out = tmp_path / "out"
     shutil.copytree(trained, out, ignore=shutil.ignore_patterns(".dali_pipe.lock"))
@@ -516,7 +516,7 @@ def test_a_checkpoint_from_before_the_recipe_counted_resumes_with_a_note(tmp_pat
     still this run's; the plan says which settings could not be checked against it."""
     import torch
 
-    from model.checkpoint import plan_resume
+    from model.resume import plan_resume
 
     old = {"samples": "abc", "classes": ["a", "b"], "model": "tiny", "image_size": [64, 64], "batch_size": 8,
            "world_size": 1, "seed": 0, "grad_accum": 1}

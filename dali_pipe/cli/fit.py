@@ -28,11 +28,12 @@ from datetime import timedelta
 from pathlib import Path
 
 from model import export as exporter
-from model.checkpoint import LAST, SpotSafeCheckpoint, plan_resume, read_meta
+from model.checkpoint import SpotSafeCheckpoint
 from model.export import remove_dead
 from model.loading import load_processor, parameter_count
 from model.module import ImageClassifier, TrainingDiverged
 from model.progress import PlainProgressBar, TerminalProgressBar
+from model.resume import LAST, plan_resume, read_meta
 from model.selection import BestModel, recover
 
 from ..config import Settings, named, recipe

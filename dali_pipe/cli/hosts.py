@@ -34,6 +34,8 @@ from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 
+from model.resume import differences, read_meta
+
 from ..errors import UserError
 from ..redact import redact
 
@@ -169,8 +171,6 @@ class Meeting:
         """Every host must train on the same run: each rank takes its share of its own host's list of
         samples, so hosts with other data (another manifest, a sync that differs, another scan verdict) would
         train some samples twice and others never, or hang on unequal batch counts."""
-        from model.checkpoint import differences  # lazy: it loads Lightning (~10 s); bad values are told first
-
         first = arrived[0]
         for other in arrived[1:]:
             diff = differences(other.get("fingerprint", {}), first.get("fingerprint", {}),
@@ -290,8 +290,6 @@ def plan_text(plan) -> str:
         return f"nothing to do (finished at step {plan.done_step})"
     if plan.ckpt_path is None:
         return "a fresh start"
-    from model.checkpoint import read_meta  # lazy: as in Meeting._compare, Lightning loads after the checks
-
     return f"resume from step {(read_meta(Path(plan.ckpt_path)) or {}).get('global_step', '?')}"
 
 

@@ -31,14 +31,14 @@ from pathlib import Path
 
 from dali_pipe.errors import UserError
 from dali_pipe.redact import redact
-from dali_pipe.workdir import plain_name, remove, remove_dead_temps, write_failure
+from dali_pipe.workdir import plain_name, remove, write_failure
 
 from . import checkpoint, resume
+from .exported import TEMP
 from .files import RECORD, damaged_files, file_record, read_record
-from .loading import ModelLoadError, load_checked
+from .loading import load_checked
 from .selection import BestModel
 
-TEMP = ".model-tmp-"
 RERUN = "fix that (free space there, or make it writable) and rerun the same command: it exports the model from there"
 
 
@@ -104,62 +104,6 @@ def stale(out: Path, previous: dict | None, files: dict) -> list[str]:
     return out_names
 
 
-def problem(out: Path, *, run: str | None, global_step: int, select: str) -> str | None:
-    """Why OUT does not hold the model that run `run` exports at `global_step` with `select`, or None
-    when it does: the record matches, every file matches the record, and the weights load against
-    the config key for key."""
-    out = Path(out)
-    if not (out / RECORD).is_file():
-        return f"has no {RECORD} (an export was interrupted, or none was written)"
-    record = read_record(out)
-    if record is None:
-        return f"has a {RECORD} without an export record (written by an older version, or damaged)"
-    if record.get("run") != run or record.get("global_step") != global_step:
-        return f"holds the model of another run or step (step {record.get('global_step')}; this run: {global_step})"
-    if record.get("select") != select:
-        return f"holds the model selected by --select {record.get('select')}, not {select}"
-    damaged = damaged_files(out)
-    if damaged:
-        return "has files that differ from its record: " + "; ".join(damaged)
-
-    try:
-        load_checked(str(out), "its model", verify_files=False)
-    except ModelLoadError as e:
-        return e.reason
-    return None
-
-
-def check_identity(out: Path, fingerprint: dict) -> None:
-    """Stop (RunMismatchError, each difference and the two ways out) when OUT holds the model of a run
-    whose fingerprint differs from this one's: other data, or another value of a setting that changes the
-    weights. An OUT without a model, or written before its export recorded a fingerprint, passes."""
-    saved = (read_record(Path(out)) or {}).get("fingerprint")
-    if isinstance(saved, dict) and saved:
-        diff = resume.differences(saved, fingerprint, ("in its model", "now"))
-        if diff:
-            raise resume.mismatch(Path(out), diff, "holds the model of another run (its metrics.json says so)",
-                                      "its model is replaced when this run exports; an old checkpoint is moved "
-                                      "aside, not deleted")
-
-
-def training_metrics(folder: str) -> dict | None:
-    """The metrics.json a training run wrote into `folder` (a model folder of ours), or None (a hub id, a
-    folder without one, or one another tool wrote)."""
-    try:
-        metrics = json.loads((Path(folder) / RECORD).read_text())
-    except (OSError, ValueError):
-        return None
-    return metrics if isinstance(metrics, dict) and "export" in metrics else None
-
-
-def describe(selected: dict) -> str:
-    """Which weights metrics.json says the model is, in words: 'epoch 3 (step 12), the best validation ...'."""
-    if "epoch" not in selected:
-        return selected["rule"]
-    step = f" (step {selected['global_step']})" if selected.get("global_step") is not None else ""
-    return f"epoch {selected['epoch']}{step}, {selected['rule']}"
-
-
 def selected_model(best, select: str, last, where: dict):
     """(the weights --select chooses: the best model's folder, checked whole, or `last`, whose epoch and
     step `where` gives; the record for metrics.json). Raises BestModelError when the best model is missing
@@ -186,9 +130,3 @@ def from_checkpoint(path: Path, checkpoint_dir: Path, name: str, classes: list[s
     except ExportError as e:
         raise ExportError(f"{e}; {path} holds the trained weights: {RERUN}") from None
     return selected
-
-
-def remove_dead(out: Path) -> None:
-    """The temporary folders of writers that died (kill -9) or of another container (the same PID)."""
-    remove_dead_temps(out, f"{TEMP}*", include_own=True)
-    remove_dead_temps(out, ".write-test-*", include_own=True)

@@ -230,7 +230,8 @@ def test_the_export_removes_only_what_the_previous_export_wrote(trained, tmp_pat
     and removes only the plain file it recorded, unchanged, that the new export does not write (before, it
     deleted ../victim and the absolute path and exited 0). The check before "nothing to do" reads nothing
     outside OUT either."""
-    from model.export import problem, write
+    from model.export import write
+    from model.exported import problem
     from model.files import sha256
     from model.loading import load_processor, load_trained
 

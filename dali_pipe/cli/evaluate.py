@@ -12,7 +12,7 @@ import dataclasses
 from pathlib import Path
 
 from model import evaluation
-from model.export import training_metrics
+from model.exported import training_metrics
 from model.loading import load_processor, load_trained
 
 from ..config import Settings, field_problems, flag_of, settings_from_keywords

@@ -28,8 +28,9 @@ from datetime import timedelta
 from pathlib import Path
 
 from model import export as exporter
+from model import exported
 from model.checkpoint import SpotSafeCheckpoint
-from model.export import remove_dead
+from model.exported import remove_dead
 from model.loading import load_processor, parameter_count
 from model.module import ImageClassifier, TrainingDiverged
 from model.progress import PlainProgressBar, TerminalProgressBar
@@ -191,7 +192,7 @@ def preflight(s: Settings, out: Path, ckpt_dir: Path, main: bool, manifest: Mani
     plan = plan_resume(s.run.resume, ckpt_dir, fingerprint, targets, may_modify=main,
                        steps=total_steps(s, manifest))
     if main and is_first_node() and s.run.resume != "never":
-        exporter.check_identity(out, fingerprint)  # OUT holds the model of another run: stop, as for a checkpoint
+        exported.check_identity(out, fingerprint)  # OUT holds the model of another run: stop, as for a checkpoint
     split = split_record(manifest, s.data, fingerprint["samples"])
     return Prepared(processor, spec, dm, manifest, params, fingerprint, targets, plan, split)
 
@@ -306,7 +307,7 @@ def export(s: Settings, module, p: Prepared, best, ckpt, global_step: int, out: 
         exporter.write(model, p.processor, out, {"selected": selected, "epochs": module.epoch_metrics,
                                                  "global_step": global_step, "split": p.split},
                        run=ckpt.run_id, select=select, fingerprint=p.fingerprint)
-        print(f"model ({exporter.describe(selected)}), image processor, label map and metrics.json written to {out}")
+        print(f"model ({exported.describe(selected)}), image processor, label map and metrics.json written to {out}")
     except exporter.ExportError as e:
         problems.append(f"{e}; the checkpoint in {ckpt.dir} holds the trained weights: {exporter.RERUN}")
     except UserError as e:  # the best model is missing or damaged: the message says which and the ways out
@@ -336,7 +337,7 @@ def finished(s: Settings, p: Prepared, out: Path, ckpt_dir: Path) -> dict:
     if p.plan.caveat:
         print(p.plan.caveat)
     select = selection(s, p.manifest)
-    problem = exporter.problem(out, run=p.plan.run_id, global_step=step, select=select)
+    problem = exported.problem(out, run=p.plan.run_id, global_step=step, select=select)
     if problem is None:
         print(f"nothing to do: already trained to {step} steps with these settings, and {out} holds the model "
               "(checked); pass --resume never to train again from scratch")
@@ -346,7 +347,7 @@ def finished(s: Settings, p: Prepared, out: Path, ckpt_dir: Path) -> dict:
     selected = exporter.from_checkpoint(p.plan.checkpoint, ckpt_dir, s.model.model, p.manifest.classes, p.processor,
                                         out, run=p.plan.run_id, global_step=step, select=select,
                                         epoch=epoch_of(s, p.manifest, step), fingerprint=p.fingerprint, split=p.split)
-    print(f"model ({exporter.describe(selected)}), image processor, label map and metrics.json written to {out}")
+    print(f"model ({exported.describe(selected)}), image processor, label map and metrics.json written to {out}")
     return {"exported_again": True, "global_step": step}
 
 

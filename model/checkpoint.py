@@ -127,11 +127,12 @@ class SpotSafeCheckpoint(pl.Callback):
     SAVES_FINAL = True  # this callback writes the final checkpoint (a subclass may leave it to a ModelCheckpoint)
 
     def __init__(self, checkpoint_dir: Path, every_steps: int = 0, *, fingerprint: dict | None = None,
-                 targets: dict | None = None, run_id: str | None = None):
+                 targets: dict | None = None, run_id: str | None = None, image_source: str | None = None):
         self.dir = Path(checkpoint_dir)
         self.run_id = run_id or uuid.uuid4().hex[:16]  # kept across resumes; the export records it
         self.every_steps = every_steps
         self.fingerprint, self.targets = fingerprint or {}, targets or {}
+        self.image_source = image_source  # what the fingerprint's image size was computed from (loading.image_source)
         self.interrupted = False
         self.stopped_by: str | None = None  # "SIGTERM" or "SIGINT": what stopped the run (every rank agrees)
         self.saves: list[tuple[int, float, float]] = []  # (global_step, start time, seconds) per save
@@ -155,7 +156,8 @@ class SpotSafeCheckpoint(pl.Callback):
 
     def _meta(self, trainer) -> dict:
         return {"fingerprint": self.fingerprint, "targets": self.targets, "finished": self._finishing,
-                "global_step": trainer.global_step, "epoch": trainer.current_epoch, "run": self.run_id}
+                "global_step": trainer.global_step, "epoch": trainer.current_epoch, "run": self.run_id,
+                "image_source": self.image_source}
 
     def save(self, trainer: pl.Trainer) -> None:
         check = getattr(getattr(trainer, "lightning_module", None), "check_finite", None)  # ImageClassifier's

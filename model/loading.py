@@ -14,9 +14,12 @@ that transformers cannot build as an image classifier is refused, never swapped 
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import sys
 from pathlib import Path
 
+from dali_pipe import spec
 from dali_pipe.config import BUILTIN_MODELS, TINY, VIT_B16_RANDOM, is_path
 from dali_pipe.errors import UserError
 
@@ -36,24 +39,28 @@ REEXPORT = ("rerun the training command that wrote it (it exports the model agai
             "train again")  # the way out for a damaged model folder
 
 
+BUILTIN_SIDE = {TINY: 64, VIT_B16_RANDOM: 224}  # the built-in models' input size (square)
+BUILTIN_PROCESSOR = {"image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]}  # and their normalisation
+
+
 def _builtin_config(name: str):
     from transformers import ViTConfig
 
     if name == TINY:
-        return ViTConfig(image_size=64, patch_size=8, hidden_size=96, num_hidden_layers=3,
+        return ViTConfig(image_size=BUILTIN_SIDE[TINY], patch_size=8, hidden_size=96, num_hidden_layers=3,
                          num_attention_heads=3, intermediate_size=192)
-    return ViTConfig()  # the defaults are ViT-B/16 at 224, as google/vit-base-patch16-224
+    return ViTConfig(image_size=BUILTIN_SIDE[name])  # else the defaults: ViT-B/16, as google/vit-base-patch16-224
 
 
 def load_processor(name: str):
     """The image processor whose size, crop, mean and std the pipelines use."""
     if name in BUILTIN_MODELS:
-        side = _builtin_config(name).image_size
+        side = BUILTIN_SIDE[name]
         try:  # transformers 5 names the torchvision-free processor explicitly
             from transformers import ViTImageProcessorPil as cls
         except ImportError:
             from transformers import ViTImageProcessor as cls
-        return cls(size={"height": side, "width": side}, image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5])
+        return cls(size={"height": side, "width": side}, **BUILTIN_PROCESSOR)
     from transformers import AutoImageProcessor
 
     load_config(name)  # refuses a checkpoint that is no image classifier before anything else
@@ -61,6 +68,51 @@ def load_processor(name: str):
         return AutoImageProcessor.from_pretrained(name)
     except (OSError, ValueError) as e:
         raise ModelLoadError(_fetch_hint(name, e)) from None
+
+
+PROCESSOR_FILES = ("preprocessor_config.json", "config.json")  # what AutoImageProcessor builds the processor from
+
+
+def image_source(name: str) -> str | None:
+    """A digest of everything the model's input size is computed from (ImageSpec.from_processor of the
+    processor load_processor returns), read without torch or transformers: the built-in's settings, or the
+    bytes of the processor's files (PROCESSOR_FILES, of the local folder, or of the hub's as huggingface_hub
+    resolves them, from its cache or a fresh download as transformers would), with transformers' version
+    and dali_pipe/spec.py's bytes. A checkpoint records it beside its fingerprint: equal digests mean an equal
+    input size, so a finished run's rerun is decided before torch loads (cli/finished.py). None where it
+    cannot be read (no such model, no network): the caller then loads the processor."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        parts = [version("transformers"), hashlib.sha256(Path(spec.__file__).read_bytes()).hexdigest()]
+        if name in BUILTIN_MODELS:
+            parts.append(json.dumps({"builtin": name, "side": BUILTIN_SIDE[name], **BUILTIN_PROCESSOR}))
+        else:
+            for file in PROCESSOR_FILES:
+                path = _processor_file(name, file)
+                parts.append(f"{file}: " + (hashlib.sha256(path.read_bytes()).hexdigest() if path else "none"))
+    except (OSError, PackageNotFoundError):
+        return None
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()
+
+
+def _processor_file(name: str, file: str) -> Path | None:
+    """`file` of model `name` (a local folder, else a hub id), or None where the model has none; OSError
+    where it cannot be known (a hub id that cannot be reached and is not cached)."""
+    if Path(name).expanduser().is_dir():
+        path = Path(name).expanduser() / file
+        return path if path.is_file() else None
+    if is_path(name):
+        raise OSError(f"no folder {name}")
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import RemoteEntryNotFoundError
+
+    try:
+        return Path(hf_hub_download(name, file))
+    except RemoteEntryNotFoundError:  # the hub has the model, without this file (not: offline and not cached)
+        return None
+    except Exception as e:  # offline, a gated or missing repo, a bad name: transformers then says which
+        raise OSError(str(e)) from None
 
 
 def load_config(name: str, classes: list[str] | None = None):

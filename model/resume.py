@@ -82,15 +82,22 @@ class ResumePlan:
 def read_meta(checkpoint: Path) -> dict | None:
     """The fingerprint and progress saved with a checkpoint: from the sidecar when it describes this
     file, else from the checkpoint itself (older checkpoints have neither: None)."""
+    meta = read_sidecar(checkpoint)
+    return meta if meta is not None else load(checkpoint).get("dali_pipe")
+
+
+def read_sidecar(checkpoint: Path) -> dict | None:
+    """The sidecar's copy of the checkpoint's fingerprint and progress, when `checkpoint` is a last.ckpt the
+    sidecar describes (its size); else None (read the checkpoint itself)."""
     sidecar = checkpoint.with_name(SIDECAR)
     if checkpoint.name == LAST and sidecar.is_file():
         try:
             meta = json.loads(sidecar.read_text())
-            if meta.get("size") == checkpoint.stat().st_size:
+            if isinstance(meta, dict) and meta.get("size") == checkpoint.stat().st_size:
                 return meta
         except (OSError, ValueError):
             pass
-    return load(checkpoint).get("dali_pipe")
+    return None
 
 
 RECIPE = recipe_names()  # the settings whose values are part of a run's identity (config.py: identity=RECIPE)

@@ -101,3 +101,32 @@ def test_a_fine_tune_says_in_one_line_each_which_weights_it_does_not_take(tmp_pa
         in err, err
     assert "2 weight(s) of the checkpoint are not used (pooler.dense.bias, pooler.dense.weight)" in err, err
     assert model.training and model.config.num_labels == 2
+
+
+def test_image_source_changes_with_what_the_input_size_is_computed_from(trained, tmp_path):
+    """The digest a checkpoint records beside its image size: equal for the same processor files, another for a
+    changed preprocessor_config.json (a new size) or another built-in, and None where the model cannot be read
+    without transformers (a folder that does not exist, a hub id offline and not cached). Reading it loads
+    neither torch nor transformers."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    from model.loading import image_source
+
+    folder = tmp_path / "model"
+    shutil.copytree(trained, folder, ignore=shutil.ignore_patterns("checkpoints", "tensorboard", ".dali_pipe.lock"))
+    before = image_source(str(folder))
+    assert before == image_source(str(trained)) and len(before) == 64
+    config = json.loads((folder / "preprocessor_config.json").read_text())
+    (folder / "preprocessor_config.json").write_text(json.dumps({**config, "size": {"height": 32, "width": 32}}))
+    assert image_source(str(folder)) not in (None, before)
+    assert image_source("tiny") == image_source("tiny") != image_source("vit-b16-random")
+    assert image_source(str(tmp_path / "nowhere")) is None
+    code = ("import sys\nfrom model.loading import image_source\n"
+            f"image_source({str(folder)!r}); image_source('tiny')\n"
+            "print(image_source('google/vit-base-patch16-224'), [m for m in ('torch', 'transformers') if m in sys.modules])")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")})
+    assert r.stdout.strip() == "None []", r.stderr  # a hub id offline and not cached: unknown, not "no file"

@@ -148,6 +148,11 @@ def main(argv: list[str] | None = None, style: str = "flag") -> dict:
         from .bench import run  # lazy: as above, the benchmark command loads Lightning
 
         return run(s, manifest)
+    from .finished import nothing_to_do  # lazy: it loads numpy (0.3 s); --help must answer at once
+
+    done = nothing_to_do(s, manifest)  # a finished run's rerun, told before torch and Lightning load
+    if done is not None:
+        return done
     from .fit import run  # lazy: as above, the training command loads Lightning
 
     return run(s, manifest, style, started=started)

@@ -31,43 +31,35 @@ from model import export as exporter
 from model import exported
 from model.checkpoint import SpotSafeCheckpoint
 from model.exported import remove_dead
-from model.loading import load_processor, parameter_count
+from model.loading import image_source, load_processor, parameter_count
 from model.module import ImageClassifier, TrainingDiverged
 from model.progress import PlainProgressBar, TerminalProgressBar
 from model.resume import LAST, plan_resume, read_meta
 from model.selection import BestModel, recover
 
-from ..config import Settings, named, recipe
+from ..config import Settings, named
 from ..datamodule import DaliDataModule
 from ..dataset import data_line, drop_note, split_record
 from ..errors import UserError
 from ..manifest import Manifest
 from ..monitor import DaliMemoryLog, MonitorCallback
 from ..prescribe import prescription
-from ..redact import redact_tree
 from ..scan import is_empty_report
 from ..spec import ImageSpec
 from ..workdir import OutputError, check_writable, fix_for, lock, no_empty_folders_on_failure, output_failure, unlock
+from .finished import (
+    is_first_node,
+    is_main_process,
+    run_fingerprint,
+    say_nothing_to_do,
+    selection,
+    steps_per_epoch,
+    targets,
+    total_steps,
+    world_size,
+)
 from .hosts import fail_together, join, plan_text
 from .noise import quiet_known_noise
-
-
-def world_size(s: Settings) -> int:
-    if s.run.devices != "auto":
-        return s.run.devices * s.run.num_nodes
-    import torch
-
-    return max(1, torch.cuda.device_count()) * s.run.num_nodes
-
-
-def is_main_process() -> bool:
-    """The process the user started (Lightning sets LOCAL_RANK for the ranks it launches)."""
-    return os.environ.get("LOCAL_RANK", "0") == "0"
-
-
-def is_first_node() -> bool:
-    """Node rank 0, the one node that writes OUT (NODE_RANK, as Lightning reads it; absent on one node)."""
-    return os.environ.get("NODE_RANK", "0") == "0"
 
 
 def make_trainer(s: Settings, callbacks: list, *, logger=True, purge_step: int | None = None, **overrides):
@@ -163,6 +155,7 @@ class Prepared:
     targets: dict
     plan: object
     split: dict  # how the validation split was made (metrics.json records it; evaluate defaults to it)
+    image_source: str | None  # what the image size was computed from (loading.image_source; the checkpoints say it)
 
 
 def preflight(s: Settings, out: Path, ckpt_dir: Path, main: bool, manifest: Manifest | None = None) -> Prepared:
@@ -176,6 +169,7 @@ def preflight(s: Settings, out: Path, ckpt_dir: Path, main: bool, manifest: Mani
         check_writable(ckpt_dir, "--checkpoint-dir")
     pl.seed_everything(s.data.seed, workers=True, verbose=False)
     processor = load_processor(s.model.model)
+    source = image_source(s.model.model)  # after the processor loaded (a hub model's files are cached by then)
     spec = ImageSpec.from_processor(processor)
     dm = DaliDataModule(s.data, s.pipeline, spec, Path(s.run.report_dir or out),  # reports: OUT, or output/data
                         manifest=manifest)
@@ -187,14 +181,13 @@ def preflight(s: Settings, out: Path, ckpt_dir: Path, main: bool, manifest: Mani
         check_writable(ckpt_dir, "--checkpoint-dir", bytes_needed(params))
         if is_first_node() and not same_disk(out, ckpt_dir):  # else the check above counted the model too
             check_writable(out, "--output", model_bytes(params), "the model")
-    fingerprint = {**dm.fingerprint(world_size(s)), **redact_tree(recipe(s.model))}  # no secret in a --model path
-    targets = {"epochs": s.model.epochs, "max_steps": s.model.max_steps}
-    plan = plan_resume(s.run.resume, ckpt_dir, fingerprint, targets, may_modify=main,
+    fingerprint = run_fingerprint(s, dm.fingerprint(world_size(s)))
+    plan = plan_resume(s.run.resume, ckpt_dir, fingerprint, targets(s), may_modify=main,
                        steps=total_steps(s, manifest))
     if main and is_first_node() and s.run.resume != "never":
         exported.check_identity(out, fingerprint)  # OUT holds the model of another run: stop, as for a checkpoint
     split = split_record(manifest, s.data, fingerprint["samples"])
-    return Prepared(processor, spec, dm, manifest, params, fingerprint, targets, plan, split)
+    return Prepared(processor, spec, dm, manifest, params, fingerprint, targets(s), plan, split, source)
 
 
 def _fit(s: Settings, out: Path, ckpt_dir: Path, main: bool, meeting=None,
@@ -217,7 +210,7 @@ def _fit(s: Settings, out: Path, ckpt_dir: Path, main: bool, meeting=None,
 
     module = ImageClassifier(s.model, seed=s.data.seed)
     ckpt = SpotSafeCheckpoint(ckpt_dir, every_steps=s.run.checkpoint_every_steps, fingerprint=p.fingerprint,
-                              targets=p.targets, run_id=p.plan.run_id)
+                              targets=p.targets, run_id=p.plan.run_id, image_source=p.image_source)
     best = BestModel(ckpt_dir, run_id=ckpt.run_id)
     monitor = MonitorCallback(Path(s.run.report_dir or out), origin=started,  # monitor.json beside the reports
                               cli={"checkpoint_every_steps": s.run.checkpoint_every_steps,
@@ -323,11 +316,6 @@ def epoch_of(s: Settings, manifest, global_step: int) -> int:
     return max(1, -(-global_step // max(1, steps_per_epoch(s, manifest))))
 
 
-def selection(s: Settings, manifest) -> str:
-    """What --select means for this data: best, last, or none (no validation data)."""
-    return s.run.select if manifest.val else "none"
-
-
 def finished(s: Settings, p: Prepared, out: Path, ckpt_dir: Path) -> dict:
     """The run already trained to its end: "nothing to do" once OUT is checked to hold its model;
     else the model exported again from the final checkpoint (or the best one, --select best)."""
@@ -339,9 +327,7 @@ def finished(s: Settings, p: Prepared, out: Path, ckpt_dir: Path) -> dict:
     select = selection(s, p.manifest)
     problem = exported.problem(out, run=p.plan.run_id, global_step=step, select=select)
     if problem is None:
-        print(f"nothing to do: already trained to {step} steps with these settings, and {out} holds the model "
-              "(checked); pass --resume never to train again from scratch")
-        return {"nothing_to_do": True, "global_step": step}
+        return say_nothing_to_do(step, out)
     print(f"already trained to {step} steps, but {out} {problem}: exporting the model again from "
           f"{p.plan.checkpoint}")
     selected = exporter.from_checkpoint(p.plan.checkpoint, ckpt_dir, s.model.model, p.manifest.classes, p.processor,
@@ -374,18 +360,6 @@ def resume_line(s: Settings, p: Prepared) -> str | None:
     where = (f"epoch {epoch + 1}, step {within} of {per_epoch}" if within else
              f"at the start of epoch {epoch + 1} ({per_epoch} steps each)")
     return f"resuming {where} (global step {step}) from {p.plan.ckpt_path}"
-
-
-def total_steps(s: Settings, manifest) -> int:
-    """The optimizer steps this run trains to: --epochs whole epochs, or --max-steps when that is fewer."""
-    steps = steps_per_epoch(s, manifest) * s.model.epochs
-    return steps if s.model.max_steps < 0 else min(steps, s.model.max_steps)
-
-
-def steps_per_epoch(s: Settings, manifest) -> int:
-    """Optimizer steps per epoch: each rank's full batches, over the accumulation, rounded up (Lightning
-    steps at an epoch's last batch even when it ends a partial accumulation)."""
-    return -(-(len(manifest.train) // world_size(s) // s.data.batch_size) // s.model.grad_accum)
 
 
 def summary(s: Settings, manifest, scan_result, params: int) -> str:

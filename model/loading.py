@@ -17,9 +17,10 @@ from __future__ import annotations
 import hashlib
 import json
 import sys
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
-from dali_pipe import spec
+import dali_pipe.spec
 from dali_pipe.config import BUILTIN_MODELS, TINY, VIT_B16_RANDOM, is_path
 from dali_pipe.errors import UserError
 
@@ -81,10 +82,8 @@ def image_source(name: str) -> str | None:
     and dali_pipe/spec.py's bytes. A checkpoint records it beside its fingerprint: equal digests mean an equal
     input size, so a finished run's rerun is decided before torch loads (cli/finished.py). None where it
     cannot be read (no such model, no network): the caller then loads the processor."""
-    from importlib.metadata import PackageNotFoundError, version
-
     try:
-        parts = [version("transformers"), hashlib.sha256(Path(spec.__file__).read_bytes()).hexdigest()]
+        parts = [version("transformers"), hashlib.sha256(Path(dali_pipe.spec.__file__).read_bytes()).hexdigest()]
         if name in BUILTIN_MODELS:
             parts.append(json.dumps({"builtin": name, "side": BUILTIN_SIDE[name], **BUILTIN_PROCESSOR}))
         else:

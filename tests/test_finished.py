@@ -50,6 +50,12 @@ def _older_sidecar(out: Path) -> None:
     side.write_text(json.dumps(meta))
 
 
+def _other_processor(out: Path) -> None:
+    """The sidecar as if the model's processor files were other ones when the run trained."""
+    side = out / "checkpoints" / "last.json"
+    side.write_text(json.dumps({**json.loads(side.read_text()), "image_source": "0" * 64}))
+
+
 def _flip_weights(out: Path) -> None:
     weights = out / "model.safetensors"
     data = bytearray(weights.read_bytes())
@@ -74,6 +80,7 @@ CASES = {
     "one photo fewer": ("data", "belongs to another run:\n  the data (files, labels or split)"),
     "the weights in OUT damaged": (_flip_weights, None),
     "a checkpoint of a version without image_source": (_older_sidecar, None),
+    "the processor changed since": (_other_processor, None),
     "more --epochs": ("--epochs 5", None),
     "another run holds OUT": ("lock", "is in use by another training run (PID"),
 }
@@ -106,6 +113,8 @@ def test_the_early_decision_is_the_full_preflights(case, trained, photo_root, tm
             change(out)
         elif change:
             flags = change.split()
+        if early not in (None, "nothing to do"):  # a refusal leaves no empty folder of ours (TensorBoard's)
+            shutil.rmtree(out / "tensorboard")
         s = prepared(parse_train(_argv(data, out, *flags)))
         try:
             if path == "early":
@@ -124,12 +133,13 @@ def test_the_early_decision_is_the_full_preflights(case, trained, photo_root, tm
         assert outcomes["early"] is None
         if change is _flip_weights:
             assert outcomes["full"] == {"exported_again": True, "global_step": 16}
-        elif change is _older_sidecar:
+        elif change in (_older_sidecar, _other_processor):
             assert outcomes["full"] == {"nothing_to_do": True, "global_step": 16}
     elif early == "nothing to do":
         assert outcomes["early"] == outcomes["full"] == {"nothing_to_do": True, "global_step": 16}
     else:
         assert isinstance(outcomes["early"], str) and early in outcomes["early"], outcomes
+        assert not (tmp_path / "early" / "tensorboard").exists() and not (tmp_path / "full" / "tensorboard").exists()
         assert outcomes["early"] == outcomes["full"].replace(str(tmp_path / "full"), str(tmp_path / "early"))
 
 

@@ -27,7 +27,8 @@ from ..dataset import check_batch, fingerprint, prepare
 from ..manifest import Manifest
 from ..pipeline import resources_for_rank
 from ..redact import redact_tree
-from ..workdir import check_writable, lock, unlock
+from ..scan import is_empty_report
+from ..workdir import check_writable, lock, no_empty_folders_on_failure, unlock
 
 
 def world_size(s: Settings) -> int:
@@ -101,29 +102,35 @@ def nothing_to_do(s: Settings, manifest: Manifest | None = None) -> dict | None:
     if (not record or record.get("run") != meta.get("run") or record.get("global_step") != meta.get("global_step")
             or any(ckpt_dir.glob(".best.*"))):  # OUT needs an export, or a best model needs putting back
         return None
-    check_writable(out, "--output")
-    lock(out, "training run", "wait for it to finish, or pass another --output")
-    try:
-        if s.run.report_dir and Path(s.run.report_dir) != out:
-            check_writable(s.run.report_dir, "--report-dir")
-        if s.run.log_dir:
-            check_writable(s.run.log_dir, "--log-dir")
-        remove_dead(out)
-        check_writable(ckpt_dir, "--checkpoint-dir")
-        data_set, _ = prepare(s.data, Path(s.run.report_dir or out), num_threads=resources_for_rank(s.pipeline).num_threads,
-                              manifest=manifest)
-        world = world_size(s)
-        check_batch(len(data_set.train), s.data.batch_size, world)
-        current = run_fingerprint(s, fingerprint(data_set.digest(), data_set.classes, saved["image_size"], world,
-                                                 s.data, s.pipeline))
-        plan = plan_resume(s.run.resume, ckpt_dir, current, targets(s), steps=total_steps(s, data_set))
-        if plan.done_step is None:
-            return None
-        check_identity(out, current)
-        if problem(out, run=plan.run_id, global_step=plan.done_step, select=selection(s, data_set)) is not None:
-            return None
-        if plan.caveat:
-            print(plan.caveat)
-        return say_nothing_to_do(plan.done_step, out)
-    finally:
-        unlock(out)
+    with no_empty_folders_on_failure(out, ckpt_dir, s.run.report_dir, s.run.log_dir, blank=is_empty_report):
+        check_writable(out, "--output")
+        lock(out, "training run", "wait for it to finish, or pass another --output")
+        try:
+            return _decide(s, manifest, out, ckpt_dir, saved["image_size"])
+        finally:
+            unlock(out)
+
+
+def _decide(s: Settings, manifest: Manifest | None, out: Path, ckpt_dir: Path, image_size) -> dict | None:
+    """The pre-flight's checks, in its order, with OUT held."""
+    if s.run.report_dir and Path(s.run.report_dir) != out:
+        check_writable(s.run.report_dir, "--report-dir")
+    if s.run.log_dir:
+        check_writable(s.run.log_dir, "--log-dir")
+    remove_dead(out)
+    check_writable(ckpt_dir, "--checkpoint-dir")
+    data_set, _ = prepare(s.data, Path(s.run.report_dir or out), num_threads=resources_for_rank(s.pipeline).num_threads,
+                          manifest=manifest)
+    world = world_size(s)
+    check_batch(len(data_set.train), s.data.batch_size, world)
+    current = run_fingerprint(s, fingerprint(data_set.digest(), data_set.classes, image_size, world, s.data,
+                                             s.pipeline))
+    plan = plan_resume(s.run.resume, ckpt_dir, current, targets(s), steps=total_steps(s, data_set))
+    if plan.done_step is None:
+        return None
+    check_identity(out, current)
+    if problem(out, run=plan.run_id, global_step=plan.done_step, select=selection(s, data_set)) is not None:
+        return None
+    if plan.caveat:
+        print(plan.caveat)
+    return say_nothing_to_do(plan.done_step, out)

@@ -7,12 +7,13 @@ Makes a dataset of real photos (dali_pipe.demo) and, from it, one mistake per ca
 (`imagepath`), a CSV file given as dataset.tsv, a split column without train rows, a listed file that is
 missing, `pack` of a path that does not exist, `evaluate` of a --data that does not exist, a --model
 folder that does not exist; and "nothing to do", the rerun of a finished run (trained once first, tiny
-model, one epoch). Each case runs as a user runs it (a fresh `python train.py ...` or `python -m
-dali_pipe ...`, wall time to its exit), alternating between this checkout and `--against` (e.g. the main
-branch's) round by round, so both see the same machine load. Prints each case's median and min-max per
-checkout, the ratio of medians, and each case's first line of output; the exit status of every run is
-checked (2 for a mistake, 0 for nothing to do). `train.py --help` is timed too, for scale: what starting
-the interpreter and reading the settings costs on this machine now.
+model, one epoch), as trained and with `--device auto` (which loads torch to look for a GPU). Each case
+runs as a user runs it (a fresh `python train.py ...` or `python -m dali_pipe ...`, wall time to its exit),
+alternating between this checkout and `--against` (e.g. the main branch's) round by round, so both see
+the same machine load. Prints each case's median and min-max per checkout, the ratio of medians, and each
+case's first line of output; the exit status of every run is checked (2 for a mistake, 0 for nothing to
+do). `train.py --help` is timed too, for scale: what starting the interpreter and reading the settings
+costs on this machine now.
 """
 from __future__ import annotations
 
@@ -52,6 +53,8 @@ def mistakes(base: Path) -> dict[str, tuple[list[str], int]]:
     missing = dataset("missing", "image_path\n" + "".join(f"{r}\n" for r in rows + ["rocket/gone.jpg"]))
     out, nowhere = str(base / "out"), str(base / "nonexistent")
     train = ["train.py", "--model", "tiny", "--device", "cpu", "--output", out]
+    finished = ["train.py", "--data", str(photos), "--model", "tiny", "--device", "cpu", "--epochs", "1",
+                "--batch-size", "8", "--num-threads", "1", "--output", str(base / "done")]
     return {
         "train.py --help (for scale)": (["train.py", "--help"], 0),  # the interpreter and the settings alone
         "misspelt header": (train + ["--data", typo], 2),
@@ -63,9 +66,8 @@ def mistakes(base: Path) -> dict[str, tuple[list[str], int]]:
                                           "--output", str(base / "eval")], 2),
         "evaluate --model /nonexistent": (["-m", "dali_pipe", "evaluate", "--model", nowhere, "--data", str(photos),
                                            "--output", str(base / "eval")], 2),
-        "nothing to do (finished run)": (["train.py", "--data", str(photos), "--model", "tiny", "--device", "cpu",
-                                          "--epochs", "1", "--batch-size", "8", "--num-threads", "1", "--output",
-                                          str(base / "done")], 0),
+        "nothing to do (finished run)": (finished, 0),
+        "nothing to do (--device auto)": ([a if a != "cpu" else "auto" for a in finished], 0),  # torch looks for a GPU
     }
 
 

@@ -889,11 +889,13 @@ def fetch(data: str, cache_dir: str | Path, *, mode: str, workers: int, progress
 
 
 def fetch_to(data: str, local: Path, *, mode: str, workers: int, progress: bool = True,
-             cache_dir: str | Path | None = None) -> Path:
+             cache_dir: str | Path | None = None, engine: Engine | None = None, raw: bytes | None = None) -> Path:
     """`fetch` into a given folder (`python -m dali_pipe sync` of a pack); verdicts of the shards that
-    land go to `cache_dir` (default: the default cache dir)."""
+    land go to `cache_dir` (default: the default cache dir). `engine`: the transfer engine for packed.json
+    and the index files (default: one each); `raw`: packed.json's bytes, when the caller read them already."""
     local.mkdir(parents=True, exist_ok=True)
-    raw = read_object(data, PACKED_NAME)
+    if raw is None:
+        raw = read_object(data, PACKED_NAME, engine)
     if raw is None:
         raise PackedFormatError(f"{data} has no {PACKED_NAME}; pack it first (python -m dali_pipe pack)")
     meta = parse_packed(raw, f"{data}/{PACKED_NAME}")
@@ -906,7 +908,7 @@ def fetch_to(data: str, local: Path, *, mode: str, workers: int, progress: bool 
         if progress and mode == "stream":
             print(f"packed data: {total / 1e9:.1f} GB of shards do not fit in {local} ({free / 1e9:.1f} GB free); "
                   "streaming them through a bounded cache (--stream-cache)", file=sys.stderr)
-    sync_indexes(data, local, [s["index"] for s in shards], workers=workers)
+    sync_indexes(data, local, [s["index"] for s in shards], workers=workers, engine=engine)
     if mode == "sync":
         prefix = data.rstrip("/")
         sync_shards([Remote(f"{prefix}/{s['name']}", s["size"], s.get("sha256")) for s in shards], local,
@@ -915,10 +917,10 @@ def fetch_to(data: str, local: Path, *, mode: str, workers: int, progress: bool 
     return local
 
 
-def sync_indexes(uri: str, local: Path, names: list[str], *, workers: int) -> int:
+def sync_indexes(uri: str, local: Path, names: list[str], *, workers: int, engine: Engine | None = None) -> int:
     """Fetch the pack's index files (small; many) the way `sync` fetches a dataset's files, skipping those
     whose size and ETag are unchanged; returns how many were fetched."""
-    return sync_objects(uri, local, names, workers=workers, progress=False).downloaded
+    return sync_objects(uri, local, names, workers=workers, progress=False, engine=engine).downloaded
 
 
 def sync_shards(remotes: list[Remote], local: Path, *, cache_dir: str | Path, progress: bool = True) -> int:

@@ -268,21 +268,19 @@ def fetch_manifest(engine: Engine, bucket: str, base: str, dest: Path, rows: boo
     return staged, wanted
 
 
-def read_object(uri: str, name: str) -> bytes | None:
+def read_object(uri: str, name: str, engine: Engine | None = None) -> bytes | None:
     """The bytes of the small object NAME under the s3:// prefix `uri` (a pack's packed.json), or None when
-    there is none; any other failure is a SyncError naming the bucket and key."""
-    from botocore.exceptions import BotoCoreError, ClientError
-
+    there is none; any other failure is a SyncError naming the bucket and key. `engine`: the transfer engine
+    to read it with (default: one made for this request)."""
     bucket, prefix = parse_s3_uri(uri)
     key = f"{prefix}/{name}" if prefix else name
-    try:
-        return make_client(1).get_object(Bucket=bucket, Key=key)["Body"].read()
-    except ClientError as e:
-        if e.response.get("Error", {}).get("Code") in ("NoSuchKey", "404", "NotFound"):
-            return None
-        raise SyncError(explain(e, bucket, key)) from None
-    except BotoCoreError as e:
-        raise SyncError(explain(e, bucket, key)) from None
+    with _engine(engine, 1) as engine:
+        try:
+            return engine.run(engine.read(bucket, key))
+        except TransferError as e:
+            if e.code in ("NoSuchKey", "404", "NotFound"):
+                return None
+            raise SyncError(explain(e, bucket, key)) from None
 
 
 def list_objects(client, bucket: str, base: str) -> dict[str, tuple[int, str]]:
@@ -381,7 +379,7 @@ def fetch_files(engine: Engine, bucket: str, base: str, dest: Path, todo: list[t
                         f"{endpoint()} sent no data for {STALL_SECONDS:.0f} s, so the sync stops: {stats.downloaded} "
                         f"of {len(todo)} file(s) fetched (completed files are kept; rerun the sync to finish). Check "
                         "AWS_ENDPOINT_URL, the region and the network.") from None
-                time.sleep(POLL)
+                finished.wait(POLL)  # the end of the last download wakes this at once
                 continue
             i, n, etag, error = results.popleft()
             pending -= 1

@@ -4,7 +4,11 @@ through obstore (Python bindings of Rust's `object_store`) on one event loop thr
 - One path: every object is one GET (objects above PART bytes: ranged GETs of PART bytes, up to
   the engine's concurrency at once, each written at its offset, each answer's ETag checked against
   the listed one) into a temporary file that the
-  caller names; a failed or cancelled download removes it. The requests of a whole sync share one
+  caller names; a failed or cancelled download removes it. A server that answers a ranged GET with the
+  whole object (status 200: rclone's serve s3) is found out by one request, the first part of the first
+  large object, asked alone: then that object and the ones after it come in one streamed GET each.
+  Streamed bodies are written (and, when asked, hashed: `digest`) on worker threads, in chunks of CHUNK,
+  so the loop stays free for the other requests and a shard's sha256 costs no second read. The requests of a whole sync share one
   bound (`concurrency`): a dataset of 1.2 M JPEGs and a pack of 150 MB shards take the same road.
 - Bounded: connect and read timeouts and `attempts` tries per request (obstore retries 5xx answers
   such as S3's 503 SlowDown, cut connections and stalled bodies, with exponential backoff); the
@@ -27,6 +31,7 @@ manifest row, which is normalised).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import itertools
 import os
 import re
@@ -39,7 +44,8 @@ from urllib.parse import unquote, urlsplit, urlunsplit
 from .redact import redact
 
 PART = 8 << 20  # objects above this size are fetched in ranged GETs of this size
-CHUNK = 1 << 20  # a ranged GET's body is written (and counted as progress) in chunks of about this size
+CHUNK = 1 << 20  # a streamed body is written (hashed, counted as progress) in chunks of about this size
+WRITERS = 4  # threads that write (and hash) streamed bodies
 REQUEST_LIMIT = 300.0  # seconds one request may take at most (a part of PART bytes at under 30 kB/s)
 RETRY_WINDOW = 60.0  # seconds after a request's first try during which obstore may retry it
 CREDENTIALS_TTL = timedelta(minutes=5)  # how long obstore keeps a set of credentials before asking again
@@ -112,12 +118,14 @@ class Engine:
 
     def __init__(self, *, concurrency: int, connect_timeout: float, read_timeout: float, attempts: int):
         self.concurrency, self.attempts = max(1, concurrency), max(1, attempts)
-        self.ranges = True  # False once the server answered a ranged GET with the whole object (200)
+        self.ranges: bool | None = None  # whether the server answers ranged GETs with 206; None: not asked yet
+        self._asking: asyncio.Event | None = None  # set when the download that asks has its answer
         self.connect_timeout, self.read_timeout = connect_timeout, read_timeout
         self._stores: dict[str, object] = {}
         self._lock = threading.Lock()
         self._loop = asyncio.new_event_loop()
         self._slots: asyncio.Semaphore | None = None
+        self._writers = concurrent.futures.ThreadPoolExecutor(WRITERS, thread_name_prefix="s3-writes")
         self._thread = threading.Thread(target=self._loop.run_forever, name="s3-transfers", daemon=True)
         self._thread.start()
         self._closed = False
@@ -201,6 +209,7 @@ class Engine:
             pass
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(10)
+        self._writers.shutdown(wait=True)  # idle by now: every download waits for its writes, even cancelled
 
     # -- requests (coroutines, run on the loop) ---------------------------------------------------
     def _slot(self) -> asyncio.Semaphore:
@@ -248,11 +257,13 @@ class Engine:
             raise classify(e) from None
 
     async def download(self, bucket: str, key: str, tmp: Path, size: int | None, *, etag: str | None = None,
-                       on_bytes=None) -> tuple[int, str | None]:
+                       on_bytes=None, digest=None) -> tuple[int, str | None]:
         """Fetch the object into `tmp` (created, or truncated); returns (bytes, ETag). Objects above PART
         bytes come in ranged GETs (each answer's ETag must be the listed one, so a replaced object fails
-        instead of mixing two). `on_bytes(n)` is called on the loop as bytes land. Raises TransferError for what S3
-        (or the network) did, OSError for the local disk; on any failure or cancellation `tmp` is removed."""
+        instead of mixing two). `on_bytes(n)` is called on the loop as bytes land. `digest` (a hashlib
+        object) is fed the object's bytes in order: from the body as it streams in, or, after ranged parts
+        (they land in any order), read back from the file. Raises TransferError for what S3 (or the
+        network) did, OSError for the local disk; on any failure or cancellation `tmp` is removed."""
         store = self.store(bucket)
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
@@ -260,26 +271,19 @@ class Engine:
                 async with self._slot():
                     data, got_etag = await _whole(store, key)
                 n = _write_all(fd, memoryview(data), 0)
+                if digest is not None:
+                    digest.update(data)
                 if on_bytes is not None:
                     on_bytes(n)
-            elif not self.ranges:  # the server ignores Range (below): one streamed GET at once
-                async with self._slot():
-                    n, got_etag = await _stream_to(store, key, fd, etag, on_bytes)
             else:
-                got_etag = etag
-                ranges = [(start, min(start + PART, size)) for start in range(0, size, PART)]
-                try:
-                    n = await _all_or_none([self._part(store, key, fd, start, end, etag, on_bytes)
-                                            for start, end in ranges])
-                except TransferError as e:
-                    if e.code != "NotPartial":
-                        raise
-                    self.ranges = False  # the objects after this one go as whole GETs at once
-                    # the server ignores Range (it answers 200, as rclone's serve s3 does): one GET of the whole
-                    # object, streamed to the file (no part was written: each failed before its body)
+                got_etag, n = etag, await self._ranged(store, key, fd, size, etag, on_bytes)
+                if n is None:  # the server ignores Range (it answers 200): one GET of the whole object, streamed
                     os.ftruncate(fd, 0)
                     async with self._slot():
-                        n, got_etag = await _stream_to(store, key, fd, etag, on_bytes)
+                        n, got_etag = await _stream_to(store, key, fd, etag, on_bytes, pool=self._writers,
+                                                       digest=digest)
+                elif digest is not None:
+                    await _on_thread(self._writers, _hash_file, tmp, digest)
             if size is not None and n != size:
                 raise TransferError("size", f"got {n} bytes of {key}, {size} expected")
         except BaseException:
@@ -289,9 +293,47 @@ class Engine:
         os.close(fd)
         return n, (got_etag or "").strip('"') or None
 
-    async def _part(self, store, key: str, fd: int, start: int, end: int, etag: str | None, on_bytes) -> int:
+    async def _ranged(self, store, key: str, fd: int, size: int, etag: str | None, on_bytes) -> int | None:
+        """The object in ranged GETs of PART bytes, up to the engine's concurrency at once; None (nothing
+        written) when the server answers a ranged GET with the whole object. That is learnt once per engine:
+        until then, the first part of the first large object asks alone (its 206 lets the other parts go,
+        a refused 200 sends every large object to one whole GET), and other large objects wait for it."""
+        while self.ranges is None and self._asking is not None:
+            await self._asking.wait()
+        if self.ranges is False:
+            return None
+        spans = [(start, min(start + PART, size)) for start in range(0, size, PART)]
+        if self.ranges:
+            return await _all_or_none([self._part(store, key, fd, a, b, etag, on_bytes) for a, b in spans])
+        self._asking = asking = asyncio.Event()
+        first = asyncio.ensure_future(self._part(store, key, fd, *spans[0], etag, on_bytes, opened=asking.set))
+        try:
+            answered = asyncio.ensure_future(asking.wait())
+            try:
+                await asyncio.wait([first, answered], return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                answered.cancel()
+            if not asking.is_set():  # the first part failed before its answer came
+                e = first.exception()
+                if isinstance(e, TransferError) and e.code == "NotPartial":
+                    self.ranges = False  # rclone's serve s3: this object and the others in one streamed GET each
+                    return None
+                raise e
+            self.ranges = True
+        except BaseException:
+            first.cancel()
+            await asyncio.gather(first, return_exceptions=True)
+            raise
+        finally:
+            if self._asking is asking:
+                self._asking = None
+            asking.set()  # the waiting downloads go on (and ask again if this one found nothing out)
+        return await _all_or_none([first] + [self._part(store, key, fd, a, b, etag, on_bytes) for a, b in spans[1:]])
+
+    async def _part(self, store, key: str, fd: int, start: int, end: int, etag: str | None, on_bytes,
+                    opened=None) -> int:
         async with self._slot():
-            n, _ = await _stream_to(store, key, fd, etag, on_bytes, (start, end))
+            n, _ = await _stream_to(store, key, fd, etag, on_bytes, (start, end), pool=self._writers, opened=opened)
         return n
 
     async def download_all(self, bucket: str, jobs: list, done, on_bytes=None) -> None:
@@ -316,7 +358,8 @@ class Engine:
 
 
 async def _all_or_none(coros: list) -> int:
-    """The sum of the coroutines' results, run at once; the first failure cancels the others and is raised."""
+    """The sum of the coroutines' (or tasks') results, run at once; the first failure cancels the others and
+    is raised."""
     tasks = [asyncio.ensure_future(c) for c in coros]
     try:
         return sum(await asyncio.gather(*tasks))
@@ -328,10 +371,12 @@ async def _all_or_none(coros: list) -> int:
 
 
 async def _stream_to(store, key: str, fd: int, etag: str | None, on_bytes,
-                     byte_range: tuple[int, int] | None = None) -> tuple[int, str | None]:
+                     byte_range: tuple[int, int] | None = None, *, pool, digest=None,
+                     opened=None) -> tuple[int, str | None]:
     """One GET of an object, or of its `byte_range` [start, end), written to `fd` at the object's offsets as
-    it comes: (bytes written, its ETag); a replaced object (another ETag than the listed one) fails. (The
-    ETag check covers servers that ignore If-Match with a Range too.)"""
+    it comes (on a thread of `pool`, chunk after chunk, `digest` fed the same bytes): (bytes written, its
+    ETag); a replaced object (another ETag than the listed one) fails. (The ETag check covers servers that
+    ignore If-Match with a Range too.) `opened()` is called once the answer's headers passed."""
     import obstore
 
     try:
@@ -343,6 +388,8 @@ async def _stream_to(store, key: str, fd: int, etag: str | None, on_bytes,
     if etag and got and got != etag.strip('"'):
         raise TransferError("PreconditionFailed", f"{key} changed during the download (ETag {got}, "
                             f"{etag.strip(chr(34))} listed)", 412)
+    if opened is not None:
+        opened()
     start = offset = byte_range[0] if byte_range else 0
     while True:
         try:
@@ -351,10 +398,41 @@ async def _stream_to(store, key: str, fd: int, etag: str | None, on_bytes,
             break
         except Exception as e:
             raise classify(e) from None
-        offset += _write_all(fd, memoryview(chunk), offset)
+        offset += await _on_thread(pool, _land, fd, chunk, offset, digest)
         if on_bytes is not None:
             on_bytes(len(chunk))
     return offset - start, got or None
+
+
+async def _on_thread(pool, fn, *args):
+    """`fn(*args)` on a thread of `pool`, awaited; a cancelled caller still waits for it to end (its file
+    descriptor must not be closed, and its number perhaps reused, under a write in flight)."""
+    job = asyncio.get_running_loop().run_in_executor(pool, fn, *args)
+    try:
+        return await asyncio.shield(job)
+    except asyncio.CancelledError:
+        while not job.done():
+            try:
+                await asyncio.wait([job])
+            except asyncio.CancelledError:
+                continue
+        raise
+
+
+def _land(fd: int, chunk, offset: int, digest) -> int:
+    """A streamed chunk written at `offset` (and fed to `digest`); returns its length."""
+    view = memoryview(chunk)
+    n = _write_all(fd, view, offset)
+    if digest is not None:
+        digest.update(view)
+    return n
+
+
+def _hash_file(path, digest) -> None:
+    """Feed `digest` the bytes of the file at `path` (a download whose parts landed in any order)."""
+    with open(path, "rb") as f:
+        while block := f.read(8 << 20):
+            digest.update(block)
 
 
 async def _whole(store, key: str):

@@ -168,6 +168,39 @@ def test_a_fault_that_persists_is_named_with_endpoint_and_key_in_bounded_time(bu
     assert not list(tmp_path.iterdir())
 
 
+@pytest.mark.parametrize("part", [None, 2048], ids=["one GET", "ranged parts"])
+def test_a_shards_sha256_comes_from_its_bytes_as_they_land_and_a_damaged_one_is_still_caught(bucket, tmp_path,
+                                                                                             monkeypatch, part):
+    """The fetch hashes a shard's bytes as the engine writes them (one GET: the body as it comes; ranged parts,
+    which land in any order: the file read back once they all have), not in a second pass over the file; a
+    byte flipped in transit still fails the check, twice, and nothing is left."""
+    from dali_pipe import transfer
+
+    proxy, shards = bucket
+    if part is not None:
+        monkeypatch.setattr(transfer, "PART", part)  # the 8 kB shards come in ranged GETs of 2 kB
+    hashed = []
+    monkeypatch.setattr(cache_mod, "file_sha256", lambda p: hashed.append(p) or "0" * 64)
+    fetcher = Fetcher()
+    try:
+        dest = tmp_path / "ok.tar"
+        assert fetcher.fetch(_remote(shards, 0), dest) == shards.sizes[0]
+        ranged = [r for r in proxy.requests if r[0] == "GET" and "range" in {k.lower() for k in r[3]}]
+        assert bool(ranged) == (part is not None) and fetcher.engine.ranges is (True if part else None)
+        name = shards.paths[1].rsplit("/", 1)[1]
+        proxy.arm("flip", name, times=100)
+        with pytest.raises(ShardError, match="does not match its size and sha256") as e:
+            fetcher.fetch(_remote(shards, 1), tmp_path / name)
+        assert f"s3://data/p/{name}" in str(e.value) and proxy.applied("flip") >= 2
+    finally:
+        fetcher.close()
+    import hashlib
+
+    assert not hashed, "a landed shard was read again to hash it"
+    assert hashlib.sha256(dest.read_bytes()).hexdigest() == shards.sha256[0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ok.tar"], "a damaged shard or a temporary file stayed"
+
+
 def test_credentials_in_the_endpoint_url_sign_the_requests(bucket, tmp_path, monkeypatch):
     """AWS_ENDPOINT_URL=http://KEY:SECRET@host:port: the requests go to host:port, signed with KEY, and
     neither reaches the Host header; a failure message does not show the secret."""

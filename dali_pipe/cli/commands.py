@@ -10,8 +10,8 @@ from pathlib import Path
 from ..config import add_subcommand, new_parser, parse, settings_from, validate
 from ..imagefolder import write_manifest
 from ..shards.cache import fetch_to
-from ..shards.source import is_packed
-from ..sync import ManifestMissing, sync
+from ..shards.format import PACKED_NAME
+from ..sync import ManifestMissing, make_engine, read_object, sync
 from . import described
 from . import main as train_main
 
@@ -109,15 +109,20 @@ def main(argv: list[str] | None = None) -> int:
                         "(see --help)")
     validate(s, COMMANDS[command], problems)
     if command == "sync":
-        try:  # a dataset first: asking whether the prefix is a pack would cost a client and two requests
-            stats = sync(s.sync.uri, s.sync.local_dir, workers=s.sync.workers, skip_missing=s.data.skip_missing,
-                         progress=not s.sync.no_progress)
-        except ManifestMissing:
-            if not is_packed(s.sync.uri):
-                raise
-            fetch_to(s.sync.uri, Path(s.sync.local_dir), mode="sync", workers=s.sync.workers,  # a pack's files
-                     progress=not s.sync.no_progress)
-            return 0
+        engine = make_engine(s.sync.workers)  # one for the manifest or packed.json and the small files
+        try:
+            try:  # a dataset first: asking whether the prefix is a pack would cost a request
+                stats = sync(s.sync.uri, s.sync.local_dir, workers=s.sync.workers, skip_missing=s.data.skip_missing,
+                             progress=not s.sync.no_progress, engine=engine)
+            except ManifestMissing:
+                raw = read_object(s.sync.uri, PACKED_NAME, engine)
+                if raw is None:  # neither a dataset nor a pack
+                    raise
+                fetch_to(s.sync.uri, Path(s.sync.local_dir), mode="sync", workers=s.sync.workers,  # a pack's files
+                         progress=not s.sync.no_progress, engine=engine, raw=raw)
+                return 0
+        finally:
+            engine.close()
         if s.sync.no_progress:
             print(stats.summary())
     elif command == "manifest":

@@ -58,7 +58,7 @@ import sys
 import threading
 import time
 import weakref
-from concurrent.futures import CancelledError, ThreadPoolExecutor, as_completed
+from concurrent.futures import CancelledError, ThreadPoolExecutor, as_completed, wait
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -158,8 +158,11 @@ def _path_key(path: str | Path) -> str:
     return hashlib.sha256(os.path.realpath(path).encode("utf-8", "surrogatepass")).hexdigest()[:32]
 
 
-def check_file(path: str | Path, size: int | None, sha256: str | None, verdicts: Verdicts | None = None) -> str | None:
-    """None when the file has the size and sha256 expected (either may be unknown), else what differs."""
+def check_file(path: str | Path, size: int | None, sha256: str | None, verdicts: Verdicts | None = None, *,
+               digest: str | None = None) -> str | None:
+    """None when the file has the size and sha256 expected (either may be unknown), else what differs.
+    `digest`: the file's sha256 when it is known already (hashed from its bytes as they streamed in), so the
+    file is not read again."""
     try:
         actual = os.stat(path).st_size
     except OSError as e:
@@ -168,7 +171,7 @@ def check_file(path: str | Path, size: int | None, sha256: str | None, verdicts:
         return f"has {actual} bytes, {size} expected"
     if sha256 is None or (verdicts is not None and verdicts.matches(path, sha256)):
         return None
-    got = file_sha256(path)
+    got = digest or file_sha256(path)
     if got != sha256:
         return f"has sha256 {got[:12]}..., {sha256[:12]}... expected"
     if verdicts is not None:
@@ -276,8 +279,8 @@ class Fetcher:
             tmp = temp_path(dest)
             try:
                 dest.parent.mkdir(parents=True, exist_ok=True)  # each time: a cache folder removed meanwhile comes back
-                self._one(bucket, key, tmp, size, on_bytes, remote.etag)
-                problem = check_file(tmp, size, remote.sha256)
+                digest = self._one(bucket, key, tmp, size, on_bytes, remote.etag, hashed=remote.sha256 is not None)
+                problem = check_file(tmp, size, remote.sha256, digest=digest)
                 if problem is None:
                     os.replace(tmp, dest)
                     if verdicts is not None and remote.sha256 is not None:
@@ -309,8 +312,10 @@ class Fetcher:
                                      f"({failure or mismatch}); check the endpoint and the network, then rerun "
                                      "(finished shards are kept)"))
 
-    def _one(self, bucket: str, key: str, tmp: Path, size: int, on_bytes, etag: str | None = None) -> None:
-        """One download through the engine, cancelled when it stalls or runs past its deadline."""
+    def _one(self, bucket: str, key: str, tmp: Path, size: int, on_bytes, etag: str | None = None, *,
+             hashed: bool = False) -> str | None:
+        """One download through the engine, cancelled when it stalls or runs past its deadline; with `hashed`,
+        returns the sha256 of the bytes it wrote (computed as they landed)."""
         last = [time.monotonic()]  # when the last bytes arrived
 
         def progress(n: int) -> None:  # on the engine's loop
@@ -321,12 +326,14 @@ class Fetcher:
         deadline = ATTEMPT_DEADLINE + size / MIN_RATE
         if self._closed:
             raise TimeoutError("the run is ending")
-        future = self.engine.submit(self.engine.download(bucket, key, tmp, size, etag=etag, on_bytes=progress))
+        digest = hashlib.sha256() if hashed else None
+        future = self.engine.submit(self.engine.download(bucket, key, tmp, size, etag=etag, on_bytes=progress,
+                                                         digest=digest))
         self._futures.add(future)
         start = time.monotonic()
         try:
             while not future.done():  # a watchdog: nothing for STALL seconds, or past the deadline
-                time.sleep(0.2)
+                wait([future], timeout=0.2)  # returns as soon as the download ends
                 if self._closed:
                     future.cancel()
                     raise TimeoutError("the run is ending")
@@ -340,6 +347,7 @@ class Fetcher:
             raise TimeoutError("the run is ending") from None
         finally:
             self._futures.discard(future)
+        return None if digest is None else digest.hexdigest()
 
 
 class HttpFetcher:
@@ -881,11 +889,13 @@ def fetch(data: str, cache_dir: str | Path, *, mode: str, workers: int, progress
 
 
 def fetch_to(data: str, local: Path, *, mode: str, workers: int, progress: bool = True,
-             cache_dir: str | Path | None = None) -> Path:
+             cache_dir: str | Path | None = None, engine: Engine | None = None, raw: bytes | None = None) -> Path:
     """`fetch` into a given folder (`python -m dali_pipe sync` of a pack); verdicts of the shards that
-    land go to `cache_dir` (default: the default cache dir)."""
+    land go to `cache_dir` (default: the default cache dir). `engine`: the transfer engine for packed.json
+    and the index files (default: one each); `raw`: packed.json's bytes, when the caller read them already."""
     local.mkdir(parents=True, exist_ok=True)
-    raw = read_object(data, PACKED_NAME)
+    if raw is None:
+        raw = read_object(data, PACKED_NAME, engine)
     if raw is None:
         raise PackedFormatError(f"{data} has no {PACKED_NAME}; pack it first (python -m dali_pipe pack)")
     meta = parse_packed(raw, f"{data}/{PACKED_NAME}")
@@ -898,7 +908,7 @@ def fetch_to(data: str, local: Path, *, mode: str, workers: int, progress: bool 
         if progress and mode == "stream":
             print(f"packed data: {total / 1e9:.1f} GB of shards do not fit in {local} ({free / 1e9:.1f} GB free); "
                   "streaming them through a bounded cache (--stream-cache)", file=sys.stderr)
-    sync_indexes(data, local, [s["index"] for s in shards], workers=workers)
+    sync_indexes(data, local, [s["index"] for s in shards], workers=workers, engine=engine)
     if mode == "sync":
         prefix = data.rstrip("/")
         sync_shards([Remote(f"{prefix}/{s['name']}", s["size"], s.get("sha256")) for s in shards], local,
@@ -907,10 +917,10 @@ def fetch_to(data: str, local: Path, *, mode: str, workers: int, progress: bool 
     return local
 
 
-def sync_indexes(uri: str, local: Path, names: list[str], *, workers: int) -> int:
+def sync_indexes(uri: str, local: Path, names: list[str], *, workers: int, engine: Engine | None = None) -> int:
     """Fetch the pack's index files (small; many) the way `sync` fetches a dataset's files, skipping those
     whose size and ETag are unchanged; returns how many were fetched."""
-    return sync_objects(uri, local, names, workers=workers, progress=False).downloaded
+    return sync_objects(uri, local, names, workers=workers, progress=False, engine=engine).downloaded
 
 
 def sync_shards(remotes: list[Remote], local: Path, *, cache_dir: str | Path, progress: bool = True) -> int:

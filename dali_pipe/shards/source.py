@@ -258,11 +258,6 @@ def _list_top(client, bucket: str, base: str, pages: int | None = None,
     return out
 
 
-def is_packed(data: str, cache_dir: str | Path | None = None) -> bool:
-    """Whether --data is a pack (an s3:// prefix is asked once, then remembered in the cache dir)."""
-    return source_kind(data, None if cache_dir is None else str(cache_dir)) == "pack"
-
-
 # -- what a run reads ---------------------------------------------------------------------------
 @dataclass
 class Shard:

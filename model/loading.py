@@ -71,7 +71,9 @@ def load_processor(name: str):
         raise ModelLoadError(_fetch_hint(name, e)) from None
 
 
-PROCESSOR_FILES = ("preprocessor_config.json", "config.json")  # what AutoImageProcessor builds the processor from
+# what AutoImageProcessor builds the processor from (transformers 5 reads processor_config.json's "image_processor"
+# first, then preprocessor_config.json; config.json names the model type when they do not name the class)
+PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json", "config.json")
 
 
 def image_source(name: str) -> str | None:

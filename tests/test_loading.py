@@ -105,7 +105,7 @@ def test_a_fine_tune_says_in_one_line_each_which_weights_it_does_not_take(tmp_pa
 
 def test_image_source_changes_with_what_the_input_size_is_computed_from(trained, tmp_path):
     """The digest a checkpoint records beside its image size: equal for the same processor files, another for a
-    changed preprocessor_config.json (a new size) or another built-in, and None where the model cannot be read
+    changed preprocessor_config.json (a new size), a processor_config.json added, or another built-in, and None where the model cannot be read
     without transformers (a folder that does not exist, a hub id offline and not cached). Reading it loads
     neither torch nor transformers."""
     import os
@@ -121,7 +121,10 @@ def test_image_source_changes_with_what_the_input_size_is_computed_from(trained,
     assert before == image_source(str(trained)) and len(before) == 64
     config = json.loads((folder / "preprocessor_config.json").read_text())
     (folder / "preprocessor_config.json").write_text(json.dumps({**config, "size": {"height": 32, "width": 32}}))
-    assert image_source(str(folder)) not in (None, before)
+    changed = image_source(str(folder))
+    assert changed not in (None, before)
+    (folder / "processor_config.json").write_text(json.dumps({"image_processor": config}))  # read first (transformers 5)
+    assert image_source(str(folder)) not in (None, before, changed)
     assert image_source("tiny") == image_source("tiny") != image_source("vit-b16-random")
     assert image_source(str(tmp_path / "nowhere")) is None
     code = ("import sys\nfrom model.loading import image_source\n"

@@ -27,8 +27,7 @@ from ..dataset import check_batch, fingerprint, prepare
 from ..manifest import Manifest
 from ..pipeline import resources_for_rank
 from ..redact import redact_tree
-from ..scan import is_empty_report
-from ..workdir import check_writable, lock, no_empty_folders_on_failure, unlock
+from ..workdir import check_writable, lock, unlock
 
 
 def world_size(s: Settings) -> int:
@@ -88,7 +87,8 @@ def nothing_to_do(s: Settings, manifest: Manifest | None = None) -> dict | None:
     with these settings and OUT holds its model (checked); None when it has not, or when that cannot be told
     without the full pre-flight. Mistakes are raised as the full pre-flight raises them (a checkpoint of
     another run, a read-only OUT, a second run on OUT). `manifest`: the local dataset's, read already."""
-    if s.bench.benchmark or s.run.num_nodes > 1 or s.run.resume == "never" or not is_main_process():
+    if (s.bench.benchmark or s.run.num_nodes > 1 or s.run.resume == "never" or not is_main_process()
+            or not is_first_node()):
         return None
     out, ckpt_dir = Path(s.run.output), Path(s.run.checkpoint_dir)
     meta = read_sidecar(ckpt_dir / LAST if s.run.resume == "auto" else Path(s.run.resume))
@@ -100,18 +100,21 @@ def nothing_to_do(s: Settings, manifest: Manifest | None = None) -> dict | None:
         return None
     record = read_record(out)
     if (not record or record.get("run") != meta.get("run") or record.get("global_step") != meta.get("global_step")
-            or any(ckpt_dir.glob(".best.*"))):  # OUT needs an export, or a best model needs putting back
+            or record.get("fingerprint") != saved):  # OUT needs an export (or one of the two records was edited)
         return None
-    with no_empty_folders_on_failure(out, ckpt_dir, s.run.report_dir, s.run.log_dir, blank=is_empty_report):
-        check_writable(out, "--output")
-        lock(out, "training run", "wait for it to finish, or pass another --output")
-        try:
-            return _decide(s, manifest, out, ckpt_dir, saved["image_size"])
-        finally:
-            unlock(out)
+    folders = (out, ckpt_dir, Path(s.run.report_dir or out), Path(s.run.log_dir or out))
+    if not all(f.is_dir() for f in folders) or any(ckpt_dir.glob(".best.*")):  # folders to make, a best model
+        return None  # to put back after a kill: the full pre-flight does that
+    check_writable(out, "--output")
+    lock(out, "training run", "wait for it to finish, or pass another --output")
+    try:
+        return _decide(s, manifest, out, ckpt_dir, record, saved["image_size"])
+    finally:
+        unlock(out)
 
 
-def _decide(s: Settings, manifest: Manifest | None, out: Path, ckpt_dir: Path, image_size) -> dict | None:
+def _decide(s: Settings, manifest: Manifest | None, out: Path, ckpt_dir: Path, record: dict,
+            image_size) -> dict | None:
     """The pre-flight's checks, in its order, with OUT held."""
     if s.run.report_dir and Path(s.run.report_dir) != out:
         check_writable(s.run.report_dir, "--report-dir")
@@ -119,6 +122,10 @@ def _decide(s: Settings, manifest: Manifest | None, out: Path, ckpt_dir: Path, i
         check_writable(s.run.log_dir, "--log-dir")
     remove_dead(out)
     check_writable(ckpt_dir, "--checkpoint-dir")
+    # OUT's files first (the export the record describes; only --select needs the data, below): a model to
+    # export again is left to the full pre-flight before the data is prepared here, so it is prepared once
+    if problem(out, run=record["run"], global_step=record["global_step"], select=record.get("select")) is not None:
+        return None
     data_set, _ = prepare(s.data, Path(s.run.report_dir or out), num_threads=resources_for_rank(s.pipeline).num_threads,
                           manifest=manifest)
     world = world_size(s)
@@ -129,7 +136,7 @@ def _decide(s: Settings, manifest: Manifest | None, out: Path, ckpt_dir: Path, i
     if plan.done_step is None:
         return None
     check_identity(out, current)
-    if problem(out, run=plan.run_id, global_step=plan.done_step, select=selection(s, data_set)) is not None:
+    if selection(s, data_set) != record.get("select"):  # the rest of problem(), checked above
         return None
     if plan.caveat:
         print(plan.caveat)

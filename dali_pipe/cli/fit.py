@@ -177,13 +177,13 @@ def preflight(s: Settings, out: Path, ckpt_dir: Path, main: bool, manifest: Mani
         dm.prepare_data()
     manifest = dm.setup_manifest(world_size(s))
     params = parameter_count(s.model.model, manifest.classes)
-    if main:
-        check_writable(ckpt_dir, "--checkpoint-dir", bytes_needed(params))
-        if is_first_node() and not same_disk(out, ckpt_dir):  # else the check above counted the model too
-            check_writable(out, "--output", model_bytes(params), "the model")
     fingerprint = run_fingerprint(s, dm.fingerprint(world_size(s)))
     plan = plan_resume(s.run.resume, ckpt_dir, fingerprint, targets(s), may_modify=main,
                        steps=total_steps(s, manifest))
+    if main and plan.done_step is None:  # room to train (a finished run needs none, or the model's: finished())
+        check_writable(ckpt_dir, "--checkpoint-dir", bytes_needed(params))
+        if is_first_node() and not same_disk(out, ckpt_dir):  # else the check above counted the model too
+            check_writable(out, "--output", model_bytes(params), "the model")
     if main and is_first_node() and s.run.resume != "never":
         exported.check_identity(out, fingerprint)  # OUT holds the model of another run: stop, as for a checkpoint
     split = split_record(manifest, s.data, fingerprint["samples"])
@@ -330,6 +330,7 @@ def finished(s: Settings, p: Prepared, out: Path, ckpt_dir: Path) -> dict:
         return say_nothing_to_do(step, out)
     print(f"already trained to {step} steps, but {out} {problem}: exporting the model again from "
           f"{p.plan.checkpoint}")
+    check_writable(out, "--output", model_bytes(p.params), "the model")
     selected = exporter.from_checkpoint(p.plan.checkpoint, ckpt_dir, s.model.model, p.manifest.classes, p.processor,
                                         out, run=p.plan.run_id, global_step=step, select=select,
                                         epoch=epoch_of(s, p.manifest, step), fingerprint=p.fingerprint, split=p.split)

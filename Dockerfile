@@ -19,8 +19,12 @@ FROM ghcr.io/astral-sh/uv:0.13.9 AS uv
 
 FROM nvidia/cuda:12.6.3-base-ubuntu24.04
 
+# Bytecode is compiled once, at install (uv does not by default): with PYTHONDONTWRITEBYTECODE, which keeps
+# a container from writing __pycache__ at run time, every start would otherwise compile torch, Lightning
+# and transformers again (tests/test_dockerfile.py has the cost).
 ENV PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \
+    UV_COMPILE_BYTECODE=1 \
     UV_NO_CACHE=1 \
     UV_PYTHON_INSTALL_DIR=/opt/python \
     NVIDIA_VISIBLE_DEVICES=all \

@@ -200,6 +200,7 @@ def cli(entry=main) -> int:
     if not isinstance(sys.stdout, RedactingStream):
         sys.stdout, sys.stderr = RedactingStream(sys.stdout), RedactingStream(sys.stderr)
     warnings.formatwarning = plain_warning
+    sigterm = signal.getsignal(signal.SIGTERM)
     signal.signal(signal.SIGTERM, _terminate)  # training replaces it with its own (save, then exit 0)
     sigint = signal.getsignal(signal.SIGINT)
     if sigint is signal.default_int_handler:  # not where the shell ignores it (a job started with &)
@@ -238,5 +239,9 @@ def cli(entry=main) -> int:
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
-        if sigint is not None and threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGINT, sigint)  # as it was (the tests call cli() in their own process)
+        if threading.current_thread() is threading.main_thread():  # as they were (the tests call cli() in their
+            # own process); so a SIGTERM while the interpreter exits, the result told, ends it as SIGTERM does,
+            # not with a traceback from an atexit handler
+            signal.signal(signal.SIGTERM, sigterm if sigterm is not None else signal.SIG_DFL)
+            if sigint is not None:
+                signal.signal(signal.SIGINT, sigint)

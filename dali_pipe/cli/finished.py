@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from model.exported import check_identity, problem, remove_dead
+from model.exported import problem, remove_dead
 from model.files import read_record
 from model.loading import image_source
 from model.resume import LAST, plan_resume, read_sidecar
@@ -76,6 +76,21 @@ def run_fingerprint(s: Settings, data_side: dict) -> dict:
     return {**data_side, **redact_tree(recipe(s.model))}
 
 
+def hold_out(out: Path) -> None:
+    """OUT a writable folder, held by this run: a second run on it stops at once, naming the PID."""
+    check_writable(out, "--output")
+    lock(out, "training run", "wait for it to finish, or pass another --output")
+
+
+def check_reports(s: Settings, out: Path, *, logs: bool) -> None:
+    """--report-dir (where it is not OUT) writable, and with `logs` (global rank 0, TensorBoard's writer)
+    --log-dir."""
+    if s.run.report_dir and Path(s.run.report_dir) != out:
+        check_writable(s.run.report_dir, "--report-dir")
+    if logs and s.run.log_dir:
+        check_writable(s.run.log_dir, "--log-dir")
+
+
 def say_nothing_to_do(step: int, out: Path) -> dict:
     print(f"nothing to do: already trained to {step} steps with these settings, and {out} holds the model "
           "(checked); pass --resume never to train again from scratch")
@@ -102,11 +117,10 @@ def nothing_to_do(s: Settings, manifest: Manifest | None = None) -> dict | None:
     if (not record or record.get("run") != meta.get("run") or record.get("global_step") != meta.get("global_step")
             or record.get("fingerprint") != saved):  # OUT needs an export (or one of the two records was edited)
         return None
-    folders = (out, ckpt_dir, Path(s.run.report_dir or out), Path(s.run.log_dir or out))
+    folders = (out, ckpt_dir, Path(s.run.report_dir), Path(s.run.log_dir))  # resolved settings: all set
     if not all(f.is_dir() for f in folders) or any(ckpt_dir.glob(".best.*")):  # folders to make, a best model
         return None  # to put back after a kill: the full pre-flight does that
-    check_writable(out, "--output")
-    lock(out, "training run", "wait for it to finish, or pass another --output")
+    hold_out(out)
     try:
         return _decide(s, manifest, out, ckpt_dir, record, saved["image_size"])
     finally:
@@ -116,10 +130,7 @@ def nothing_to_do(s: Settings, manifest: Manifest | None = None) -> dict | None:
 def _decide(s: Settings, manifest: Manifest | None, out: Path, ckpt_dir: Path, record: dict,
             image_size) -> dict | None:
     """The pre-flight's checks, in its order, with OUT held."""
-    if s.run.report_dir and Path(s.run.report_dir) != out:
-        check_writable(s.run.report_dir, "--report-dir")
-    if s.run.log_dir:
-        check_writable(s.run.log_dir, "--log-dir")
+    check_reports(s, out, logs=True)
     remove_dead(out)
     check_writable(ckpt_dir, "--checkpoint-dir")
     # OUT's files first (the export the record describes; only --select needs the data, below): a model to
@@ -132,10 +143,11 @@ def _decide(s: Settings, manifest: Manifest | None, out: Path, ckpt_dir: Path, r
     check_batch(len(data_set.train), s.data.batch_size, world)
     current = run_fingerprint(s, fingerprint(data_set.digest(), data_set.classes, image_size, world, s.data,
                                              s.pipeline))
+    # OUT's record holds the checkpoint's fingerprint (checked first), so this comparison is also the full
+    # pre-flight's check_identity of OUT
     plan = plan_resume(s.run.resume, ckpt_dir, current, targets(s), steps=total_steps(s, data_set))
     if plan.done_step is None:
         return None
-    check_identity(out, current)
     if selection(s, data_set) != record.get("select"):  # the rest of problem(), checked above
         return None
     if plan.caveat:

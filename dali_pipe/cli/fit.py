@@ -46,8 +46,10 @@ from ..monitor import DaliMemoryLog, MonitorCallback
 from ..prescribe import prescription
 from ..scan import is_empty_report
 from ..spec import ImageSpec
-from ..workdir import OutputError, check_writable, fix_for, lock, no_empty_folders_on_failure, output_failure, unlock
+from ..workdir import OutputError, check_writable, fix_for, no_empty_folders_on_failure, output_failure, unlock
 from .finished import (
+    check_reports,
+    hold_out,
     is_first_node,
     is_main_process,
     run_fingerprint,
@@ -127,12 +129,9 @@ def run(s: Settings, manifest: Manifest | None = None, style: str = "flag", star
     with no_empty_folders_on_failure(*ours, blank=is_empty_report):  # a failed run leaves no empty OUT/checkpoints/
         try:
             if writes_out:
-                check_writable(out, "--output")
-                lock(out, "training run", "wait for it to finish, or pass another --output")
-            if main and s.run.report_dir and Path(s.run.report_dir) != out:
-                check_writable(s.run.report_dir, "--report-dir")
-            if writes_out and s.run.log_dir:  # TensorBoard's folder: written by global rank 0 only
-                check_writable(s.run.log_dir, "--log-dir")
+                hold_out(out)
+            if main:
+                check_reports(s, out, logs=writes_out)  # TensorBoard's folder: written by global rank 0 only
             return _fit(s, out, ckpt_dir, main, meeting, started, manifest, style, imports)
         except BaseException as e:
             if meeting is not None:

@@ -142,3 +142,13 @@ def run_train(argv: list[str]) -> int:
     finally:
         signal.signal(signal.SIGTERM, old)
         sys.stdout, sys.stderr = streams
+
+
+def copy_trained(trained: Path, dest: Path, *, model_only: bool = False) -> Path:
+    """A copy of the session's trained OUT (`trained`: its model, checkpoints and TensorBoard folder), or with
+    `model_only` of its model folder alone; never its lock file."""
+    import shutil
+
+    extra = ("checkpoints", "tensorboard") if model_only else ()
+    shutil.copytree(trained, dest, ignore=shutil.ignore_patterns(".dali_pipe.lock", *extra))
+    return Path(dest)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import resume_trace as rt
-from helpers import run_train
+from helpers import copy_trained, run_train
 
 import train
 
@@ -414,12 +414,10 @@ def test_a_damaged_checkpoint_is_named_with_the_ways_out(trained, photo_root, tm
     """last.ckpt truncated (the sidecar no longer describes it) or one byte flipped (it still does):
     resuming or exporting from it stops before Lightning with one error naming the file and
     --resume never, never a traceback; --resume never moves the damaged file aside."""
-    import shutil
-
     from model.resume import CheckpointDamagedError, plan_resume
 
     out = tmp_path / "out"
-    shutil.copytree(trained, out, ignore=shutil.ignore_patterns(".dali_pipe.lock"))
+    copy_trained(trained, out)
     ck = out / "checkpoints" / "last.ckpt"
     data = bytearray(ck.read_bytes())
     if damage == "truncate":
@@ -495,12 +493,10 @@ def test_a_finished_run_rerun_with_another_recipe_stops_naming_each_setting(trai
     to do", the old weights kept) stops before training, naming each setting with both values and the two ways
     out, OUT untouched; its model copied to another OUT, with another checkpoint dir, is refused the same way
     from its metrics.json."""
-    import shutil
-
     from dali_pipe.errors import RunMismatchError
 
     out = tmp_path / "out"
-    shutil.copytree(trained, out, ignore=shutil.ignore_patterns(".dali_pipe.lock"))
+    copy_trained(trained, out)
     weights = (out / "model.safetensors").read_bytes()
     recipe = ["--lr", "5e-2", "--mixup-alpha", "0.8", "--auto-augment", "rand"]
     with pytest.raises(RunMismatchError) as e:
@@ -512,7 +508,7 @@ def test_a_finished_run_rerun_with_another_recipe_stops_naming_each_setting(trai
         "not deleted)."]
     assert (out / "model.safetensors").read_bytes() == weights
     other = tmp_path / "other"
-    shutil.copytree(trained, other, ignore=shutil.ignore_patterns(".dali_pipe.lock", "checkpoints", "tensorboard"))
+    copy_trained(trained, other, model_only=True)
     with pytest.raises(RunMismatchError, match=r"other holds the model of another run \(its metrics.json says so\):\n"
                                                r"  --lr: 0.002 in its model, 0.05 now\n  Use a new --output"):
         train.main(_trained_argv(photo_root, other, "--lr", "5e-2", "--checkpoint-dir", str(tmp_path / "ck")))

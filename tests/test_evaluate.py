@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import copy_trained
 
 from dali_pipe.cli.commands import main
 from model import evaluation
@@ -117,8 +118,6 @@ def test_the_confusion_figure_says_which_split_it_counts():
 def test_a_split_flag_given_is_honoured_and_said_to_differ(trained, photo_root, tmp_path, cache_dir, capsys):
     """--val-fraction 0.1 after a training at 0.25: evaluate scores that split (5 images) and says it is not the
     one the model validated on, and why; a model folder from before the split was recorded: a note."""
-    import shutil
-
     from dali_pipe.cli.evaluate import trained_split
     from dali_pipe.config import resolve
 
@@ -130,7 +129,7 @@ def test_a_split_flag_given_is_honoured_and_said_to_differ(trained, photo_root, 
            "these images may be ones it trained on" in capsys.readouterr().out
 
     older = tmp_path / "older"
-    shutil.copytree(trained, older, ignore=shutil.ignore_patterns("checkpoints", "tensorboard", ".dali_pipe.lock"))
+    copy_trained(trained, older, model_only=True)
     metrics = json.loads((older / "metrics.json").read_text())
     metrics.pop("split")
     (older / "metrics.json").write_text(json.dumps(metrics))
@@ -151,8 +150,6 @@ def test_a_damaged_split_record_is_named_and_a_damaged_metrics_json_is_refused(t
     and the flags decide the split; a metrics.json that is no JSON makes the folder's checksums uncheckable, so
     the model is refused (before: the split fell to the defaults silently, and a flipped weight byte went
     unnoticed)."""
-    import shutil
-
     from dali_pipe.cli.commands import parser
     from dali_pipe.cli.evaluate import trained_split
     from dali_pipe.config import parse, resolve, settings_from
@@ -160,7 +157,7 @@ def test_a_damaged_split_record_is_named_and_a_damaged_metrics_json_is_refused(t
 
     def copy(name: str, edit) -> Path:
         folder = tmp_path / name
-        shutil.copytree(trained, folder, ignore=shutil.ignore_patterns("checkpoints", "tensorboard", ".dali_pipe.lock"))
+        copy_trained(trained, folder, model_only=True)
         metrics = json.loads((folder / "metrics.json").read_text())
         edit(metrics)
         (folder / "metrics.json").write_text(json.dumps(metrics))

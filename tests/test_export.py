@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import time
 from pathlib import Path
 
 import pytest
 import pytorch_lightning  # noqa: F401  (imported here, its log handler holds pytest's stderr, not one test's)
-from helpers import run_train
+from helpers import copy_trained, run_train
 
 import train
 
@@ -186,12 +185,6 @@ def test_out_turning_read_only_mid_training_is_one_line_naming_the_checkpoint_ke
         assert json.loads((ckpt / "last.json").read_text())["global_step"] == 3
 
 
-def _finished_copy(trained: Path, dest: Path) -> Path:
-    """A copy of the session's trained OUT (model and checkpoints)."""
-    shutil.copytree(trained, dest, ignore=shutil.ignore_patterns(".dali_pipe.lock"))
-    return dest
-
-
 def _trained_argv(photo_root, out):
     return ["--data", str(photo_root), "--model", "tiny", "--device", "cpu", "--epochs", "4", "--batch-size", "8",
             "--num-threads", "1", "--val-fraction", "0.25", "--lr", "2e-3", "--output", str(out)]
@@ -205,7 +198,7 @@ def test_a_damaged_model_in_out_is_exported_again_and_refused_by_evaluate(traine
     from dali_pipe.cli.commands import main
     from model.loading import ModelLoadError
 
-    out = _finished_copy(trained, tmp_path / "out")
+    out = copy_trained(trained, tmp_path / "out")
     weights = out / "model.safetensors"
     data = bytearray(weights.read_bytes())
     if damage == "truncate":

@@ -3,7 +3,8 @@ is not a finished model."""
 from __future__ import annotations
 
 import json
-import shutil
+
+from helpers import copy_trained
 
 
 def test_a_record_without_the_weights_or_a_json_file_is_not_this_runs_model(trained, tmp_path):
@@ -13,7 +14,7 @@ def test_a_record_without_the_weights_or_a_json_file_is_not_this_runs_model(trai
     from model.exported import problem, unlisted
 
     out = tmp_path / "out"
-    shutil.copytree(trained, out, ignore=shutil.ignore_patterns("checkpoints", "tensorboard", ".dali_pipe.lock"))
+    copy_trained(trained, out, model_only=True)
     metrics = json.loads((out / "metrics.json").read_text())
     record = metrics["export"]
     where = {"run": record["run"], "global_step": record["global_step"], "select": record["select"]}

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import copy_trained
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -19,15 +20,10 @@ def _argv(photo_root, out, *more):
             "--num-threads", "1", "--val-fraction", "0.25", "--lr", "2e-3", "--output", str(out), *more]
 
 
-def _copy(trained: Path, dest: Path) -> Path:
-    shutil.copytree(trained, dest, ignore=shutil.ignore_patterns(".dali_pipe.lock"))
-    return dest
-
-
 def test_a_finished_runs_rerun_is_told_before_torch_lightning_and_transformers_load(trained, photo_root, tmp_path):
     """The rerun of the session's finished run, as a user runs it: "nothing to do" and exit 0, with none of
     the heavy modules loaded (they made it take 5 to 10 s)."""
-    out = _copy(trained, tmp_path / "out")
+    out = copy_trained(trained, tmp_path / "out")
     code = ("import json, sys\nimport train\n"
             f"result = train.main({_argv(photo_root, out)!r})\n"
             "print(json.dumps([result, [m for m in ('torch', 'pytorch_lightning', 'transformers', 'pandas', "
@@ -125,7 +121,7 @@ def test_the_early_decision_is_the_full_preflights(case, trained, photo_root, tm
     holder = None
     outcomes = {}
     for path in ("early", "full"):
-        out = _copy(trained, tmp_path / path)
+        out = copy_trained(trained, tmp_path / path)
         data, flags = photo_root, []
         if change == "data":
             data = _one_photo_fewer(photo_root, tmp_path / path)
@@ -173,7 +169,7 @@ def test_the_early_decision_lets_go_of_out(trained, photo_root, tmp_path, cache_
     from dali_pipe.cli import described, parse_train, prepared
     from dali_pipe.cli.finished import nothing_to_do
 
-    out = _copy(trained, tmp_path / "out")
+    out = copy_trained(trained, tmp_path / "out")
     for flags in ([], ["--epochs", "5"]):  # told here, and left to the full pre-flight
         s = prepared(parse_train(_argv(photo_root, out, *flags)))
         nothing_to_do(s, described(s.data))

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from helpers import copy_trained
 
 import train
 from model.loading import ModelLoadError, load_model, load_processor, parameter_count
@@ -109,14 +110,13 @@ def test_image_source_changes_with_what_the_input_size_is_computed_from(trained,
     without transformers (a folder that does not exist, a hub id offline and not cached). Reading it loads
     neither torch nor transformers."""
     import os
-    import shutil
     import subprocess
     import sys
 
     from model.loading import image_source
 
     folder = tmp_path / "model"
-    shutil.copytree(trained, folder, ignore=shutil.ignore_patterns("checkpoints", "tensorboard", ".dali_pipe.lock"))
+    copy_trained(trained, folder, model_only=True)
     before = image_source(str(folder))
     assert before == image_source(str(trained)) and len(before) == 64
     config = json.loads((folder / "preprocessor_config.json").read_text())

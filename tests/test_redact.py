@@ -4,6 +4,7 @@ from __future__ import annotations
 import io
 
 import pytest
+from helpers import copy_trained
 
 from dali_pipe.redact import RedactingStream, redact, redact_argv
 
@@ -59,7 +60,6 @@ def test_no_file_a_run_writes_carries_a_secret_of_its_paths(trained, tmp_path, m
     """An hf_ token inside the --model and --data paths: absent from every file training and evaluate write
     (hparams.yaml, the TensorBoard event files, last.json, last.ckpt and its members, metrics.json, the
     caches) and from everything printed; a presigned URL's signature in --data is never printed."""
-    import shutil
     import signal
     import sys
     import zipfile
@@ -70,7 +70,7 @@ def test_no_file_a_run_writes_carries_a_secret_of_its_paths(trained, tmp_path, m
     from dali_pipe.demo import make_photo_dataset
 
     model = tmp_path / TOKEN / "model"
-    shutil.copytree(trained, model, ignore=shutil.ignore_patterns("checkpoints", "tensorboard", ".dali_pipe.lock"))
+    copy_trained(trained, model, model_only=True)
     data = make_photo_dataset(tmp_path / f"data-{TOKEN}", classes=2, per_class=6)
     monkeypatch.setenv("DALI_PIPE_CACHE", str(tmp_path / "cache"))
     out, ev = tmp_path / "out", tmp_path / "eval"

@@ -42,6 +42,7 @@ from pathlib import Path
 from urllib.parse import unquote, urlsplit, urlunsplit
 
 from .redact import redact
+from .shards.format import hash_file
 
 PART = 8 << 20  # objects above this size are fetched in ranged GETs of this size
 CHUNK = 1 << 20  # a streamed body is written (hashed, counted as progress) in chunks of about this size
@@ -283,7 +284,7 @@ class Engine:
                         n, got_etag = await _stream_to(store, key, fd, etag, on_bytes, pool=self._writers,
                                                        digest=digest)
                 elif digest is not None:
-                    await _on_thread(self._writers, _hash_file, tmp, digest)
+                    await _on_thread(self._writers, hash_file, tmp, digest)  # parts land in any order
             if size is not None and n != size:
                 raise TransferError("size", f"got {n} bytes of {key}, {size} expected")
         except BaseException:
@@ -426,13 +427,6 @@ def _land(fd: int, chunk, offset: int, digest) -> int:
     if digest is not None:
         digest.update(view)
     return n
-
-
-def _hash_file(path, digest) -> None:
-    """Feed `digest` the bytes of the file at `path` (a download whose parts landed in any order)."""
-    with open(path, "rb") as f:
-        while block := f.read(8 << 20):
-            digest.update(block)
 
 
 async def _whole(store, key: str):

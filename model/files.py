@@ -3,23 +3,14 @@ export's metrics.json, the best model's best.json), checked before the folder is
 truncated or altered file is named instead of loaded."""
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from pathlib import Path
 
+from dali_pipe.shards.format import file_sha256
 from dali_pipe.workdir import plain_name
 
 RECORD = "metrics.json"  # the export's commit record (its `export` entry); see model/export.py
-
-
-def sha256(path: Path) -> str:
-    """The file's sha256, read in 1 MiB blocks."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def read_record(out: Path) -> dict | None:
@@ -48,7 +39,7 @@ def file_record(folder: Path) -> dict:
     for f in sorted(Path(folder).iterdir()):
         with open(f, "rb") as fh:
             os.fsync(fh.fileno())  # the bytes are on disk before any name points at them
-        files[f.name] = {"size": f.stat().st_size, "sha256": sha256(f)}
+        files[f.name] = {"size": f.stat().st_size, "sha256": file_sha256(f)}
     return files
 
 
@@ -77,6 +68,6 @@ def damaged_files(folder: Path, record: dict | None = None) -> list[str]:
         elif path.stat().st_size != want["size"]:
             problems.append(f"{path} is damaged (truncated or overwritten: {path.stat().st_size} bytes, "
                             f"{want['size']} when it was written)")
-        elif sha256(path) != want["sha256"]:
+        elif file_sha256(path) != want["sha256"]:
             problems.append(f"{path} is damaged (its bytes differ from the sha256 recorded when it was written)")
     return problems

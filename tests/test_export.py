@@ -223,9 +223,9 @@ def test_the_export_removes_only_what_the_previous_export_wrote(trained, tmp_pat
     and removes only the plain file it recorded, unchanged, that the new export does not write (before, it
     deleted ../victim and the absolute path and exited 0). The check before "nothing to do" reads nothing
     outside OUT either."""
+    from dali_pipe.shards.format import file_sha256
     from model.export import write
     from model.exported import problem
-    from model.files import sha256
     from model.loading import load_processor, load_trained
 
     victim, absolute, out = tmp_path / "victim", tmp_path / "absolute", tmp_path / "out"
@@ -237,7 +237,7 @@ def test_the_export_removes_only_what_the_previous_export_wrote(trained, tmp_pat
     (out / "link").symlink_to(victim)
 
     def rec(p):
-        return {"size": p.stat().st_size, "sha256": sha256(p)}
+        return {"size": p.stat().st_size, "sha256": file_sha256(p)}
 
     files = {"../victim": rec(victim), str(absolute): rec(absolute), "old.bin": rec(out / "old.bin"),
              "edited.txt": {"size": 10, "sha256": "0" * 64}, "link": rec(victim)}

@@ -424,9 +424,13 @@ def _schema_problem(meta: dict) -> str | None:
     return None
 
 
-def file_sha256(path: str | Path) -> str:
-    h = hashlib.sha256()
+def hash_file(path: str | Path, digest):
+    """`digest` (a hashlib object) fed the bytes of the file at `path`, read in 1 MiB blocks; returned."""
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
+            digest.update(chunk)
+    return digest
+
+
+def file_sha256(path: str | Path) -> str:
+    return hash_file(path, hashlib.sha256()).hexdigest()

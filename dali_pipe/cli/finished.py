@@ -102,8 +102,7 @@ def nothing_to_do(s: Settings, manifest: Manifest | None = None) -> dict | None:
     with these settings and OUT holds its model (checked); None when it has not, or when that cannot be told
     without the full pre-flight. Mistakes are raised as the full pre-flight raises them (a checkpoint of
     another run, a read-only OUT, a second run on OUT). `manifest`: the local dataset's, read already."""
-    if (s.bench.benchmark or s.run.num_nodes > 1 or s.run.resume == "never" or not is_main_process()
-            or not is_first_node()):
+    if s.run.num_nodes > 1 or s.run.resume == "never" or not (is_main_process() and is_first_node()):
         return None
     out, ckpt_dir = Path(s.run.output), Path(s.run.checkpoint_dir)
     meta = read_sidecar(ckpt_dir / LAST if s.run.resume == "auto" else Path(s.run.resume))

@@ -26,6 +26,7 @@ import difflib
 import math
 import os
 import re
+import sys
 import types
 import typing
 from dataclasses import dataclass, field
@@ -458,6 +459,31 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str):
         raise UsageError(f"{message} (see {self.prog} --help)")
+
+    def parse_known_args(self, args=None, namespace=None):
+        """A switch (`--force`, `--no-progress`) takes the next word as its value only if it is true or
+        false: `manifest --force FOLDER` and `sync --no-progress URI DIR` keep their positionals, as
+        `--skip-missing false` (SageMaker's strings) keeps its value. (argparse's nargs="?" takes any word.)"""
+        args = list(sys.argv[1:] if args is None else args)
+        switches = {s for a in self._actions if a.nargs == "?" and a.const is True for s in a.option_strings}
+        out = []
+        for i, tok in enumerate(args):
+            if tok == "--":
+                out.extend(args[i:])
+                break
+            after = args[i + 1] if i + 1 < len(args) else None
+            if tok in switches and after is not None and not after.startswith("-") and not _is_bool_word(after):
+                tok = f"{tok}=true"
+            out.append(tok)
+        return super().parse_known_args(out, namespace)
+
+
+def _is_bool_word(s: str) -> bool:
+    try:
+        parse_bool(s)
+    except ValueError:
+        return False
+    return True
 
 
 GIVEN = "_given"  # the namespace attribute in which the parser records the settings given (settings_from reads it)

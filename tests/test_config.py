@@ -228,3 +228,27 @@ def test_the_parser_records_which_settings_were_given():
     s = _parse(["--val-frac", "0.3", "--seed", "0", "--lr", "1e-3"])
     assert s.given == {"val_fraction", "seed", "lr"} and s.data.val_fraction == 0.3
     assert _parse([]).given == frozenset()
+
+
+@pytest.mark.parametrize("argv, want", [
+    (["sync", "--no-progress", "s3://b/p", "dir"], ("s3://b/p", "dir", True, False)),
+    (["sync", "s3://b/p", "--no-progress", "dir"], ("s3://b/p", "dir", True, False)),
+    (["sync", "--no-progress", "false", "s3://b/p", "dir"], ("s3://b/p", "dir", False, False)),
+    (["sync", "--skip-missing", "True", "--no-progress", "s3://b/p", "dir"], ("s3://b/p", "dir", True, True)),
+    (["sync", "--no-progress=no", "--skip-missing", "s3://b/p", "dir"], ("s3://b/p", "dir", False, True)),
+    (["sync", "--skip-missing", "--", "s3://b/p", "dir"], ("s3://b/p", "dir", False, True)),
+])
+def test_a_switch_takes_a_true_or_false_after_it_and_leaves_any_other_word(argv, want):
+    """`--no-progress URI DIR` keeps its positionals (argparse's optional value would take the URI, and the
+    command would ask for LOCAL_DIR), while `--skip-missing True` (SageMaker's strings) still sets a value."""
+    p = config.new_parser("prog", "doc")
+    config.add_subcommand(p.add_subparsers(dest="command"), "sync", "h", "doc", ("sync", "--skip-missing"))
+    ns, problems = parse(argv, p)
+    assert not problems
+    assert (ns.uri, ns.local_dir, ns.no_progress, ns.skip_missing) == want
+
+
+def test_a_switch_before_a_word_that_is_no_value_leaves_it_to_be_named():
+    p = build_parser("prog", "doc", config.TRAIN_GROUPS)
+    ns, problems = parse(["--monitor", "banana"], p)
+    assert ns.monitor is True and problems and "banana" in problems[0]

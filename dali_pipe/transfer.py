@@ -17,7 +17,8 @@ through obstore (Python bindings of Rust's `object_store`) on one event loop thr
   its requests and removes its temporary file.
 - The standard AWS environment: credentials from botocore's chain (keys, AWS_PROFILE and the config
   files, SSO, web identity, the container credentials that SageMaker and ECS hand out, the instance
-  role), refreshed as they expire; the region and AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL, which may
+  role), refreshed as they expire; keys in the environment (the chain's first link) are read without
+  botocore, and so is AWS_DEFAULT_REGION with them; the region and AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL, which may
   carry KEY:SECRET@ (then those sign the requests and are never sent or printed). An endpoint of
   our own (moto, rclone, MinIO) is addressed path-style, AWS virtual-hosted, in the bucket's region.
 
@@ -51,6 +52,7 @@ REQUEST_LIMIT = 300.0  # seconds one request may take at most (a part of PART by
 RETRY_WINDOW = 60.0  # seconds after a request's first try during which obstore may retry it
 CREDENTIALS_TTL = timedelta(minutes=5)  # how long obstore keeps a set of credentials before asking again
 _serial = itertools.count()
+NO_CREDENTIALS = "no AWS credentials were found"
 
 
 class TransferError(Exception):
@@ -83,6 +85,50 @@ def endpoint_credentials() -> dict:
 def endpoint() -> str:
     """The endpoint S3 requests go to (AWS_ENDPOINT_URL_S3 before AWS_ENDPOINT_URL), redacted."""
     return redact(endpoint_url() or "the AWS S3 endpoint")
+
+
+def env_keys() -> tuple[str, str, str | None] | None:
+    """The credentials in AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY and AWS_SESSION_TOKEN (or the older
+    AWS_SECURITY_TOKEN): (key, secret, token), read as botocore's first provider reads them, which wins
+    over every other (AWS_PROFILE too) and is never refreshed. None when they are absent or incomplete, or
+    AWS_CREDENTIAL_EXPIRATION makes them expire: then botocore's chain decides (and names what is wrong).
+    Read here because importing botocore and walking its chain costs about 0.2 s per sync."""
+    env = os.environ
+    if not env.get("AWS_ACCESS_KEY_ID") or not env.get("AWS_SECRET_ACCESS_KEY") or env.get("AWS_CREDENTIAL_EXPIRATION"):
+        return None
+    token = env.get("AWS_SECURITY_TOKEN") or env.get("AWS_SESSION_TOKEN") or None
+    return env["AWS_ACCESS_KEY_ID"], env["AWS_SECRET_ACCESS_KEY"], token
+
+
+_botocore_lock = threading.Lock()
+_botocore: dict = {}  # {the AWS_* environment and HOME: the botocore session made for it}
+
+
+def _botocore_session():
+    """One botocore session per process and AWS environment (botocore alone: boto3 would import s3transfer
+    too); a changed AWS_* variable or HOME makes a new one, as a new process would."""
+    import botocore.session
+
+    env = tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("AWS_") or k == "HOME"))
+    with _botocore_lock:
+        if env not in _botocore:
+            _botocore.clear()
+            _botocore[env] = botocore.session.get_session()
+        return _botocore[env]
+
+
+def _botocore_credentials():
+    """botocore's credential chain, walked once per session (the session keeps what it found: an instance
+    role's credentials are fetched once, then refreshed by botocore as they expire)."""
+    from botocore.exceptions import BotoCoreError
+
+    try:
+        creds = _botocore_session().get_credentials()
+    except BotoCoreError as e:  # a key without its secret, a profile that is not there, ...
+        raise TransferError("credentials", redact(str(e)[:300])) from None
+    if creds is None:
+        raise TransferError("credentials", NO_CREDENTIALS)
+    return creds
 
 
 def classify(err: BaseException) -> TransferError:
@@ -140,30 +186,27 @@ class Engine:
             return self._stores[bucket]
 
     def _make_store(self, bucket: str):
-        import botocore.session
         from obstore.store import S3Store
 
-        session = botocore.session.get_session()  # botocore alone: boto3 would import s3transfer too
         given = endpoint_credentials()
         url = given.get("endpoint_url") or endpoint_url()
-        if given:
-            key, secret = given["aws_access_key_id"], given["aws_secret_access_key"]
-
+        keys = given and (given["aws_access_key_id"], given["aws_secret_access_key"], None)
+        keys = keys or env_keys()
+        if keys:
             def credentials():
-                return {"access_key_id": key, "secret_access_key": secret, "token": None,
+                return {"access_key_id": keys[0], "secret_access_key": keys[1], "token": keys[2],
                         "expires_at": datetime.now(timezone.utc) + CREDENTIALS_TTL}
         else:
-            creds = session.get_credentials()  # botocore's chain: env, profiles, SSO, container, instance role
-            if creds is None:
-                raise TransferError("credentials", "no AWS credentials were found")
+            creds = _botocore_credentials()  # botocore's chain: profiles, SSO, container, instance role
 
             def credentials():
                 frozen = creds.get_frozen_credentials()  # refreshed by botocore before it expires
                 return {"access_key_id": frozen.access_key, "secret_access_key": frozen.secret_key,
                         "token": frozen.token, "expires_at": datetime.now(timezone.utc) + CREDENTIALS_TTL}
-        region = session.get_config_variable("region") or "us-east-1"
+        region = os.environ.get("AWS_DEFAULT_REGION") if keys else None
+        region = region or _botocore_session().get_config_variable("region") or "us-east-1"
         if url is None:
-            region = bucket_region(session, bucket) or region
+            region = bucket_region(_botocore_session(), bucket) or region
         return S3Store(
             bucket, endpoint=url, region=region, virtual_hosted_style_request=url is None,
             credential_provider=credentials,

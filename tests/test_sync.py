@@ -116,6 +116,9 @@ def test_error_messages(s3, photo_root, tmp_path, monkeypatch):
     with pytest.raises(SyncError, match="no usable AWS credentials") as e:
         sync("s3://data/ds", tmp_path / "x", workers=4, progress=False)
     assert "testing" not in str(e.value)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")  # a key without its secret: the message says which is missing
+    with pytest.raises(SyncError, match="no usable AWS credentials .*AWS_SECRET_ACCESS_KEY") as e:
+        sync("s3://data/ds", tmp_path / "x", workers=4, progress=False)
 
 
 def test_cli_sync_form(s3, photo_root, tmp_path):

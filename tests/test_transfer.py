@@ -131,3 +131,96 @@ def test_a_server_that_answers_ranges_with_the_whole_object_gets_whole_gets(tmp_
     for key, body in bodies.items():
         assert tmps[key].read_bytes() == body and digests[key].digest() == hashlib.sha256(body).digest()
     assert engine.ranges is False and len(ranged) == 1 and ranged[0] in {f"/data/{k}" for k in bodies}, ranged
+
+
+CHAINS = {  # what is in the environment (and the profile files), as botocore's chain meets it
+    "keys": {"AWS_ACCESS_KEY_ID": "AKENV", "AWS_SECRET_ACCESS_KEY": "env-secret"},
+    "keys and a session token": {"AWS_ACCESS_KEY_ID": "ASENV", "AWS_SECRET_ACCESS_KEY": "env-secret",
+                                 "AWS_SESSION_TOKEN": "session-token"},
+    "both token variables": {"AWS_ACCESS_KEY_ID": "ASENV", "AWS_SECRET_ACCESS_KEY": "env-secret",
+                             "AWS_SESSION_TOKEN": "session-token", "AWS_SECURITY_TOKEN": "older-token"},
+    "keys beside AWS_PROFILE": {"AWS_ACCESS_KEY_ID": "AKENV", "AWS_SECRET_ACCESS_KEY": "env-secret",
+                                "AWS_PROFILE": "other"},
+    "AWS_PROFILE alone": {"AWS_PROFILE": "other"},
+    "a key without its secret": {"AWS_ACCESS_KEY_ID": "AKENV", "AWS_PROFILE": "other"},
+    "keys that expire": {"AWS_ACCESS_KEY_ID": "AKENV", "AWS_SECRET_ACCESS_KEY": "env-secret",
+                         "AWS_CREDENTIAL_EXPIRATION": "2099-01-01T00:00:00Z"},
+}
+
+
+@pytest.fixture
+def aws_files(tmp_path, monkeypatch):
+    """No AWS variable but an endpoint (so no request is made for a bucket's region), and profile files of
+    our own: a default profile and `other`, each with keys and a region."""
+    for k in [k for k in os.environ if k.startswith("AWS_")]:
+        monkeypatch.delenv(k)
+    (tmp_path / "credentials").write_text("[default]\naws_access_key_id = AKDEFAULT\naws_secret_access_key = d\n"
+                                          "[other]\naws_access_key_id = AKOTHER\naws_secret_access_key = o\n")
+    (tmp_path / "config").write_text("[default]\nregion = eu-west-3\n[profile other]\nregion = ap-south-1\n")
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "credentials"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "config"))
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")
+    return monkeypatch
+
+
+@pytest.mark.parametrize("chain", list(CHAINS))
+@pytest.mark.parametrize("region", [None, "sa-east-1"])
+def test_the_store_signs_with_what_botocores_chain_returns(aws_files, chain, region):
+    """Keys in the environment are read without botocore (0.2 s a sync): the credentials and region the store
+    gets are the ones botocore's own chain resolves, for every mix of keys, tokens, profiles and expiry."""
+    import botocore.session
+
+    for k, v in CHAINS[chain].items():
+        aws_files.setenv(k, v)
+    if region:
+        aws_files.setenv("AWS_DEFAULT_REGION", region)
+    session = botocore.session.get_session()
+    engine = Engine(concurrency=1, connect_timeout=1, read_timeout=1, attempts=1)
+    try:
+        if chain == "a key without its secret":  # botocore refuses it: so do we, in its words
+            from botocore.exceptions import PartialCredentialsError
+
+            with pytest.raises(PartialCredentialsError):
+                session.get_credentials()
+            with pytest.raises(TransferError, match="AWS_SECRET_ACCESS_KEY") as e:
+                engine.store("data")
+            assert e.value.code == "credentials"
+            return
+        want = session.get_credentials().get_frozen_credentials()
+        store = engine.store("data")
+        got = store.credential_provider()
+    finally:
+        engine.close()
+    assert (got["access_key_id"], got["secret_access_key"], got["token"]) == (want.access_key, want.secret_key,
+                                                                               want.token)
+    assert store.config["region"] == session.get_config_variable("region")
+    assert (transfer.env_keys() is None) == (chain in ("AWS_PROFILE alone", "keys that expire"))
+
+
+def test_a_pack_sync_with_keys_in_the_environment_loads_neither_botocore_numpy_nor_tqdm(s3, odd_pack, tmp_path):
+    """`python -m dali_pipe sync` of a pack starts in a tenth of a second: neither botocore (its import and
+    credential chain, 0.2 s), numpy (60 ms) nor, under --no-progress, tqdm (50 ms) is loaded when the
+    environment holds the keys; its last line counts the pack's files as a dataset's sync counts its images."""
+    import subprocess
+    import sys
+
+    from dali_pipe.sync import make_client
+
+    client = make_client(2)
+    client.create_bucket(Bucket="data")
+    files = sorted(q for q in odd_pack.iterdir() if q.is_file())
+    for q in files:
+        client.put_object(Bucket="data", Key=f"pack/{q.name}", Body=q.read_bytes())
+    code = ("import sys; from dali_pipe.cli.commands import main; main(sys.argv[1:]); "
+            "print(sorted(m for m in ('botocore', 'boto3', 'numpy', 'torch', 'tqdm') if m in sys.modules))")
+    listed = len([q for q in files if q.suffix in (".tar", ".idx")])
+    for rerun in (False, True):
+        out = subprocess.run([sys.executable, "-c", code, "sync", "--no-progress", "s3://data/pack",
+                              str(tmp_path / "got")], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        summary, modules = out.stdout.strip().splitlines()[-2:]
+        assert modules == "[]", out.stdout + out.stderr
+        assert summary.startswith(f"sync: {0 if rerun else listed} downloaded") and f"{listed if rerun else 0} unchanged" in summary, summary
+        assert f"{listed} listed" in summary, summary
+    assert sorted(q.name for q in (tmp_path / "got").iterdir() if not q.name.startswith(".")) == [
+        q.name for q in files if q.suffix in (".tar", ".idx", ".json")]

@@ -9,9 +9,10 @@ from pathlib import Path
 
 from ..config import add_subcommand, new_parser, parse, settings_from, validate
 from ..imagefolder import write_manifest
+from ..manifest import MANIFEST_NAME
 from ..shards.cache import fetch_to
 from ..shards.format import PACKED_NAME
-from ..sync import ManifestMissing, make_engine, read_object, sync
+from ..sync import ManifestMissing, SyncStats, make_engine, read_object, sync
 from . import described
 from . import main as train_main
 
@@ -118,9 +119,13 @@ def main(argv: list[str] | None = None) -> int:
                 raw = read_object(s.sync.uri, PACKED_NAME, engine)
                 if raw is None:  # neither a dataset nor a pack
                     raise
+                if not s.sync.no_progress:
+                    print(f"sync: no {MANIFEST_NAME} there, but a {PACKED_NAME}: syncing the pack", file=sys.stderr)
+                stats = SyncStats()
                 fetch_to(s.sync.uri, Path(s.sync.local_dir), mode="sync", workers=s.sync.workers,  # a pack's files
-                         progress=not s.sync.no_progress, engine=engine, raw=raw)
-                return 0
+                         progress=not s.sync.no_progress, engine=engine, raw=raw, stats=stats)
+                if not s.sync.no_progress:
+                    print(stats.summary(), file=sys.stderr)
         finally:
             engine.close()
         if s.sync.no_progress:

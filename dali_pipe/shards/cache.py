@@ -62,14 +62,14 @@ from concurrent.futures import CancelledError, ThreadPoolExecutor, as_completed,
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-
 from ..config import default_cache_dir, parse_size
 from ..errors import UserError
 from ..https import HttpError, Stopped, cache_name, download, is_http, shown
 from ..redact import redact
 from ..sync import (
     SyncError,
+    SyncStats,
+    byte_bar,
     endpoint,
     explain,
     listing,
@@ -501,6 +501,8 @@ class _Demand:
     def _state(self):
         plan = self._plan(self.epoch)
         if plan is None:
+            import numpy as np  # here: `python -m dali_pipe sync` of a pack needs this module, not numpy (60 ms)
+
             empty = np.zeros(0, np.int64)
             return empty, empty, empty, 0
         shards, first, last = plan.uses
@@ -889,10 +891,14 @@ def fetch(data: str, cache_dir: str | Path, *, mode: str, workers: int, progress
 
 
 def fetch_to(data: str, local: Path, *, mode: str, workers: int, progress: bool = True,
-             cache_dir: str | Path | None = None, engine: Engine | None = None, raw: bytes | None = None) -> Path:
+             cache_dir: str | Path | None = None, engine: Engine | None = None, raw: bytes | None = None,
+             stats: SyncStats | None = None) -> Path:
     """`fetch` into a given folder (`python -m dali_pipe sync` of a pack); verdicts of the shards that
     land go to `cache_dir` (default: the default cache dir). `engine`: the transfer engine for packed.json
-    and the index files (default: one each); `raw`: packed.json's bytes, when the caller read them already."""
+    and the index files (default: one each); `raw`: packed.json's bytes, when the caller read them already.
+    `stats`, when given, is filled in as a dataset's sync fills it: the pack's index and shard files listed,
+    downloaded (their bytes) and unchanged, and the seconds."""
+    start = time.perf_counter()
     local.mkdir(parents=True, exist_ok=True)
     if raw is None:
         raw = read_object(data, PACKED_NAME, engine)
@@ -908,25 +914,32 @@ def fetch_to(data: str, local: Path, *, mode: str, workers: int, progress: bool 
         if progress and mode == "stream":
             print(f"packed data: {total / 1e9:.1f} GB of shards do not fit in {local} ({free / 1e9:.1f} GB free); "
                   "streaming them through a bounded cache (--stream-cache)", file=sys.stderr)
-    sync_indexes(data, local, [s["index"] for s in shards], workers=workers, engine=engine)
+    got = sync_indexes(data, local, [s["index"] for s in shards], workers=workers, engine=engine)
     if mode == "sync":
         prefix = data.rstrip("/")
-        sync_shards([Remote(f"{prefix}/{s['name']}", s["size"], s.get("sha256")) for s in shards], local,
-                    cache_dir=cache_dir or default_cache_dir(), progress=progress)
+        fetched, size = sync_shards([Remote(f"{prefix}/{s['name']}", s["size"], s.get("sha256")) for s in shards],
+                                    local, cache_dir=cache_dir or default_cache_dir(), progress=progress)
+        got.listed += len(shards)
+        got.downloaded += fetched
+        got.skipped += len(shards) - fetched
+        got.bytes += size
     (local / PACKED_NAME).write_bytes(raw)  # last: the local copy is complete
+    if stats is not None:
+        got.seconds = time.perf_counter() - start
+        stats.__dict__.update(got.__dict__)
     return local
 
 
-def sync_indexes(uri: str, local: Path, names: list[str], *, workers: int, engine: Engine | None = None) -> int:
+def sync_indexes(uri: str, local: Path, names: list[str], *, workers: int, engine: Engine | None = None) -> SyncStats:
     """Fetch the pack's index files (small; many) the way `sync` fetches a dataset's files, skipping those
-    whose size and ETag are unchanged; returns how many were fetched."""
-    return sync_objects(uri, local, names, workers=workers, progress=False, engine=engine).downloaded
+    whose size and ETag are unchanged; returns the sync's stats."""
+    return sync_objects(uri, local, names, workers=workers, progress=False, engine=engine)
 
 
 def sync_shards(remotes: list[Remote], local: Path, *, cache_dir: str | Path, progress: bool = True) -> int:
     """Fetch every shard into `local` (ranged parallel GETs, FETCH_PARALLEL shards at a time), each
-    checked as it lands; shards already there and matching are kept. Returns the bytes fetched."""
-    from tqdm import tqdm
+    checked as it lands; shards already there and matching are kept. Returns the shards fetched and their
+    bytes."""
 
     verdicts = Verdicts(cache_dir)
     lock(local, "sync", "wait for it to finish")
@@ -938,8 +951,7 @@ def sync_shards(remotes: list[Remote], local: Path, *, cache_dir: str | Path, pr
             if dest.is_file() and check_file(dest, r.size, r.sha256, verdicts) is None:
                 continue
             todo.append((r, dest))
-        bar = tqdm(total=sum(r.size or 0 for r, _ in todo), unit="B", unit_scale=True, unit_divisor=1024,
-                   desc="sync shards", disable=not progress or not todo, file=sys.stderr, mininterval=0.5)
+        bar = byte_bar("sync shards", sum(r.size or 0 for r, _ in todo), progress and bool(todo))
         fetcher, stop = fetcher_for([r for r, _ in todo] or remotes), threading.Event()
         todo = list(zip(fetcher.listed([r for r, _ in todo]), [d for _, d in todo])) if todo else []
         pool = ThreadPoolExecutor(FETCH_PARALLEL, thread_name_prefix="shard-sync")
@@ -958,6 +970,6 @@ def sync_shards(remotes: list[Remote], local: Path, *, cache_dir: str | Path, pr
             fetcher.close()
             bar.close()
             verdicts.save()
-        return done
+        return len(todo), done
     finally:
         unlock(local)

@@ -461,10 +461,15 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(f"{message} (see {self.prog} --help)")
 
     def parse_known_args(self, args=None, namespace=None):
-        """A switch (`--force`, `--no-progress`) takes the next word as its value only if it is true or
-        false: `manifest --force FOLDER` and `sync --no-progress URI DIR` keep their positionals, as
-        `--skip-missing false` (SageMaker's strings) keeps its value. (argparse's nargs="?" takes any word.)"""
+        """A switch (`--force`, `--no-progress`) of a command with positionals takes the next word as its value
+        only if it is true or false: `manifest --force FOLDER` and `sync --no-progress URI DIR` keep their
+        positionals, as `--skip-missing false` (SageMaker's strings) keeps its value. (argparse's nargs="?"
+        takes any word.) Where there is no positional (train.py), or the word is empty, argparse takes it and
+        the setting's check names the flag and the word."""
         args = list(sys.argv[1:] if args is None else args)
+        if not any(not a.option_strings for a in self._actions):
+            return super().parse_known_args(args, namespace)
+        longs = [s for a in self._actions for s in a.option_strings if s.startswith("--")]
         switches = {s for a in self._actions if a.nargs == "?" and a.const is True for s in a.option_strings}
         out = []
         for i, tok in enumerate(args):
@@ -472,10 +477,19 @@ class _Parser(argparse.ArgumentParser):
                 out.extend(args[i:])
                 break
             after = args[i + 1] if i + 1 < len(args) else None
-            if tok in switches and after is not None and not after.startswith("-") and not _is_bool_word(after):
-                tok = f"{tok}=true"
+            full = tok if tok in longs else _unique_prefix(tok, longs) if self.allow_abbrev else None
+            if full in switches and after and not after.startswith("-") and not _is_bool_word(after):
+                tok = f"{full}=true"
             out.append(tok)
         return super().parse_known_args(out, namespace)
+
+
+def _unique_prefix(tok: str, longs: list[str]) -> str | None:
+    """The one long flag `tok` abbreviates (argparse's allow_abbrev), else None."""
+    if not tok.startswith("--") or "=" in tok:
+        return None
+    found = [s for s in longs if s.startswith(tok)]
+    return found[0] if len(found) == 1 else None
 
 
 def _is_bool_word(s: str) -> bool:

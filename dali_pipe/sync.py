@@ -114,7 +114,7 @@ def explain(err: Exception, bucket: str, key: str) -> str:
     code = _code(err)
     if code == "credentials":
         found = f" ({err.detail})" if isinstance(err, TransferError) and err.detail != NO_CREDENTIALS else ""
-        return (f"no usable AWS credentials{found}: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE, "
+        return (f"no usable AWS credentials{found}. Set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE, "
                 "or run with an instance/SageMaker role that can read the bucket")
     if code == "timeout":
         return (f"{endpoint()} did not answer for s3://{bucket}/{key} (timed out after {MAX_ATTEMPTS} tries); "
@@ -134,7 +134,7 @@ def explain(err: Exception, bucket: str, key: str) -> str:
         return f"s3://{bucket}/{key}: {err}; rerun the sync (the object may be changing)"
     if code is not None:
         return f"S3 error {code} on s3://{bucket}/{key}"
-    return redact(f"{type(err).__name__} on s3://{bucket}/{key}: {str(err)[:200]}")
+    return f"{type(err).__name__} on s3://{bucket}/{key}: " + redact(str(err))[:200]  # redacted whole, then cut
 
 
 def _code(err: Exception) -> str | None:

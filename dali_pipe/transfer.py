@@ -101,31 +101,46 @@ def env_keys() -> tuple[str, str, str | None] | None:
 
 
 _botocore_lock = threading.Lock()
-_botocore: dict = {}  # {the AWS_* environment and HOME: the botocore session made for it}
+_botocore: dict = {}  # {what the chain reads (the AWS_* environment, HOME, the profile files' stat): a session}
 
 
 def _botocore_session():
-    """One botocore session per process and AWS environment (botocore alone: boto3 would import s3transfer
-    too); a changed AWS_* variable or HOME makes a new one, as a new process would."""
+    """One botocore session per process and AWS setting (botocore alone: boto3 would import s3transfer
+    too); a changed AWS_* variable or HOME, or an edited ~/.aws/credentials or config, makes a new one,
+    as a new process would (a session keeps the credentials it found)."""
     import botocore.session
 
     env = tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("AWS_") or k == "HOME"))
+    files = []
+    for var, default in (("AWS_SHARED_CREDENTIALS_FILE", "~/.aws/credentials"), ("AWS_CONFIG_FILE", "~/.aws/config")):
+        try:
+            st = os.stat(os.path.expanduser(os.environ.get(var) or default))
+            files.append((st.st_mtime_ns, st.st_size, st.st_ino))
+        except OSError:
+            files.append(None)
+    key = (env, tuple(files))
     with _botocore_lock:
-        if env not in _botocore:
+        if key not in _botocore:
             _botocore.clear()
-            _botocore[env] = botocore.session.get_session()
-        return _botocore[env]
+            _botocore[key] = botocore.session.get_session()
+        return _botocore[key]
+
+
+def _from_botocore(ask):
+    """`ask(session)` of botocore's session; what botocore refuses (a key without its secret, a profile that is
+    not there, an unreadable expiry) as a TransferError('credentials') naming it."""
+    from botocore.exceptions import BotoCoreError
+
+    try:
+        return ask(_botocore_session())
+    except (BotoCoreError, ValueError) as e:
+        raise TransferError("credentials", redact(str(e))[:300]) from None
 
 
 def _botocore_credentials():
     """botocore's credential chain, walked once per session (the session keeps what it found: an instance
     role's credentials are fetched once, then refreshed by botocore as they expire)."""
-    from botocore.exceptions import BotoCoreError
-
-    try:
-        creds = _botocore_session().get_credentials()
-    except BotoCoreError as e:  # a key without its secret, a profile that is not there, ...
-        raise TransferError("credentials", redact(str(e)[:300])) from None
+    creds = _from_botocore(lambda session: session.get_credentials())
     if creds is None:
         raise TransferError("credentials", NO_CREDENTIALS)
     return creds
@@ -139,7 +154,7 @@ def classify(err: BaseException) -> TransferError:
     code = re.search(r"<Code>([A-Za-z0-9.]+)</Code>", text)
     status = re.search(r"status code: (\d{3})", text)
     st = int(status.group(1)) if status else None
-    first = redact(text.split("\n", 1)[0][:300])
+    first = redact(text.split("\n", 1)[0])[:300]  # redacted whole: a cut could split a secret from its marker
     if code:
         return TransferError(code.group(1), first, st)
     if isinstance(err, FileNotFoundError) or st == 404:
@@ -204,9 +219,9 @@ class Engine:
                 return {"access_key_id": frozen.access_key, "secret_access_key": frozen.secret_key,
                         "token": frozen.token, "expires_at": datetime.now(timezone.utc) + CREDENTIALS_TTL}
         region = os.environ.get("AWS_DEFAULT_REGION") if keys else None
-        region = region or _botocore_session().get_config_variable("region") or "us-east-1"
+        region = region or _from_botocore(lambda session: session.get_config_variable("region")) or "us-east-1"
         if url is None:
-            region = bucket_region(_botocore_session(), bucket) or region
+            region = _from_botocore(lambda session: bucket_region(session, bucket)) or region
         return S3Store(
             bucket, endpoint=url, region=region, virtual_hosted_style_request=url is None,
             credential_provider=credentials,
@@ -541,8 +556,8 @@ def list_with_boto3(bucket: str, prefix: str, engine: Engine) -> dict[str, tuple
             for obj in page.get("Contents", []):
                 found[obj["Key"][len(prefix):]] = (obj["Size"], obj["ETag"].strip('"'))
     except ClientError as e:
-        raise TransferError(e.response.get("Error", {}).get("Code", "http"), redact(str(e)[:300])) from None
+        raise TransferError(e.response.get("Error", {}).get("Code", "http"), redact(str(e))[:300]) from None
     except BotoCoreError as e:
         raise TransferError("timeout" if "timeout" in type(e).__name__.lower() else "connect",
-                            redact(str(e)[:300])) from None
+                            redact(str(e))[:300]) from None
     return found

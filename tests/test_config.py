@@ -248,7 +248,28 @@ def test_a_switch_takes_a_true_or_false_after_it_and_leaves_any_other_word(argv,
     assert (ns.uri, ns.local_dir, ns.no_progress, ns.skip_missing) == want
 
 
-def test_a_switch_before_a_word_that_is_no_value_leaves_it_to_be_named():
-    p = build_parser("prog", "doc", config.TRAIN_GROUPS)
-    ns, problems = parse(["--monitor", "banana"], p)
-    assert ns.monitor is True and problems and "banana" in problems[0]
+def test_manifest_force_before_its_folder():
+    p = config.new_parser("prog", "doc")
+    config.add_subcommand(p.add_subparsers(dest="command"), "manifest", "h", "doc", ("manifest",))
+    ns, problems = parse(["manifest", "--force", "photos"], p)
+    assert not problems and (ns.folder, ns.force) == ("photos", True)
+
+
+@pytest.mark.parametrize("argv, want", [
+    (["sync", "--no-prog", "s3://b/p", "dir"], ("s3://b/p", "dir", True, False)),  # argparse's abbreviation
+    (["sync", "--skip", "s3://b/p", "dir"], ("s3://b/p", "dir", False, True)),
+])
+def test_an_abbreviated_switch_leaves_the_positionals_too(argv, want):
+    p = config.new_parser("prog", "doc")
+    config.add_subcommand(p.add_subparsers(dest="command"), "sync", "h", "doc", ("sync", "--skip-missing"))
+    ns, problems = parse(argv, p)
+    assert not problems
+    assert (ns.uri, ns.local_dir, ns.no_progress, ns.skip_missing) == want
+
+
+@pytest.mark.parametrize("word", ["maybe", "", "t"])
+def test_train_names_the_flag_of_a_switch_given_a_word_that_is_not_true_or_false(word):
+    """train.py has no positionals: the word stays the switch's value, and its check names both (as a
+    SageMaker hyperparameter `"skip-missing": "maybe"` is told)."""
+    with pytest.raises(UsageError, match=f"--skip-missing.*'{word}' is not true or false"):
+        _parse(["--skip-missing", word])

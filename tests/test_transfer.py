@@ -224,3 +224,57 @@ def test_a_pack_sync_with_keys_in_the_environment_loads_neither_botocore_numpy_n
         assert f"{listed} listed" in summary, summary
     assert sorted(q.name for q in (tmp_path / "got").iterdir() if not q.name.startswith(".")) == [
         q.name for q in files if q.suffix in (".tar", ".idx", ".json")]
+
+
+def test_an_edited_credentials_file_is_read_again_in_the_same_process(aws_files, tmp_path):
+    """A notebook that fixes its keys in ~/.aws/credentials and retries signs with the new ones (botocore's
+    session, kept per process for speed, keeps what it found: it is made again when the files change)."""
+    aws_files.setenv("AWS_PROFILE", "other")
+
+    def signed_with():
+        engine = Engine(concurrency=1, connect_timeout=1, read_timeout=1, attempts=1)
+        try:
+            return engine.store("data").credential_provider()["access_key_id"]
+        finally:
+            engine.close()
+
+    assert signed_with() == "AKOTHER"
+    (tmp_path / "credentials").write_text("[other]\naws_access_key_id = AKFIXED\naws_secret_access_key = fixed\n")
+    assert signed_with() == "AKFIXED"
+
+
+def test_what_botocore_refuses_is_a_credentials_error_naming_it(aws_files):
+    """A profile that is not there (asked for the region too) and an expiry botocore cannot read are told in
+    botocore's words as a credentials problem, not an opaque HTTP error."""
+    aws_files.setenv("AWS_ACCESS_KEY_ID", "AKENV")
+    aws_files.setenv("AWS_SECRET_ACCESS_KEY", "env-secret")
+    aws_files.setenv("AWS_PROFILE", "nope")  # keys win, but the region is asked of the missing profile
+    for extra in ({}, {"AWS_CREDENTIAL_EXPIRATION": "garbage"}):
+        for k, v in extra.items():
+            aws_files.setenv(k, v)
+        engine = Engine(concurrency=1, connect_timeout=1, read_timeout=1, attempts=1)
+        try:
+            with pytest.raises(TransferError) as e:
+                engine.store("data")
+        finally:
+            engine.close()
+        assert e.value.code == "credentials" and ("nope" in e.value.detail or "garbage" in e.value.detail), e.value
+
+
+def test_a_long_secret_in_a_credentials_error_is_redacted_whole(aws_files):
+    """botocore's message names the container credentials URL; one longer than the message's cut is still
+    redacted (the text is redacted before it is cut)."""
+    secret = "p" * 40 + "SECRETPASSWORDTAIL" + "q" * 300
+    aws_files.setenv("AWS_CONTAINER_CREDENTIALS_FULL_URI", f"http://admin:{secret}@127.0.0.1:1/creds")
+    aws_files.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    aws_files.setenv("AWS_METADATA_SERVICE_NUM_ATTEMPTS", "1")
+    aws_files.setenv("AWS_METADATA_SERVICE_TIMEOUT", "1")
+    aws_files.setenv("AWS_SHARED_CREDENTIALS_FILE", "/nonexistent")  # no profile keys: on to the container
+    engine = Engine(concurrency=1, connect_timeout=1, read_timeout=1, attempts=1)
+    try:
+        with pytest.raises(TransferError) as e:
+            engine.store("data")
+    finally:
+        engine.close()
+    assert e.value.code == "credentials"
+    assert "SECRET" not in e.value.detail and "pppp" not in e.value.detail, e.value.detail

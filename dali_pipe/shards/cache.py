@@ -296,7 +296,7 @@ class Fetcher:
                 if is_write_failure(e):  # a read-only cache, or not ours
                     raise ShardError(f"cannot write {remote.url} into {dest.parent} ({e.strerror}); make that "
                                      "folder writable, or pass another --cache-dir") from None
-                failure, mismatch = f"{type(e).__name__}: {str(e)[:200]}", None
+                failure, mismatch = f"{type(e).__name__}: {redact(str(e))[:200]}", None
             except TransferError as e:
                 if e.code in ("NoSuchKey", "404", "NotFound", "NoSuchBucket", "AccessDenied", "403", "credentials"):
                     raise ShardFetchError(f"{_where(remote.url)}: {explain(e, bucket, key)}") from None
@@ -936,7 +936,8 @@ def sync_indexes(uri: str, local: Path, names: list[str], *, workers: int, engin
     return sync_objects(uri, local, names, workers=workers, progress=False, engine=engine)
 
 
-def sync_shards(remotes: list[Remote], local: Path, *, cache_dir: str | Path, progress: bool = True) -> int:
+def sync_shards(remotes: list[Remote], local: Path, *, cache_dir: str | Path,
+                progress: bool = True) -> tuple[int, int]:
     """Fetch every shard into `local` (ranged parallel GETs, FETCH_PARALLEL shards at a time), each
     checked as it lands; shards already there and matching are kept. Returns the shards fetched and their
     bytes."""

@@ -18,9 +18,10 @@ through obstore (Python bindings of Rust's `object_store`) on one event loop thr
 - The standard AWS environment: credentials from botocore's chain (keys, AWS_PROFILE and the config
   files, SSO, web identity, the container credentials that SageMaker and ECS hand out, the instance
   role), refreshed as they expire; keys in the environment (the chain's first link) are read without
-  botocore, and so is AWS_DEFAULT_REGION with them; the region and AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL, which may
-  carry KEY:SECRET@ (then those sign the requests and are never sent or printed). An endpoint of
-  our own (moto, rclone, MinIO) is addressed path-style, AWS virtual-hosted, in the bucket's region.
+  botocore, and so is AWS_DEFAULT_REGION with them; the region and AWS_ENDPOINT_URL_S3 /
+  AWS_ENDPOINT_URL, which may carry KEY:SECRET@ (then those sign the requests and are never sent or
+  printed). An endpoint of our own (moto, rclone, MinIO) is addressed path-style, AWS virtual-hosted,
+  in the bucket's region.
 
 Why obstore: side by side with AWS's Common Runtime (awscrt through s3transfer's CRT transfer manager,
 and awscrt's S3 client driven directly) and with s5cmd on 5120 ImageNet-size JPEGs, obstore listed
@@ -205,8 +206,7 @@ class Engine:
 
         given = endpoint_credentials()
         url = given.get("endpoint_url") or endpoint_url()
-        keys = given and (given["aws_access_key_id"], given["aws_secret_access_key"], None)
-        keys = keys or env_keys()
+        keys = (given["aws_access_key_id"], given["aws_secret_access_key"], None) if given else env_keys()
         if keys:
             def credentials():
                 return {"access_key_id": keys[0], "secret_access_key": keys[1], "token": keys[2],

@@ -3,7 +3,8 @@
 
     --compare s5cmd   `python -m dali_pipe sync` vs `s5cmd cp` of the same prefix, on rclone's `serve s3`
                       (Go; fast enough that the clients, not the server, set the pace): the raw JPEGs, and
-                      with --packed also their pack (its shards' ranged GETs)
+                      with --packed also their pack (its shards' ranged GETs), once more against s5cmd
+                      followed by the shards' sha256 (OpenSSL, 2 at once), which our sync checks
     --compare cli     `python -m dali_pipe sync` of the raw files vs `aws s3 sync` of the same prefix (moto)
     --compare packed  `python -m dali_pipe sync` of the raw files vs of their pack (moto)
 
@@ -23,6 +24,7 @@ import argparse
 import json
 import os
 import resource
+import shlex
 import shutil
 import socket
 import statistics
@@ -128,6 +130,13 @@ def compare_s5cmd(args, work: Path, report: dict) -> None:
     s5 = [tool("s5cmd"), "--endpoint-url", url, "--log", "error", "cp"]
     pairs = {g: {"s5cmd cp": (lambda d, g=g: s5 + [f"s3://bench/{g}/*", f"{d}/"]),
                  "dali_pipe sync": (lambda d, g=g: sync + [f"s3://bench/{g}", str(d)])} for g in counts}
+    if args.packed and shutil.which("openssl"):  # the same work as ours: s5cmd's copy, then every shard's sha256
+        counts["packed-verified"] = counts["packed"]
+        hashed = "printf '%s\\0' {d}/*.tar | xargs -0 -P 2 -n 2 openssl dgst -sha256 >/dev/null"  # 2 at once
+        pairs["packed-verified"] = {
+            "s5cmd cp + openssl sha256": lambda d: ["sh", "-c", " ".join(shlex.quote(a) for a in s5 + [
+                "s3://bench/packed/*", f"{d}/"]) + " && " + hashed.format(d=shlex.quote(str(d)))],
+            "dali_pipe sync": lambda d: sync + ["s3://bench/packed", str(d)]}
     try:
         measure(pairs, args.rounds, work, counts, "", report)
     finally:

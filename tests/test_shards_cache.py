@@ -23,6 +23,7 @@ from dali_pipe.shards.cache import (
     ShardFetchError,
     StreamCache,
     StreamCacheError,
+    fetch_to,
     verify_local,
 )
 from dali_pipe.shards.reader import ShardReader
@@ -595,3 +596,25 @@ def test_the_stream_cache_refusal_asks_for_enough_for_every_reader(bucket, tmp_p
     with pytest.raises(StreamCacheError, match="free for it") as e:
         stream_bound(room + 10_000_000, tmp_path / "c1")
     stream_bound(parse_size(str(e.value).split(" has ")[1].split(" free")[0]), tmp_path / "c1")
+
+
+def test_a_pack_sync_onto_a_disk_too_small_is_refused_before_any_download(s3, odd_pack, tmp_path):
+    """`python -m dali_pipe sync` of a pack onto a disk (a real tmpfs) that cannot hold its shards: one message
+    with the sizes and the fix, before the first GET (it used to fetch the index files and part of a shard,
+    then fail on the full disk with training's advice)."""
+    from helpers import small_disk
+
+    from dali_pipe.sync import SyncError, make_client
+
+    client = make_client(2)
+    client.create_bucket(Bucket="data")
+    files = [q for q in odd_pack.iterdir() if q.is_file()]
+    for q in files:
+        client.put_object(Bucket="data", Key=f"pack/{q.name}", Body=q.read_bytes())
+    shards = sum(q.stat().st_size for q in files if q.suffix == ".tar")
+    with small_disk(tmp_path / "disk", f"{max(8, shards // 2048)}k") as disk:
+        with pytest.raises(SyncError, match=r"s3://data/pack: the pack's \d+ shard\(s\) need .* in .*/disk/p, which "
+                                            r"has .* free .*; free space there, or sync to another disk.*Nothing was "
+                                            r"downloaded"):
+            fetch_to("s3://data/pack", disk / "p", mode="sync", workers=4, progress=False, cache_dir=tmp_path / "c")
+        assert not [p for p in (disk / "p").rglob("*") if p.is_file()]

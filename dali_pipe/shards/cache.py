@@ -79,7 +79,7 @@ from ..sync import (
     sync_objects,
 )
 from ..transfer import Engine, TransferError, temp_path
-from ..workdir import is_write_failure, lock, remove, remove_dead_temps, unlock
+from ..workdir import human_bytes, is_write_failure, lock, remove, remove_dead_temps, unlock
 from .format import PACKED_NAME, PackedFormatError, file_sha256, parse_packed
 
 VERDICTS_NAME = "shard-verdicts.json"
@@ -914,6 +914,11 @@ def fetch_to(data: str, local: Path, *, mode: str, workers: int, progress: bool 
         if progress and mode == "stream":
             print(f"packed data: {total / 1e9:.1f} GB of shards do not fit in {local} ({free / 1e9:.1f} GB free); "
                   "streaming them through a bounded cache (--stream-cache)", file=sys.stderr)
+    if mode == "sync" and free < total:
+        raise SyncError(f"{data}: the pack's {len(shards)} shard(s) need {human_bytes(total)} in {local}, which has "
+                        f"{human_bytes(free)} free (counting the shards already there); free space there, or sync to "
+                        "another disk (another LOCAL_DIR; for training, --cache-dir, or --packed-s3 stream). Nothing "
+                        "was downloaded.")
     got = sync_indexes(data, local, [s["index"] for s in shards], workers=workers, engine=engine)
     if mode == "sync":
         prefix = data.rstrip("/")

@@ -163,6 +163,15 @@ def aws_files(tmp_path, monkeypatch):
     return monkeypatch
 
 
+def _new_store():
+    """The store of bucket `data` from a fresh engine (closed again); raises what making it raised."""
+    engine = Engine(concurrency=1, connect_timeout=1, read_timeout=1, attempts=1)
+    try:
+        return engine.store("data")
+    finally:
+        engine.close()
+
+
 @pytest.mark.parametrize("chain", list(CHAINS))
 @pytest.mark.parametrize("region", [None, "sa-east-1"])
 def test_the_store_signs_with_what_botocores_chain_returns(aws_files, chain, region):
@@ -231,16 +240,9 @@ def test_an_edited_credentials_file_is_read_again_in_the_same_process(aws_files,
     session, kept per process for speed, keeps what it found: it is made again when the files change)."""
     aws_files.setenv("AWS_PROFILE", "other")
 
-    def signed_with():
-        engine = Engine(concurrency=1, connect_timeout=1, read_timeout=1, attempts=1)
-        try:
-            return engine.store("data").credential_provider()["access_key_id"]
-        finally:
-            engine.close()
-
-    assert signed_with() == "AKOTHER"
+    assert _new_store().credential_provider()["access_key_id"] == "AKOTHER"
     (tmp_path / "credentials").write_text("[other]\naws_access_key_id = AKFIXED\naws_secret_access_key = fixed\n")
-    assert signed_with() == "AKFIXED"
+    assert _new_store().credential_provider()["access_key_id"] == "AKFIXED"
 
 
 def test_what_botocore_refuses_is_a_credentials_error_naming_it(aws_files):
@@ -252,12 +254,8 @@ def test_what_botocore_refuses_is_a_credentials_error_naming_it(aws_files):
     for extra in ({}, {"AWS_CREDENTIAL_EXPIRATION": "garbage"}):
         for k, v in extra.items():
             aws_files.setenv(k, v)
-        engine = Engine(concurrency=1, connect_timeout=1, read_timeout=1, attempts=1)
-        try:
-            with pytest.raises(TransferError) as e:
-                engine.store("data")
-        finally:
-            engine.close()
+        with pytest.raises(TransferError) as e:
+            _new_store()
         assert e.value.code == "credentials" and ("nope" in e.value.detail or "garbage" in e.value.detail), e.value
 
 
@@ -270,11 +268,7 @@ def test_a_long_secret_in_a_credentials_error_is_redacted_whole(aws_files):
     aws_files.setenv("AWS_METADATA_SERVICE_NUM_ATTEMPTS", "1")
     aws_files.setenv("AWS_METADATA_SERVICE_TIMEOUT", "1")
     aws_files.setenv("AWS_SHARED_CREDENTIALS_FILE", "/nonexistent")  # no profile keys: on to the container
-    engine = Engine(concurrency=1, connect_timeout=1, read_timeout=1, attempts=1)
-    try:
-        with pytest.raises(TransferError) as e:
-            engine.store("data")
-    finally:
-        engine.close()
+    with pytest.raises(TransferError) as e:
+        _new_store()
     assert e.value.code == "credentials"
     assert "SECRET" not in e.value.detail and "pppp" not in e.value.detail, e.value.detail

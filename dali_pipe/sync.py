@@ -275,7 +275,7 @@ def read_object(uri: str, name: str, engine: Engine | None = None) -> bytes | No
     to read it with (default: one made for this request)."""
     bucket, prefix = parse_s3_uri(uri)
     key = f"{prefix}/{name}" if prefix else name
-    with _engine(engine, 1) as engine:
+    with engine_for(engine, 1) as engine:
         try:
             return engine.run(engine.read(bucket, key))
         except TransferError as e:
@@ -467,7 +467,7 @@ def sync(uri: str, dest: Path | str, *, workers: int, skip_missing: bool = False
     start = time.perf_counter()
     bucket, prefix = parse_s3_uri(uri)
     dest = Path(dest)
-    with holding(dest), _engine(engine, workers) as engine:
+    with holding(dest), engine_for(engine, workers) as engine:
         base = f"{prefix}/" if prefix else ""
         if progress:
             print(f"sync: reading s3://{bucket}/{base}{MANIFEST_NAME} from {endpoint()}", file=sys.stderr, flush=True)
@@ -519,7 +519,7 @@ def sync(uri: str, dest: Path | str, *, workers: int, skip_missing: bool = False
 
 
 @contextmanager
-def _engine(engine: Engine | None, workers: int):
+def engine_for(engine: Engine | None, workers: int):
     """The engine given, or one made (and closed) for this sync."""
     if engine is not None:
         yield engine
@@ -532,16 +532,16 @@ def _engine(engine: Engine | None, workers: int):
 
 
 def sync_objects(uri: str, dest: Path | str, names: list[str], *, workers: int, progress: bool = True,
-                 engine: Engine | None = None) -> SyncStats:
+                 engine: Engine | None = None, remote: dict[str, tuple[int, str]] | None = None) -> SyncStats:
     """Download the objects `names` under s3://bucket/prefix into `dest` (a pack's files, others' shards).
     The same road as `sync` (large objects in ranged GETs), the same lock, skip by size + ETag, room
-    check, bounds and SIGTERM behaviour."""
+    check, bounds and SIGTERM behaviour. `remote`: the prefix's listing, when the caller made it already."""
     start = time.perf_counter()
     bucket, prefix = parse_s3_uri(uri)
     dest = Path(dest)
     base = f"{prefix}/" if prefix else ""
-    with holding(dest), _engine(engine, workers) as engine:
-        remote = listing(engine, bucket, base)
+    with holding(dest), engine_for(engine, workers) as engine:
+        remote = listing(engine, bucket, base) if remote is None else remote
         missing = [n for n in names if n not in remote]
         if missing:
             raise SyncError(f"s3://{bucket}/{base} lacks {len(missing)} file(s) of the pack, e.g. {missing[:3]}; "
@@ -572,7 +572,7 @@ def sync_files(uri: str, dest: Path | str, *, keep, workers: int, progress: bool
     bucket, prefix = parse_s3_uri(uri)
     dest = Path(dest)
     base = f"{prefix}/" if prefix else ""
-    with holding(dest), _engine(engine, workers) as engine:
+    with holding(dest), engine_for(engine, workers) as engine:
         if progress:
             print(f"sync: listing s3://{bucket}/{base} from {endpoint()}", file=sys.stderr, flush=True)
         remote = listing(engine, bucket, base)

@@ -459,9 +459,9 @@ def test_a_row_naming_a_folder_in_s3_is_named_as_a_folder(s3, photo_root, tmp_pa
 
 def test_cli_sync_of_a_pack_asks_for_packed_json_once_through_one_engine(s3, photo_root, tmp_path, cache_dir,
                                                                           monkeypatch):
-    """`python -m dali_pipe sync` of a pack: dataset.tsv is asked for once (absent), then packed.json once, on the
-    same engine (no boto3 client), the index files on it too; the shards land whole, each matching packed.json,
-    and packed.json lands last."""
+    """`python -m dali_pipe sync` of a pack: dataset.tsv (absent) and packed.json are asked for once each, at
+    once, on the same engine (no boto3 client), the index files on it too, after one LIST that serves the
+    shards as well; the shards land whole, each matching packed.json, and packed.json lands last."""
     import hashlib
     import json
 
@@ -471,14 +471,16 @@ def test_cli_sync_of_a_pack_asks_for_packed_json_once_through_one_engine(s3, pho
 
     make_client(4).create_bucket(Bucket="data")
     main(["pack", str(photo_root), "s3://data/packed", "--max-side", "96", "--shard-size", "60kB"])
-    reads, engines = [], []
-    real_read, real_init = Engine.read, Engine.__init__
+    reads, engines, lists = [], [], []
+    real_read, real_init, real_list = Engine.read, Engine.__init__, Engine.list
     monkeypatch.setattr(Engine, "read", lambda self, bucket, key: reads.append(key) or real_read(self, bucket, key))
+    monkeypatch.setattr(Engine, "list", lambda self, bucket, prefix: lists.append(prefix) or real_list(self, bucket,
+                                                                                                     prefix))
     monkeypatch.setattr(Engine, "__init__", lambda self, **kw: engines.append(kw) or real_init(self, **kw))
     monkeypatch.setattr(sync_mod, "make_client", lambda *a, **kw: pytest.fail("a boto3 client was made"))
     dest = tmp_path / "local"
     assert main(["sync", "s3://data/packed", str(dest), "--no-progress"]) == 0
-    assert reads == ["packed/dataset.tsv", "packed/packed.json"]
+    assert sorted(reads) == ["packed/dataset.tsv", "packed/packed.json"] and lists == ["packed/"]
     assert len(engines) == 2, engines  # the command's (manifest, packed.json, index files) and the shards' own
     meta = json.loads((dest / "packed.json").read_text())
     shards = [s for split in meta["splits"].values() for s in split["shards"]]

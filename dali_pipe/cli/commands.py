@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from ..config import add_subcommand, new_parser, parse, settings_from, validate
@@ -111,12 +112,16 @@ def main(argv: list[str] | None = None) -> int:
     validate(s, COMMANDS[command], problems)
     if command == "sync":
         engine = make_engine(s.sync.workers)  # one for the manifest or packed.json and the small files
+        asking = ThreadPoolExecutor(1, thread_name_prefix="packed-json")
         try:
-            try:  # a dataset first: asking whether the prefix is a pack would cost a request
+            # packed.json is asked for beside the dataset's manifest (a pack's sync then waits for no second
+            # round trip; a dataset's costs one small GET in parallel)
+            packed = asking.submit(read_object, s.sync.uri, PACKED_NAME, engine)
+            try:
                 stats = sync(s.sync.uri, s.sync.local_dir, workers=s.sync.workers, skip_missing=s.data.skip_missing,
                              progress=not s.sync.no_progress, engine=engine)
             except ManifestMissing:
-                raw = read_object(s.sync.uri, PACKED_NAME, engine)
+                raw = packed.result()
                 if raw is None:  # neither a dataset nor a pack
                     raise
                 if not s.sync.no_progress:
@@ -127,6 +132,7 @@ def main(argv: list[str] | None = None) -> int:
                 if not s.sync.no_progress:
                     print(stats.summary(), file=sys.stderr)
         finally:
+            asking.shutdown(wait=True, cancel_futures=True)  # before the engine it asks through
             engine.close()
         if s.sync.no_progress:
             print(stats.summary())

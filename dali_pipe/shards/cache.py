@@ -71,6 +71,7 @@ from ..sync import (
     SyncStats,
     byte_bar,
     endpoint,
+    engine_for,
     explain,
     listing,
     local_target,
@@ -834,17 +835,19 @@ class CacheView:
         self.cache.advance(reader, epoch, position)
 
 
-def listed(remotes: list[Remote], engine: Engine) -> list[Remote]:
-    """The shards with their sizes and ETags from one LIST per prefix: no HEAD per shard, and a shard
-    whose size in S3 differs from what packed.json says is named before anything is fetched."""
-    found: dict[str, tuple[int, str]] = {}
-    for base in sorted({r.url.rsplit("/", 1)[0] for r in remotes}):
-        bucket, prefix = _split(base + "/x")
-        try:
-            for rel, meta in listing(engine, bucket, prefix[:-1]).items():
-                found[f"{base}/{rel}"] = meta
-        except SyncError as e:
-            raise ShardFetchError(str(e)) from None
+def listed(remotes: list[Remote], engine: Engine, found: dict[str, tuple[int, str]] | None = None) -> list[Remote]:
+    """The shards with their sizes and ETags from one LIST per prefix (or `found`, {url: (size, ETag)}, a
+    listing the caller made): no HEAD per shard, and a shard whose size in S3 differs from what packed.json
+    says is named before anything is fetched."""
+    if found is None:
+        found = {}
+        for base in sorted({r.url.rsplit("/", 1)[0] for r in remotes}):
+            bucket, prefix = _split(base + "/x")
+            try:
+                for rel, meta in listing(engine, bucket, prefix[:-1]).items():
+                    found[f"{base}/{rel}"] = meta
+            except SyncError as e:
+                raise ShardFetchError(str(e)) from None
     out = []
     for r in remotes:
         if r.url not in found:
@@ -919,11 +922,22 @@ def fetch_to(data: str, local: Path, *, mode: str, workers: int, progress: bool 
                         f"{human_bytes(free)} free (counting the shards already there); free space there, or sync to "
                         "another disk (another LOCAL_DIR; for training, --cache-dir, or --packed-s3 stream). Nothing "
                         "was downloaded.")
-    got = sync_indexes(data, local, [s["index"] for s in shards], workers=workers, engine=engine)
+    prefix = data.rstrip("/")
+    with engine_for(engine, workers) as engine:  # one LIST for the index files and the shards
+        bucket, key = parse_s3_uri(prefix)
+        remote = listing(engine, bucket, f"{key}/" if key else "")
+        got = sync_objects(data, local, [s["index"] for s in shards], workers=workers, progress=False, engine=engine,
+                           remote=remote)
+        if mode == "sync":
+            found = {f"{prefix}/{rel}": meta for rel, meta in remote.items()}
+            try:
+                ready = listed([Remote(f"{prefix}/{s['name']}", s["size"], s.get("sha256")) for s in shards], engine,
+                               found)
+            except ShardFetchError as e:
+                raise SyncError(str(e)) from None
     if mode == "sync":
-        prefix = data.rstrip("/")
-        fetched, size = sync_shards([Remote(f"{prefix}/{s['name']}", s["size"], s.get("sha256")) for s in shards],
-                                    local, cache_dir=cache_dir or default_cache_dir(), progress=progress)
+        fetched, size = sync_shards(ready, local, cache_dir=cache_dir or default_cache_dir(), progress=progress,
+                                    listed_already=True)
         got.listed += len(shards)
         got.downloaded += fetched
         got.skipped += len(shards) - fetched
@@ -935,17 +949,11 @@ def fetch_to(data: str, local: Path, *, mode: str, workers: int, progress: bool 
     return local
 
 
-def sync_indexes(uri: str, local: Path, names: list[str], *, workers: int, engine: Engine | None = None) -> SyncStats:
-    """Fetch the pack's index files (small; many) the way `sync` fetches a dataset's files, skipping those
-    whose size and ETag are unchanged; returns the sync's stats."""
-    return sync_objects(uri, local, names, workers=workers, progress=False, engine=engine)
-
-
-def sync_shards(remotes: list[Remote], local: Path, *, cache_dir: str | Path,
-                progress: bool = True) -> tuple[int, int]:
+def sync_shards(remotes: list[Remote], local: Path, *, cache_dir: str | Path, progress: bool = True,
+                listed_already: bool = False) -> tuple[int, int]:
     """Fetch every shard into `local` (ranged parallel GETs, FETCH_PARALLEL shards at a time), each
     checked as it lands; shards already there and matching are kept. Returns the shards fetched and their
-    bytes."""
+    bytes. `listed_already`: the remotes carry their sizes and ETags from S3 (`listed`), so no LIST again."""
 
     verdicts = Verdicts(cache_dir)
     lock(local, "sync", "wait for it to finish")
@@ -959,7 +967,8 @@ def sync_shards(remotes: list[Remote], local: Path, *, cache_dir: str | Path,
             todo.append((r, dest))
         bar = byte_bar("sync shards", sum(r.size or 0 for r, _ in todo), progress and bool(todo))
         fetcher, stop = fetcher_for([r for r, _ in todo] or remotes), threading.Event()
-        todo = list(zip(fetcher.listed([r for r, _ in todo]), [d for _, d in todo])) if todo else []
+        if todo and not listed_already:
+            todo = list(zip(fetcher.listed([r for r, _ in todo]), [d for _, d in todo]))
         pool = ThreadPoolExecutor(FETCH_PARALLEL, thread_name_prefix="shard-sync")
         done = 0
         try:

@@ -12,10 +12,11 @@ Makes a dataset of real photos (dali_pipe/demo.py's generator: scikit-image's ph
 re-encoded), serves it, then syncs into fresh folders, each tool once per round, the order reversed every
 other round. Prints each round, the median and min-max per tool, the ratio of the medians with the
 min-max of the per-round ratios, and the CPU time (user + system, the client's alone) per 1000 files.
-The measured processes (and the server) are pinned to --cpus cores. `--latency-ms` (moto only) delays
-every request, to stand in for S3's per-request latency.
+The measured processes (and the server) are pinned to --cpus cores. `--latency-ms` delays every request,
+to stand in for S3's per-request latency: in moto's server, or (s5cmd) in a proxy in front of rclone's.
 
     python tools/bench_sync.py --compare s5cmd [--files 5120] [--side 450 560] [--rounds 3] [--packed]
+                               [--latency-ms 0 20] [--workers 256]
     python tools/bench_sync.py [--compare cli|packed] [--files 420] [--latency-ms 0 20] [--json OUT.json]
 """
 from __future__ import annotations
@@ -37,7 +38,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tools")]
 
-from s3server import delayed_server, wait_listening  # noqa: E402
+from s3server import LatencyProxy, delayed_server, wait_listening  # noqa: E402
 
 KEY, SECRET = "bench", "bench-secret"
 
@@ -120,28 +121,42 @@ def compare_s5cmd(args, work: Path, report: dict) -> None:
                         "--shard-size", args.shard_size, "--cache-dir", str(work / "cache")], check=True, cwd=ROOT,
                        stderr=subprocess.DEVNULL)
         counts["packed"] = files_in(served / "bench" / "packed")[0]
-    proc, url = rclone_server(served)
+        if shutil.which("openssl"):
+            counts["packed-verified"] = counts["packed"]
+    proc, served_url = rclone_server(served)
+    try:
+        for latency in args.latency_ms:
+            proxy = LatencyProxy(int(served_url.rsplit(":", 1)[1]), latency / 1000) if latency else None
+            url = f"http://127.0.0.1:{proxy.port}" if proxy else served_url
+            try:
+                label = f"latency {latency:g} ms, " if latency or len(args.latency_ms) > 1 else ""
+                measure(s5cmd_pairs(args, served, url, dict(counts)), args.rounds, work, counts, label, report)
+            finally:
+                if proxy:
+                    proxy.stop()
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def s5cmd_pairs(args, served: Path, url: str, counts: dict) -> dict:
+    """For each group (raw, packed, packed-verified): s5cmd's command and ours, against the endpoint `url`."""
     os.environ.update(AWS_ENDPOINT_URL=url, AWS_ACCESS_KEY_ID=KEY, AWS_SECRET_ACCESS_KEY=SECRET,
                       AWS_DEFAULT_REGION="us-east-1")
-    for group in counts:
+    for group in [g for g in counts if (served / "bench" / g).is_dir()]:
         n, size = files_in(served / "bench" / group)
-        print(f"{group}: {n} objects, {size / 1e6:.1f} MB on rclone serve s3 at {url}", flush=True)
+        print(f"{group}: {n} objects, {size / 1e6:.1f} MB on rclone serve s3, reached at {url}", flush=True)
     sync = [sys.executable, "-m", "dali_pipe", "sync", "--no-progress", "--workers", str(args.workers)]
     s5 = [tool("s5cmd"), "--endpoint-url", url, "--log", "error", "cp"]
     pairs = {g: {"s5cmd cp": (lambda d, g=g: s5 + [f"s3://bench/{g}/*", f"{d}/"]),
                  "dali_pipe sync": (lambda d, g=g: sync + [f"s3://bench/{g}", str(d)])} for g in counts}
     if args.packed and shutil.which("openssl"):  # the same work as ours: s5cmd's copy, then every shard's sha256
-        counts["packed-verified"] = counts["packed"]
         hashed = "printf '%s\\0' {d}/*.tar | xargs -0 -P 2 -n 2 openssl dgst -sha256 >/dev/null"  # 2 at once
         pairs["packed-verified"] = {
             "s5cmd cp + openssl sha256": lambda d: ["sh", "-c", " ".join(shlex.quote(a) for a in s5 + [
                 "s3://bench/packed/*", f"{d}/"]) + " && " + hashed.format(d=shlex.quote(str(d)))],
             "dali_pipe sync": lambda d: sync + ["s3://bench/packed", str(d)]}
-    try:
-        measure(pairs, args.rounds, work, counts, "", report)
-    finally:
-        proc.terminate()
-        proc.wait(10)
+    return pairs
 
 
 def compare_moto(args, work: Path, report: dict) -> None:
@@ -193,13 +208,15 @@ def main() -> None:
     p.add_argument("--packed", action="store_true", help="s5cmd: also the pack of the same photos (ranged GETs)")
     p.add_argument("--shard-size", default="64MB", help="s5cmd --packed: the pack's --shard-size")
     p.add_argument("--cpus", type=int, default=2, help="pin the run (server and clients) to this many cores")
-    p.add_argument("--latency-ms", type=float, nargs="+", default=[0.0, 20.0],
-                   help="moto: per-request server delays to measure at, one pass each")
+    p.add_argument("--latency-ms", type=float, nargs="+", default=None,
+                   help="per-request delays to measure at, one pass each (default: 0 for s5cmd, through a "
+                        "delaying proxy in front of rclone when above 0; 0 20 for moto, in the server)")
     p.add_argument("--json", help="also write the measurements here")
     args = p.parse_args()
     s5 = args.compare == "s5cmd"
     args.files = args.files or (5120 if s5 else 420)
     args.side = args.side or ((450, 560) if s5 else (600, 900))
+    args.latency_ms = args.latency_ms or ([0.0] if s5 else [0.0, 20.0])
     if args.workers is None:
         from dali_pipe.config import SyncSettings
 

@@ -39,3 +39,65 @@ def wait_listening(port: int, tries: int = 200) -> None:
             return
         except OSError:
             time.sleep(0.05)
+
+
+class LatencyProxy:
+    """A TCP proxy on a free loopback port in front of 127.0.0.1:`upstream_port` that holds each request
+    `delay` seconds before passing it on (HTTP/1.1 without pipelining: a client's next request waits for the
+    answer, so every request, a GET of one small file as a ranged GET of a shard, pays the delay once), and
+    passes answers through as they come. It stands in for S3's first-byte latency in front of a fast server
+    (rclone's `serve s3`), where moto's own pace would hide it. Runs an asyncio loop on a thread of its own."""
+
+    def __init__(self, upstream_port: int, delay: float):
+        import asyncio
+        import threading
+
+        self.delay, self.upstream_port = delay, upstream_port
+        self._loop = asyncio.new_event_loop()
+        ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(ready,), daemon=True, name="latency-proxy")
+        self._thread.start()
+        ready.wait(10)
+
+    def _run(self, ready) -> None:
+        import asyncio
+
+        asyncio.set_event_loop(self._loop)
+        self._server = self._loop.run_until_complete(asyncio.start_server(self._serve, "127.0.0.1", 0))
+        self.port = self._server.sockets[0].getsockname()[1]
+        ready.set()
+        self._loop.run_forever()
+
+    async def _serve(self, reader, writer) -> None:
+        import asyncio
+
+        try:
+            up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.upstream_port)
+        except OSError:
+            writer.close()
+            return
+
+        async def requests():  # client -> server, each chunk (a request's head) held `delay` first
+            try:
+                while data := await reader.read(1 << 16):
+                    if self.delay:
+                        await asyncio.sleep(self.delay)
+                    up_writer.write(data)
+                    await up_writer.drain()
+            finally:
+                up_writer.close()
+
+        async def answers():  # server -> client, as it comes
+            try:
+                while data := await up_reader.read(1 << 18):
+                    writer.write(data)
+                    await writer.drain()
+            finally:
+                writer.close()
+
+        await asyncio.gather(requests(), answers(), return_exceptions=True)
+
+    def stop(self) -> None:
+        self._loop.call_soon_threadsafe(self._server.close)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)

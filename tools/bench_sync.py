@@ -130,7 +130,7 @@ def compare_s5cmd(args, work: Path, report: dict) -> None:
             url = f"http://127.0.0.1:{proxy.port}" if proxy else served_url
             try:
                 label = f"latency {latency:g} ms, " if latency or len(args.latency_ms) > 1 else ""
-                measure(s5cmd_pairs(args, served, url, dict(counts)), args.rounds, work, counts, label, report)
+                measure(s5cmd_pairs(args, served, url, counts), args.rounds, work, counts, label, report)
             finally:
                 if proxy:
                     proxy.stop()
@@ -143,14 +143,15 @@ def s5cmd_pairs(args, served: Path, url: str, counts: dict) -> dict:
     """For each group (raw, packed, packed-verified): s5cmd's command and ours, against the endpoint `url`."""
     os.environ.update(AWS_ENDPOINT_URL=url, AWS_ACCESS_KEY_ID=KEY, AWS_SECRET_ACCESS_KEY=SECRET,
                       AWS_DEFAULT_REGION="us-east-1")
-    for group in [g for g in counts if (served / "bench" / g).is_dir()]:
+    served_groups = [g for g in ("raw", "packed") if g in counts]
+    for group in served_groups:
         n, size = files_in(served / "bench" / group)
         print(f"{group}: {n} objects, {size / 1e6:.1f} MB on rclone serve s3, reached at {url}", flush=True)
     sync = [sys.executable, "-m", "dali_pipe", "sync", "--no-progress", "--workers", str(args.workers)]
     s5 = [tool("s5cmd"), "--endpoint-url", url, "--log", "error", "cp"]
     pairs = {g: {"s5cmd cp": (lambda d, g=g: s5 + [f"s3://bench/{g}/*", f"{d}/"]),
-                 "dali_pipe sync": (lambda d, g=g: sync + [f"s3://bench/{g}", str(d)])} for g in counts}
-    if args.packed and shutil.which("openssl"):  # the same work as ours: s5cmd's copy, then every shard's sha256
+                 "dali_pipe sync": (lambda d, g=g: sync + [f"s3://bench/{g}", str(d)])} for g in served_groups}
+    if "packed-verified" in counts:  # the same work as ours: s5cmd's copy, then every shard's sha256
         hashed = "printf '%s\\0' {d}/*.tar | xargs -0 -P 2 -n 2 openssl dgst -sha256 >/dev/null"  # 2 at once
         pairs["packed-verified"] = {
             "s5cmd cp + openssl sha256": lambda d: ["sh", "-c", " ".join(shlex.quote(a) for a in s5 + [

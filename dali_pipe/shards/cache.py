@@ -930,11 +930,8 @@ def fetch_to(data: str, local: Path, *, mode: str, workers: int, progress: bool 
                            remote=remote)
         if mode == "sync":
             found = {f"{prefix}/{rel}": meta for rel, meta in remote.items()}
-            try:
-                ready = listed([Remote(f"{prefix}/{s['name']}", s["size"], s.get("sha256")) for s in shards], engine,
-                               found)
-            except ShardFetchError as e:
-                raise SyncError(str(e)) from None
+            ready = listed([Remote(f"{prefix}/{s['name']}", s["size"], s.get("sha256")) for s in shards], engine,
+                           found)
     if mode == "sync":
         fetched, size = sync_shards(ready, local, cache_dir=cache_dir or default_cache_dir(), progress=progress,
                                     listed_already=True)

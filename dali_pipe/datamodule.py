@@ -227,9 +227,10 @@ class DaliDataModule(pl.LightningDataModule):
         if getattr(self, "_stream", None) is None:
             rank, _, _, local_world = self._rank()
             folder = stream_folder(self.data.data, self.data.cache_dir) / f"rank-{rank}"
-            remotes = [Remote(p, z, h) for split in (self.manifest.train, self.manifest.val, shards)
-                       for p, z, h in zip(split.paths, split.sizes or (None,) * len(split.paths),
-                                          split.sha256 or (None,) * len(split.paths)) if is_remote(p)]
+            remotes = [Remote(p, z, h, xxh3=x) for split in (self.manifest.train, self.manifest.val, shards)
+                       for p, z, h, x in zip(split.paths, split.sizes or (None,) * len(split.paths),
+                                             split.sha256 or (None,) * len(split.paths),
+                                             split.xxh3 or (None,) * len(split.paths)) if is_remote(p)]
             remotes = list({r.url: r for r in remotes}.values())
             self._stream = StreamCache(folder, remotes, stream_bound(self.data.stream_cache, folder, local_world),
                                        local_ranks=local_world)

@@ -13,7 +13,7 @@ own split):
   `KEY.json` (`image_path` as dataset.tsv wrote it, and the label name), KEY made from the path and
   safe by construction (shards/format.py `sample_keys`);
 - `train-000000.idx`, ... : DALI's index (the format of DALI's wds2idx tool, v1.2);
-- `packed.json`: classes, per-split counts, every shard with its size, sample count, sha256 and the
+- `packed.json`: classes, per-split counts, every shard with its size, sample count, sha256, xxh3_128 and the
   image_path of each sample in index order, and the pack settings. It is written last: a DST without
   it is an unfinished pack.
 
@@ -42,12 +42,14 @@ from .manifest import MANIFEST_NAME, read_table
 from .scan import write_report
 from .shards.cache import Verdicts
 from .shards.format import (
+    FAST_SUM,
     FORMAT,
     PACKED_NAME,
     IndexEntry,
     TarFormatError,
     cls_bytes,
     file_sha256,
+    file_sums,
     format_index,
     image_member,
     index_tar,
@@ -207,8 +209,9 @@ class ShardWriter:
         self.idx_tmp.write_text(format_index(self.entries))
         os.replace(self.tmp, tar)
         os.replace(self.idx_tmp, idx)
+        sha256, fast = file_sums(tar)
         return {"name": tar.name, "index": idx.name, "samples": len(self.entries), "size": tar.stat().st_size,
-                "sha256": file_sha256(tar), "image_paths": self.image_paths, "next": self.next}
+                "sha256": sha256, FAST_SUM: fast, "image_paths": self.image_paths, "next": self.next}
 
     def abort(self) -> None:
         try:
@@ -297,6 +300,8 @@ def _shard_problem(tar: Path, index: Path, s: dict, verdicts) -> str | None:
         return f"{tar} is {e}"
     if sha is not None and indexed.sha256 != sha:
         return f"{tar} has sha256 {indexed.sha256[:12]}..., packed.json records {sha[:12]}..."
+    if s.get(FAST_SUM) is not None and indexed.xxh3 != s[FAST_SUM]:
+        return f"{tar} has {FAST_SUM} {indexed.xxh3[:12]}..., packed.json records {s[FAST_SUM][:12]}..."
     if index.read_text(encoding="utf-8", errors="surrogateescape") != format_index(indexed.entries):
         return f"{index} is not the index of {tar.name}"
     if sha is not None and verdicts is not None:

@@ -85,7 +85,7 @@ class Shards:
     """Images in shards: WebDataset tars (a pack, or shards written by others), or row groups of a Hugging
     Face dataset's tables. Per shard its path (a tar, local, s3:// or https://; a local Parquet or Arrow file),
     its local DALI index file (tables: a name for the group), the usable samples, and a lookup from the shards'
-    class indices to the model's (evaluate; sparse `cls` integers). Per shard, its size and sha256 where
+    class indices to the model's (evaluate; sparse `cls` integers). Per shard, its size, sha256 and fast checksum where
     known; `excluded` holds (shard position, entry position in its index) of the members every reader
     skips; `groups` (tables) the TableGroup of each shard, None for a tar. `labels` False: no `cls` is read
     (predict; every label is -1), so shards without labels are read too."""
@@ -95,6 +95,7 @@ class Shards:
     remap: tuple[int, ...] | None = None
     sizes: tuple[int | None, ...] | None = None
     sha256: tuple[str | None, ...] | None = None
+    xxh3: tuple[str | None, ...] | None = None  # the fast checksum (shards/format.FAST_SUM) where known
     excluded: frozenset[tuple[int, int]] = frozenset()
     groups: tuple[TableGroup | None, ...] | None = None
     labels: bool = True
@@ -111,6 +112,7 @@ class Shards:
         return Shards(self.paths + other.paths, self.index_paths + other.index_paths, self.samples + other.samples,
                       self.remap, sizes=per_shard(self.sizes, other.sizes, n, len(other.paths)),
                       sha256=per_shard(self.sha256, other.sha256, n, len(other.paths)),
+                      xxh3=per_shard(self.xxh3, other.xxh3, n, len(other.paths)),
                       excluded=self.excluded | frozenset((i + n, e) for i, e in other.excluded),
                       groups=per_shard(self.groups, other.groups, n, len(other.paths)),
                       labels=self.labels and other.labels)

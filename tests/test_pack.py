@@ -112,6 +112,21 @@ def test_resume_after_kill_9_gives_the_same_pack(photo_root, tmp_path, cache_dir
         assert (dst / sh["name"]).read_bytes() == (tmp_path / "clean" / sh["name"]).read_bytes()
 
 
+def test_each_shard_carries_the_sha256_and_the_xxh3_128_of_its_bytes(odd_pack):
+    """packed.json records per shard both checksums, as hashlib and the xxhash library compute them: the sha256
+    for any tool (sha256sum), the XXH3-128 that syncs, streams and checks before training verify at ~9 GB/s."""
+    import hashlib
+
+    import xxhash
+
+    shards = [s for split in json.loads((odd_pack / "packed.json").read_text())["splits"].values()
+              for s in split["shards"]]
+    assert shards
+    for s in shards:
+        raw = (odd_pack / s["name"]).read_bytes()
+        assert (s["sha256"], s["xxh3_128"]) == (hashlib.sha256(raw).hexdigest(), xxhash.xxh3_128(raw).hexdigest())
+
+
 def test_nothing_to_do_only_over_a_pack_whose_bytes_match(odd_pack, odd_root, tmp_path, cache_dir):
     """A rerun over a finished pack whose shard has a flipped byte (same size) or whose index lies is an error
     naming the file, not 'nothing to do'; once repaired, the rerun has nothing to do."""
@@ -131,6 +146,12 @@ def test_nothing_to_do_only_over_a_pack_whose_bytes_match(odd_pack, odd_root, tm
     with pytest.raises(PackError, match=f"{shard.name}.*sha256"):
         again()
     shard.write_bytes(good)
+    meta = json.loads((dst / "packed.json").read_text())
+    meta["splits"]["train"]["shards"][0]["xxh3_128"] = "0" * 32  # the fast checksum is held to the bytes too
+    (dst / "packed.json").write_text(json.dumps(meta))
+    with pytest.raises(PackError, match=f"{shard.name} has xxh3_128 .*packed.json records 000000000000"):
+        again()
+    (dst / "packed.json").write_text((odd_pack / "packed.json").read_text())
     index = shard.with_suffix(".idx")
     lines = index.read_text().splitlines()
     index.write_text("\n".join([lines[0]] + lines[2:] + [lines[1]]) + "\n")  # same samples, other order

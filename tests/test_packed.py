@@ -122,9 +122,9 @@ def test_train_evaluate_and_predict_from_a_local_pack(packed, odd_root, tmp_path
     with open(broken / shard["name"], "r+b") as f:  # the start marker (FF D8) gone, as a buggy tool might write it
         f.seek(off)
         f.write(b"\x00\x00")
-    from dali_pipe.shards.format import file_sha256
+    from dali_pipe.shards.format import file_sums
 
-    shard["sha256"] = file_sha256(broken / shard["name"])  # a pack whose checksums agree: only the scan can tell
+    shard["sha256"], shard["xxh3_128"] = file_sums(broken / shard["name"])  # checksums that agree: only the scan can tell
     (broken / "packed.json").write_text(json.dumps(meta))
     for command, folder in (("evaluate", "e2"), ("predict", "p2")):
         main([command, "--model", str(out), "--data", str(broken), "--device", "cpu", "--output", str(tmp_path / folder),

@@ -5,6 +5,7 @@ what it needs."""
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import threading
@@ -12,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import xxhash
 from faultproxy import FaultProxy
 
 from dali_pipe.cli.commands import main
@@ -86,23 +88,28 @@ def bucket(moto_with_pack, pack, monkeypatch):
     proxy.stop()
 
 
-def _remote(shards, i):
-    return Remote(shards.paths[i], shards.sizes[i], shards.sha256[i])
+def _remote(shards, i, checksum="sha256"):
+    """Shard i as packed.json describes it: with its sha256 only (a pack made before the fast checksum), or with
+    its xxh3_128 too."""
+    return Remote(shards.paths[i], shards.sizes[i], shards.sha256[i], xxh3=shards.xxh3[i] if checksum != "sha256"
+                  else None)
 
 
 def test_a_local_shard_with_a_flipped_byte_is_named_and_verdicts_are_cached(pack, tmp_path, monkeypatch):
-    """A damaged shard stops the run before training, naming it; an unchanged pack is hashed once."""
+    """A damaged shard stops the run before training, naming it; an unchanged pack is hashed once, with its
+    fast checksum (packed.json's xxh3_128) and not its sha256."""
     import shutil
 
     copy = tmp_path / "p"
     shutil.copytree(pack, copy)
     train = _train(copy)
-    hashed = []
-    real = cache_mod.file_sha256
-    monkeypatch.setattr(cache_mod, "file_sha256", lambda p: hashed.append(p) or real(p))
+    hashed, slow = [], []
+    real = cache_mod.file_xxh3
+    monkeypatch.setattr(cache_mod, "file_xxh3", lambda p: hashed.append(p) or real(p))
+    monkeypatch.setattr(cache_mod, "file_sha256", lambda p: slow.append(p))
     verify_local(train, tmp_path / "cache", progress=False)
     verify_local(train, tmp_path / "cache", progress=False)
-    assert len(hashed) == len(train.paths), "the second check hashed nothing"
+    assert len(hashed) == len(train.paths) and not slow, "the second check hashed nothing, the first no sha256"
     victim = Path(train.paths[1])
     data = bytearray(victim.read_bytes())
     data[len(data) // 2] ^= 0x01
@@ -169,36 +176,42 @@ def test_a_fault_that_persists_is_named_with_endpoint_and_key_in_bounded_time(bu
     assert not list(tmp_path.iterdir())
 
 
+@pytest.mark.parametrize("checksum", ["sha256", "xxh3_128"])
 @pytest.mark.parametrize("part", [None, 2048], ids=["one GET", "ranged parts"])
-def test_a_shards_sha256_comes_from_its_bytes_as_they_land_and_a_damaged_one_is_still_caught(bucket, tmp_path,
-                                                                                             monkeypatch, part):
+def test_a_shards_checksum_comes_from_its_bytes_as_they_land_and_a_damaged_one_is_still_caught(bucket, tmp_path,
+                                                                                               monkeypatch, part,
+                                                                                               checksum):
     """The fetch hashes a shard's bytes as the engine writes them (one GET: the body as it comes; ranged parts,
     which land in any order: the file read back once they all have), not in a second pass over the file; a
-    byte flipped in transit still fails the check, twice, and nothing is left."""
+    byte flipped in transit still fails the check, twice, and nothing is left. With the fast checksum in
+    packed.json, that is what is computed (no sha256); without it (an older pack), the sha256."""
     from dali_pipe import transfer
 
     proxy, shards = bucket
     if part is not None:
         monkeypatch.setattr(transfer, "PART", part)  # the 8 kB shards come in ranged GETs of 2 kB
-    hashed = []
+    hashed, made = [], []
     monkeypatch.setattr(cache_mod, "file_sha256", lambda p: hashed.append(p) or "0" * 64)
+    monkeypatch.setattr(cache_mod, "file_xxh3", lambda p: hashed.append(p) or "0" * 32)
+    real = Remote.digest
+    monkeypatch.setattr(Remote, "digest", lambda self: (lambda d: made.append(d.name.lower()) or d)(real(self)))
     fetcher = Fetcher()
     try:
         dest = tmp_path / "ok.tar"
-        assert fetcher.fetch(_remote(shards, 0), dest) == shards.sizes[0]
+        assert fetcher.fetch(_remote(shards, 0, checksum), dest) == shards.sizes[0]
         ranged = [r for r in proxy.requests if r[0] == "GET" and "range" in {k.lower() for k in r[3]}]
         assert bool(ranged) == (part is not None) and fetcher.engine.ranges is (True if part else None)
+        assert made == [checksum], "the sha256 is computed only where no fast checksum is known"
         name = shards.paths[1].rsplit("/", 1)[1]
         proxy.arm("flip", name, times=100)
-        with pytest.raises(ShardError, match="does not match its size and sha256") as e:
-            fetcher.fetch(_remote(shards, 1), tmp_path / name)
+        with pytest.raises(ShardError, match=f"does not match its size and checksum .*has {checksum} ") as e:
+            fetcher.fetch(_remote(shards, 1, checksum), tmp_path / name)
         assert f"s3://data/p/{name}" in str(e.value) and proxy.applied("flip") >= 2
     finally:
         fetcher.close()
-    import hashlib
-
     assert not hashed, "a landed shard was read again to hash it"
     assert hashlib.sha256(dest.read_bytes()).hexdigest() == shards.sha256[0]
+    assert xxhash.xxh3_128(dest.read_bytes()).hexdigest() == shards.xxh3[0], "packed.json's xxh3_128: XXH3-128"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ok.tar"], "a damaged shard or a temporary file stayed"
 
 

@@ -1,17 +1,27 @@
-"""The shard format: keys, labels, index files (checked against DALI's own wds2idx and reader), patterns."""
+"""The shard format: keys, labels, index files (checked against DALI's own wds2idx and reader), patterns,
+packed.json's checksums."""
+import hashlib
+import io
+import json
 import re
+import tarfile
 
 import pytest
 
 from dali_pipe.shards.format import (
+    FAST_SUM,
+    FORMAT,
     KEY_MAX,
     IndexEntry,
     IndexFormatError,
     LabelFormatError,
+    PackedFormatError,
     cls_problem,
+    file_sums,
     format_index,
     index_tar,
     parse_cls,
+    parse_packed,
     read_index,
     sample_keys,
 )
@@ -129,3 +139,34 @@ def test_brace_patterns_expand_as_webdataset_does():
     assert is_brace_pattern("{train/shard-{000000..000002},val/shard-000000}.tar") and not is_brace_pattern("x{a}.tar")
     with pytest.raises(ShardSourceError, match=r"'s/x-\{0..3.tar': its braces do not balance"):
         source_kind("s/x-{0..3.tar") == "shards" and expand_braces("s/x-{0..3.tar")
+
+
+def test_index_tar_and_file_sums_give_the_sha256_and_the_xxh3_128_of_the_bytes(tmp_path):
+    """The two checksums a shard carries, computed in one pass, against hashlib's sha256 and xxhash's XXH3-128
+    of the whole file (the fast checksum a reader of packed.json would compute with the xxhash library)."""
+    import xxhash
+
+    tar = tmp_path / "t.tar"
+    with tarfile.open(tar, "w", format=tarfile.USTAR_FORMAT) as t:
+        for i in range(40):
+            data = hashlib.sha512(str(i).encode()).digest() * (i + 1)
+            info = tarfile.TarInfo(f"k{i}.bin")
+            info.size = len(data)
+            t.addfile(info, io.BytesIO(data))
+    raw = tar.read_bytes()
+    want = (hashlib.sha256(raw).hexdigest(), xxhash.xxh3_128(raw).hexdigest())
+    assert file_sums(tar) == want and FAST_SUM == "xxh3_128"
+    with open(tar, "rb") as f:
+        indexed = index_tar(f)
+    assert (indexed.sha256, indexed.xxh3) == want and indexed.size == len(raw)
+
+
+@pytest.mark.parametrize("value", ["0" * 31, "g" * 32, "A" * 32, 7, None])
+def test_a_malformed_fast_checksum_in_packed_json_is_named(value):
+    meta = {"format": FORMAT, "classes": ["a"], "splits": {"train": {"samples": 1, "shards": [
+        {"name": "t.tar", "index": "t.idx", "samples": 1, "size": 10, "sha256": "0" * 64, FAST_SUM: value}]}}}
+    with pytest.raises(PackedFormatError, match=r"s3://b/p/packed.json: splits.train.shards\[0\]: 'xxh3_128' is "
+                                                r"not 32 hexadecimal digits; packed.json was edited or damaged"):
+        parse_packed(json.dumps(meta).encode(), "s3://b/p/packed.json")
+    del meta["splits"]["train"]["shards"][0][FAST_SUM]  # a pack made before the fast checksum is read as it was
+    assert parse_packed(json.dumps(meta).encode(), "x")["splits"]["train"]["shards"][0]["sha256"] == "0" * 64

@@ -229,7 +229,7 @@ def _local_tars(source, data) -> None:
     web = [s for s in source.shards if is_http(s.path)]
     if web:
         local = http_copies(data.data, data.cache_dir)
-        sync_shards([Remote(s.path, s.size, s.sha256) for s in web], local, cache_dir=data.cache_dir)
+        sync_shards([Remote(s.path, s.size, s.sha256, xxh3=s.xxh3) for s in web], local, cache_dir=data.cache_dir)
         for s in web:
             s.path = str((local / local_name(s.path)).resolve())
     folders: dict[str, list] = {}

@@ -1,9 +1,10 @@
 """Shard bytes for training, always from local disk, always checked: a local pack verified once,
 a pack on S3 synced whole, or streamed through a bounded local cache.
 
-Every shard whose size and sha256 are known (packed.json; peer shards as indexed) is checked
+Every shard whose size and checksum are known (packed.json; peer shards as indexed) is checked
 before its first use, and a mismatch names the shard and the way out; nothing unchecked is
-decoded.
+decoded. The checksum is the fast one (format.FAST_SUM, XXH3-128, about 9 GB/s here) where known,
+else the sha256 (packs made before it, at about 1.2 GB/s); a verdict is cached under the sha256.
 
 - Local packs (`verify_local`): hashed once before training, with the verdict cached by (path,
   size, mtime) in CACHE_DIR/shard-verdicts.json, so reruns cost a stat per shard.
@@ -38,7 +39,7 @@ silent endpoint is named after about a minute. HTTP(S) (`HttpFetcher`, over dali
 has the same bounds: retries of refused connections, timeouts, 429 and 5xx per request, a cut
 body continued with a Range request (or read again where the server takes no ranges), an attempt
 given up after STALL seconds without a byte or past its deadline, ATTEMPTS whole attempts, the
-size and sha256 checked before the rename. What still fails is a ShardFetchError naming the
+size and checksum checked before the rename. What still fails is a ShardFetchError naming the
 endpoint and the key (or the URL, redacted).
 
 The bytes move through the same engine as a dataset's small files (ranged parallel GETs, retries,
@@ -81,7 +82,7 @@ from ..sync import (
 )
 from ..transfer import Engine, TransferError, temp_path
 from ..workdir import human_bytes, is_write_failure, lock, remove, remove_dead_temps, unlock
-from .format import PACKED_NAME, PackedFormatError, file_sha256, parse_packed
+from .format import FAST_SUM, PACKED_NAME, PackedFormatError, fast_digest, file_sha256, file_xxh3, parse_packed
 
 VERDICTS_NAME = "shard-verdicts.json"
 FETCH_PARALLEL = 4  # shards fetched at once
@@ -112,6 +113,15 @@ class Remote:
     size: int | None
     sha256: str | None
     etag: str | None = None  # from the LIST (then no HEAD is needed, and each ranged GET asks If-Match)
+    xxh3: str | None = None  # the fast checksum (format.FAST_SUM), checked instead of the sha256 where known
+
+    @property
+    def verdict(self) -> str | None:
+        return verdict_key(self.sha256, self.xxh3)
+
+    def digest(self):
+        """A new digest of what this shard's bytes are checked with (the fast checksum where known), or None."""
+        return fast_digest() if self.xxh3 else hashlib.sha256() if self.sha256 else None
 
 
 # -- verdicts: (path, size, mtime) -> sha256, so an unchanged shard is hashed once -----------------
@@ -159,49 +169,67 @@ def _path_key(path: str | Path) -> str:
     return hashlib.sha256(os.path.realpath(path).encode("utf-8", "surrogatepass")).hexdigest()[:32]
 
 
+def verdict_key(sha256: str | None, xxh3: str | None) -> str | None:
+    """What a verdict records for a shard: its sha256 where known (verdicts written before the fast checksum
+    stay good), else its fast checksum."""
+    return sha256 or (f"{FAST_SUM}:{xxh3}" if xxh3 else None)
+
+
+def check_remote(path: str | Path, r: Remote, verdicts: Verdicts | None = None, *,
+                 digest: str | None = None) -> str | None:
+    """check_file of a local copy of `r`."""
+    return check_file(path, r.size, r.sha256, verdicts, xxh3=r.xxh3, digest=digest)
+
+
 def check_file(path: str | Path, size: int | None, sha256: str | None, verdicts: Verdicts | None = None, *,
-               digest: str | None = None) -> str | None:
-    """None when the file has the size and sha256 expected (either may be unknown), else what differs.
-    `digest`: the file's sha256 when it is known already (hashed from its bytes as they streamed in), so the
-    file is not read again."""
+               xxh3: str | None = None, digest: str | None = None) -> str | None:
+    """None when the file has the size and checksum expected (any may be unknown), else what differs. The
+    checksum is the fast one (`xxh3`, format.FAST_SUM) where known, else the sha256; a verdict is cached
+    under the sha256 where known. `digest`: that checksum of the file when it is known already (hashed from
+    its bytes as they streamed in), so the file is not read again."""
     try:
         actual = os.stat(path).st_size
     except OSError as e:
         return f"cannot be read ({e.strerror})"
     if size is not None and actual != size:
         return f"has {actual} bytes, {size} expected"
-    if sha256 is None or (verdicts is not None and verdicts.matches(path, sha256)):
+    if sha256 is None and xxh3 is None:
         return None
-    got = digest or file_sha256(path)
-    if got != sha256:
-        return f"has sha256 {got[:12]}..., {sha256[:12]}... expected"
+    verdict = verdict_key(sha256, xxh3)
+    if verdicts is not None and verdicts.matches(path, verdict):
+        return None
+    name, want = (FAST_SUM, xxh3) if xxh3 else ("sha256", sha256)
+    got = digest or (file_xxh3(path) if xxh3 else file_sha256(path))
+    if got != want:
+        return f"has {name} {got[:12]}..., {want[:12]}... expected"
     if verdicts is not None:
-        verdicts.record(path, sha256)
+        verdicts.record(path, verdict)
     return None
 
 
 def verify_local(shards, cache_dir: str | Path, *, progress: bool = True) -> None:
-    """Check every local shard of `shards` (a pipeline.Shards) against its size and sha256 before
-    training: hashed once, then cached by (path, size, mtime). Raises ShardError naming them."""
+    """Check every local shard of `shards` (a pipeline.Shards) against its size and checksum (check_file)
+    before training: hashed once, then cached by (path, size, mtime). Raises ShardError naming them."""
     from tqdm import tqdm
 
-    sizes = shards.sizes or (None,) * len(shards.paths)
-    sums = shards.sha256 or (None,) * len(shards.paths)
-    todo = list(dict.fromkeys((p, z, h) for p, z, h in zip(shards.paths, sizes, sums) if not is_remote(p)))
+    n = len(shards.paths)
+    sizes, sums, fast = shards.sizes or (None,) * n, shards.sha256 or (None,) * n, shards.xxh3 or (None,) * n
+    todo = list(dict.fromkeys((p, z, h, x) for p, z, h, x in zip(shards.paths, sizes, sums, fast)
+                              if not is_remote(p)))
     # (once per file: the row groups of one Parquet file are shards of one path)
     if not todo:
         return
     verdicts = Verdicts(cache_dir)
-    unknown = [t for t in todo if t[2] is None or not verdicts.matches(t[0], t[2])]
-    total = sum(os.stat(p).st_size for p, _, h in unknown if h is not None and os.path.exists(p))
+    unknown = [t for t in todo if verdict_key(t[2], t[3]) is None or not verdicts.matches(t[0], verdict_key(t[2], t[3]))]
+    total = sum(os.stat(p).st_size for p, _, h, x in unknown if (h or x) and os.path.exists(p))
     bar = tqdm(total=total, unit="B", unit_scale=True, desc="check shards", file=sys.stderr, mininterval=1.0,
                disable=not progress or total < (256 << 20))
     bad = []
 
     def one(t):
-        path, size, sha = t
-        problem = check_file(path, size, sha, verdicts)
-        if sha is not None and os.path.exists(path):
+        path, size, sha, xxh3 = t
+        problem = check_file(path, size, sha, verdicts, xxh3=xxh3)
+        if (sha or xxh3) and os.path.exists(path):
             bar.update(os.stat(path).st_size)
         return path, problem
 
@@ -269,7 +297,7 @@ class Fetcher:
 
     def fetch(self, remote: Remote, dest: Path, *, stop: threading.Event | None = None,
               verdicts: Verdicts | None = None, on_bytes=None) -> int:
-        """Download `remote` to `dest` through a temporary name; its size and sha256 checked before the
+        """Download `remote` to `dest` through a temporary name; its size and checksum checked before the
         rename (a mismatch is fetched once more). Returns the bytes. Raises ShardError / ShardFetchError."""
         bucket, key = _split(remote.url)
         size = remote.size if remote.size is not None else self.size_of(remote.url)
@@ -280,12 +308,12 @@ class Fetcher:
             tmp = temp_path(dest)
             try:
                 dest.parent.mkdir(parents=True, exist_ok=True)  # each time: a cache folder removed meanwhile comes back
-                digest = self._one(bucket, key, tmp, size, on_bytes, remote.etag, hashed=remote.sha256 is not None)
-                problem = check_file(tmp, size, remote.sha256, digest=digest)
+                digest = self._one(bucket, key, tmp, size, on_bytes, remote.etag, digest=remote.digest())
+                problem = check_file(tmp, size, remote.sha256, xxh3=remote.xxh3, digest=digest)
                 if problem is None:
                     os.replace(tmp, dest)
-                    if verdicts is not None and remote.sha256 is not None:
-                        verdicts.record(dest, remote.sha256)
+                    if verdicts is not None and remote.verdict is not None:
+                        verdicts.record(dest, remote.verdict)
                     return size
                 mismatch = problem
             except TimeoutError as e:
@@ -305,7 +333,7 @@ class Fetcher:
             finally:
                 tmp.unlink(missing_ok=True)
         if mismatch is not None and failure is None:
-            raise ShardError(f"{_where(remote.url)} does not match its size and sha256 ({mismatch}), twice: the "
+            raise ShardError(f"{_where(remote.url)} does not match its size and checksum ({mismatch}), twice: the "
                              "object in S3 is damaged or was replaced after packing (or the network damages data); "
                              "upload the pack again")
 
@@ -314,9 +342,9 @@ class Fetcher:
                                      "(finished shards are kept)"))
 
     def _one(self, bucket: str, key: str, tmp: Path, size: int, on_bytes, etag: str | None = None, *,
-             hashed: bool = False) -> str | None:
-        """One download through the engine, cancelled when it stalls or runs past its deadline; with `hashed`,
-        returns the sha256 of the bytes it wrote (computed as they landed)."""
+             digest=None) -> str | None:
+        """One download through the engine, cancelled when it stalls or runs past its deadline; with `digest`
+        (Remote.digest), returns its hexdigest of the bytes it wrote (computed as they landed)."""
         last = [time.monotonic()]  # when the last bytes arrived
 
         def progress(n: int) -> None:  # on the engine's loop
@@ -327,7 +355,6 @@ class Fetcher:
         deadline = ATTEMPT_DEADLINE + size / MIN_RATE
         if self._closed:
             raise TimeoutError("the run is ending")
-        digest = hashlib.sha256() if hashed else None
         future = self.engine.submit(self.engine.download(bucket, key, tmp, size, etag=etag, on_bytes=progress,
                                                          digest=digest))
         self._futures.add(future)
@@ -355,7 +382,7 @@ class HttpFetcher:
     """https:// (and http://) shards, with the bounds of Fetcher: one streaming GET per attempt into a
     temporary name, continued with a Range request where a connection is cut (https.download), ATTEMPTS
     whole attempts, each cancelled past ATTEMPT_DEADLINE + size / MIN_RATE or when the run ends (a stalled
-    body fails within the read timeout); size and sha256 checked before the rename."""
+    body fails within the read timeout); size and checksum checked before the rename."""
 
     def __init__(self):
         self._stop = threading.Event()
@@ -381,11 +408,11 @@ class HttpFetcher:
                 with open(tmp, "wb") as f:
                     download(remote.url, f, size=remote.size, deadline=time.monotonic() + deadline_s, stop=stopping,
                              on_bytes=on_bytes)
-                problem = check_file(tmp, remote.size, remote.sha256)
+                problem = check_remote(tmp, remote)
                 if problem is None:
                     os.replace(tmp, dest)
-                    if verdicts is not None and remote.sha256 is not None:
-                        verdicts.record(dest, remote.sha256)
+                    if verdicts is not None and remote.verdict is not None:
+                        verdicts.record(dest, remote.verdict)
                     return os.stat(dest).st_size
                 mismatch = problem
             except Stopped as e:
@@ -584,7 +611,7 @@ class StreamCache:
         def whole(item):
             url, f = item
             r = self.remotes[url]
-            return url, f, check_file(f, r.size, r.sha256, self.verdicts) is None
+            return url, f, check_remote(f, r, self.verdicts) is None
 
         with ThreadPoolExecutor(HASH_WORKERS) as pool:
             for url, f, ok in pool.map(whole, check):
@@ -666,7 +693,7 @@ class StreamCache:
         r = self.remotes[url]
         while True:
             local = self._landed(url, reader)
-            problem = check_file(local, r.size, r.sha256, self.verdicts)
+            problem = check_remote(local, r, self.verdicts)
             if problem is None:
                 return local
             self.lost(url, problem)
@@ -857,7 +884,7 @@ def listed(remotes: list[Remote], engine: Engine, found: dict[str, tuple[int, st
         if r.size is not None and size != r.size:
             raise ShardError(f"{r.url} has {size} bytes in S3, {r.size} expected (packed.json): it was replaced after "
                              "packing; upload the pack again")
-        out.append(Remote(r.url, size, r.sha256, f'"{etag}"'))
+        out.append(Remote(r.url, size, r.sha256, f'"{etag}"', r.xxh3))
     return out
 
 
@@ -930,8 +957,8 @@ def fetch_to(data: str, local: Path, *, mode: str, workers: int, progress: bool 
                            remote=remote)
         if mode == "sync":
             found = {f"{prefix}/{rel}": meta for rel, meta in remote.items()}
-            ready = listed([Remote(f"{prefix}/{s['name']}", s["size"], s.get("sha256")) for s in shards], engine,
-                           found)
+            ready = listed([Remote(f"{prefix}/{s['name']}", s["size"], s.get("sha256"), xxh3=s.get(FAST_SUM))
+                            for s in shards], engine, found)
     if mode == "sync":
         fetched, size = sync_shards(ready, local, cache_dir=cache_dir or default_cache_dir(), progress=progress,
                                     listed_already=True)
@@ -959,7 +986,7 @@ def sync_shards(remotes: list[Remote], local: Path, *, cache_dir: str | Path, pr
         todo = []
         for r in remotes:
             dest = local / local_name(r.url)
-            if dest.is_file() and check_file(dest, r.size, r.sha256, verdicts) is None:
+            if dest.is_file() and check_remote(dest, r, verdicts) is None:
                 continue
             todo.append((r, dest))
         bar = byte_bar("sync shards", sum(r.size or 0 for r, _ in todo), progress and bool(todo))

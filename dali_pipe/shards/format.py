@@ -43,6 +43,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import unquote
 
+import xxhash
+
 from ..errors import UserError
 
 INDEX_VERSION = "v1.2"
@@ -53,6 +55,7 @@ IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")  # a sample's image: the first of th
 LABEL_EXT = "cls"
 META_EXT = "json"
 CLS_MAX_BYTES = 9  # the widest .cls today's DALI reader parses (an int32 holds any 9-digit index)
+FAST_SUM = "xxh3_128"  # packed.json's key of a shard's fast checksum (xxHash's XXH3, 128 bits), beside its sha256
 KEY_MAX = 90  # longest key: KEY.json still fits a plain (ustar) tar name without a prefix field
 
 
@@ -291,14 +294,16 @@ def format_index(entries: list[IndexEntry]) -> str:
 
 # -- indexing a tar ---------------------------------------------------------------------------------
 class _Hashing:
-    """A read-only stream that hashes and counts what passes through it (and writes it to `copy`)."""
+    """A read-only stream that hashes (sha256 and the fast checksum) and counts what passes through it (and
+    writes it to `copy`)."""
 
     def __init__(self, raw, copy=None):
-        self.raw, self.h, self.n, self.copy = raw, hashlib.sha256(), 0, copy
+        self.raw, self.h, self.fast, self.n, self.copy = raw, hashlib.sha256(), fast_digest(), 0, copy
 
     def read(self, n: int = -1) -> bytes:
         data = self.raw.read(n) if n is not None and n >= 0 else self.raw.read()
         self.h.update(data)
+        self.fast.update(data)
         self.n += len(data)
         if self.copy is not None:
             self.copy.write(data)
@@ -344,6 +349,7 @@ class IndexedTar:
     entries: list[IndexEntry]
     size: int
     sha256: str
+    xxh3: str  # the fast checksum (FAST_SUM) of the same bytes
     duplicates: dict[int, str]  # entry position -> the member extension that appeared twice in it
 
 
@@ -353,7 +359,7 @@ def index_tar(stream, on_member=None, wanted=lambda ext: True, copy_to=None) -> 
     names whose last segment has no dot or starts with one are skipped. `on_member(position, key, ext,
     data)` sees every member: its bytes as they pass when its extension is `wanted`, else None (the bytes
     skipped unread). Every byte of the stream is written to `copy_to` (a binary file) when given.
-    Returns the entries with the size and sha256 of the whole stream."""
+    Returns the entries with the size, sha256 and fast checksum of the whole stream."""
     src = _Hashing(stream, copy_to)
     entries: list[IndexEntry] = []
     duplicates: dict[int, str] = {}
@@ -377,7 +383,7 @@ def index_tar(stream, on_member=None, wanted=lambda ext: True, copy_to=None) -> 
         src.drain()
     except (tarfile.TarError, EOFError) as e:
         raise TarFormatError(f"not a readable tar ({type(e).__name__}: {str(e)[:100]})") from None
-    return IndexedTar(entries, src.n, src.h.hexdigest(), duplicates)
+    return IndexedTar(entries, src.n, src.h.hexdigest(), src.fast.hexdigest(), duplicates)
 
 
 # -- packed.json -----------------------------------------------------------------------------------
@@ -418,19 +424,43 @@ def _schema_problem(meta: dict) -> str | None:
                 return f"{where}: 'name' and 'index' must be file names in the pack's folder"
             if not all(isinstance(shard.get(k), int) and shard[k] >= 0 for k in ("samples", "size")):
                 return f"{where}: 'samples' and 'size' must be non-negative integers"
+            if FAST_SUM in shard and not (isinstance(shard[FAST_SUM], str) and re.fullmatch(r"[0-9a-f]{32}",
+                                                                                            shard[FAST_SUM])):
+                return f"{where}: '{FAST_SUM}' is not 32 hexadecimal digits"
             if "image_paths" in shard and not (isinstance(shard["image_paths"], list) and all(
                     isinstance(x, str) for x in shard["image_paths"])):
                 return f"{where}: 'image_paths' is not a list of paths"
     return None
 
 
-def hash_file(path: str | Path, digest):
-    """`digest` (a hashlib object) fed the bytes of the file at `path`, read in 1 MiB blocks; returned."""
+def hash_file(path: str | Path, *digests):
+    """Each of `digests` (hashlib-like objects) fed the bytes of the file at `path`, read once in 1 MiB
+    blocks; the first returned."""
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest
+            for d in digests:
+                d.update(chunk)
+    return digests[0]
+
+
+def fast_digest():
+    """A new FAST_SUM digest: XXH3-128 runs at about 9 GB/s where sha256 (with the CPU's SHA extensions)
+    runs at about 1.2, so the shard syncs and the checks before training verify each byte for an eighth of
+    the CPU. A checksum against damage (a flipped bit, a cut or mixed copy), as S3's own CRC64 is: whoever
+    can write a shard can write the packed.json beside it, so a cryptographic hash adds nothing here."""
+    return xxhash.xxh3_128()
 
 
 def file_sha256(path: str | Path) -> str:
     return hash_file(path, hashlib.sha256()).hexdigest()
+
+
+def file_xxh3(path: str | Path) -> str:
+    return hash_file(path, fast_digest()).hexdigest()
+
+
+def file_sums(path: str | Path) -> tuple[str, str]:
+    """(sha256, fast checksum) of the file at `path`, from one read."""
+    sha, fast = hashlib.sha256(), fast_digest()
+    hash_file(path, sha, fast)
+    return sha.hexdigest(), fast.hexdigest()

@@ -74,6 +74,7 @@ from ..sync import SyncError, explain, local_target, make_client, parse_s3_uri, 
 from ..workdir import human_bytes, remove_dead_temps
 from .cache import HEADROOM, Verdicts, check_file, fetch, is_remote
 from .format import (
+    FAST_SUM,
     IMAGE_EXTS,
     IMAGE_NAMES,
     LABEL_EXT,
@@ -275,6 +276,7 @@ class Shard:
     label_names: list[str | None] = field(default_factory=list)  # json labels (shards of others)
     group: object = None  # a table shard's pipeline.TableGroup (Hugging Face datasets, shards/tables.py)
     origin: str = ""  # where the user keeps it (a .tar.gz's path, where `path` is its decompressed copy)
+    xxh3: str | None = None  # the fast checksum (format.FAST_SUM), checked instead of the sha256 where known
 
     def __post_init__(self):
         self.origin = self.origin or self.path
@@ -316,7 +318,8 @@ class ShardSet:
         groups = tuple(s.group for s in chosen) if any(s.group is not None for s in chosen) else None
         return Shards(paths=tuple(s.path for s in chosen), index_paths=tuple(s.index_path for s in chosen),
                       samples=sum(len(s.keys) for s in chosen) - len(excluded), remap=self.remap,
-                      sizes=tuple(s.size for s in chosen), sha256=tuple(s.sha256 for s in chosen), excluded=excluded,
+                      sizes=tuple(s.size for s in chosen), sha256=tuple(s.sha256 for s in chosen),
+                      xxh3=tuple(s.xxh3 for s in chosen) if any(s.xxh3 for s in chosen) else None, excluded=excluded,
                       groups=groups, labels=self.labels)
 
     @property
@@ -446,7 +449,7 @@ def _pack_shard(root: Path, s: dict, split: str, packed: Path, prefix: str | Non
         raise ShardSourceError(f"{idx} points past the end of {local.name} ({end} > {local.stat().st_size} bytes); "
                                "the index does not belong to this shard: copy the whole pack again")
     return Shard(s["name"], where, str(idx.resolve()), s.get("size"), s.get("sha256"), keys, list(paths),
-                 [None] * len(keys), split=[split] * len(keys))
+                 [None] * len(keys), split=[split] * len(keys), xxh3=s.get(FAST_SUM))
 
 
 def _check_pack_members(shards: list[Shard], classes: list[str], data, *, num_threads: int, progress: bool) -> None:
@@ -896,7 +899,7 @@ def _index_peer(item: _Listed, cache_dir: Path, level: str, max_pixels: int, num
     if meta and idx.is_file() and _covers(meta.get("checked"), level, max_pixels, meta["entries"]):
         if item.copy is None:
             return {**meta, "index": str(idx), "path": item.path}
-        problem = check_file(item.copy, meta["size"], meta["sha256"], verdicts)
+        problem = check_file(item.copy, meta["size"], meta["sha256"], verdicts, xxh3=meta.get(FAST_SUM))
         if problem is None:
             return {**meta, "index": str(idx), "path": str(item.copy)}
         if item.copy.exists():
@@ -918,6 +921,7 @@ def _index_peer(item: _Listed, cache_dir: Path, level: str, max_pixels: int, num
         checked["problems"].setdefault(str(e), f"holds two {ext} members (a key that repeats)")
     write_atomic(idx, format_index(indexed.entries))
     meta = {"source": item.name, "entries": len(indexed.entries), "size": indexed.size, "sha256": indexed.sha256,
+            FAST_SUM: indexed.xxh3,
             "stored": stored, "keys": [e.key for e in indexed.entries], "checked": checked}
     write_atomic(meta_path, json.dumps(meta))
     return {**meta, "index": str(idx), "path": str(item.copy or item.path)}
@@ -1052,7 +1056,8 @@ def _open_peer(data, *, num_threads: int, progress: bool, labels: bool = True) -
                 bad[e] = f"duplicate key (also in {seen[key]})"
             seen.setdefault(key, it.name)
         shards.append(Shard(it.name, meta["path"], meta["index"], meta["size"], meta["sha256"], meta["keys"],
-                            list(meta["keys"]), checked["cls"], bad, label_names=checked["names"], origin=it.path))
+                            list(meta["keys"]), checked["cls"], bad, label_names=checked["names"], origin=it.path,
+                            xxh3=meta.get(FAST_SUM)))
     if labels:
         classes, remap, note = _peer_classes(shards, found.classes_txt, data.data)
     else:  # predict: the model names the classes; the shards' labels, where there are any, are not read

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import itertools
 import os
 import re
@@ -49,6 +50,9 @@ from .shards.format import hash_file
 PART = 8 << 20  # objects above this size are fetched in ranged GETs of this size
 CHUNK = 1 << 20  # a streamed body is written (hashed, counted as progress) in chunks of about this size
 WRITERS = 4  # threads that write (and hash) streamed bodies
+IN_FLIGHT_BYTES = 256 << 20  # body bytes held in memory at once, across all requests: a whole object read up
+# to PART, or two CHUNKs per streamed body; so memory is bounded whatever --workers (256 objects of up to
+# PART in flight would otherwise hold 2 GB)
 REQUEST_LIMIT = 300.0  # seconds one request may take at most (a part of PART bytes at under 30 kB/s)
 RETRY_WINDOW = 60.0  # seconds after a request's first try during which obstore may retry it
 CREDENTIALS_TTL = timedelta(minutes=5)  # how long obstore keeps a set of credentials before asking again
@@ -188,6 +192,8 @@ class Engine:
         self._lock = threading.Lock()
         self._loop = asyncio.new_event_loop()
         self._slots: asyncio.Semaphore | None = None
+        self._waiting: list[asyncio.Future] = []  # requests waiting for held bytes to be given back
+        self.held = self.held_peak = 0  # body bytes held now (IN_FLIGHT_BYTES at most), and the most at once
         self._writers = concurrent.futures.ThreadPoolExecutor(WRITERS, thread_name_prefix="s3-writes")
         self._thread = threading.Thread(target=self._loop.run_forever, name="s3-transfers", daemon=True)
         self._thread.start()
@@ -276,6 +282,30 @@ class Engine:
             self._slots = asyncio.Semaphore(self.concurrency)
         return self._slots
 
+    @contextlib.asynccontextmanager
+    async def _holding(self, n: int):
+        """Hold `n` bytes of the engine's IN_FLIGHT_BYTES for the block (waiting until they are free; a
+        request larger than the whole budget waits for all of it). Taken before a request slot, so a slot is
+        never held while its request waits for memory. Given back without awaiting anything, so a cancelled
+        holder cannot keep its bytes."""
+        n = min(n, IN_FLIGHT_BYTES)
+        while self.held + n > IN_FLIGHT_BYTES:
+            waiter = asyncio.get_running_loop().create_future()
+            self._waiting.append(waiter)
+            try:
+                await waiter
+            finally:
+                self._waiting.remove(waiter)
+        self.held += n
+        self.held_peak = max(self.held_peak, self.held)
+        try:
+            yield
+        finally:
+            self.held -= n
+            for waiter in self._waiting:
+                if not waiter.done():
+                    waiter.set_result(None)
+
     async def list(self, bucket: str, prefix: str) -> dict[str, tuple[int, str]]:
         """{key relative to `prefix`: (size, ETag without quotes)} of every object under `prefix`."""
         import obstore
@@ -327,18 +357,20 @@ class Engine:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
             if size is None or size <= PART:
-                async with self._slot():
-                    data, got_etag = await _whole(store, key)
-                n = _write_all(fd, memoryview(data), 0)
-                if digest is not None:
-                    digest.update(data)
+                async with self._holding(PART if size is None else size):  # until its bytes are written
+                    async with self._slot():
+                        data, got_etag = await _whole(store, key)
+                    n = _write_all(fd, memoryview(data), 0)
+                    if digest is not None:
+                        digest.update(data)
+                    del data
                 if on_bytes is not None:
                     on_bytes(n)
             else:
                 got_etag, n = etag, await self._ranged(store, key, fd, size, etag, on_bytes)
                 if n is None:  # the server ignores Range (it answers 200): one GET of the whole object, streamed
                     os.ftruncate(fd, 0)
-                    async with self._slot():
+                    async with self._holding(2 * CHUNK), self._slot():
                         n, got_etag = await _stream_to(store, key, fd, etag, on_bytes, pool=self._writers,
                                                        digest=digest)
                 elif digest is not None:
@@ -391,7 +423,7 @@ class Engine:
 
     async def _part(self, store, key: str, fd: int, start: int, end: int, etag: str | None, on_bytes,
                     opened=None) -> int:
-        async with self._slot():
+        async with self._holding(2 * CHUNK), self._slot():  # a chunk being written, the next one coming
             n, _ = await _stream_to(store, key, fd, etag, on_bytes, (start, end), pool=self._writers, opened=opened)
         return n
 

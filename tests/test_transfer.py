@@ -133,6 +133,48 @@ def test_a_server_that_answers_ranges_with_the_whole_object_gets_whole_gets(tmp_
     assert engine.ranges is False and len(ranged) == 1 and ranged[0] in {f"/data/{k}" for k in bodies}, ranged
 
 
+@pytest.mark.parametrize("budget", [300_000, 1 << 30], ids=["three objects", "unbounded"])
+def test_the_bytes_held_in_flight_stay_within_the_budget_whatever_the_workers(s3, tmp_path, monkeypatch, budget):
+    """32 workers, 40 objects of 100 kB, each read whole and held while it is written (slowed here, as a far
+    bucket's bodies come slowly): with room for three, never more than three GETs in flight and 300 kB held,
+    every file whole; with room for all, many more at once (the bound is the budget's, not the workers')."""
+    import asyncio
+
+    client = make_client(4)
+    client.create_bucket(Bucket="data")
+    bodies = {f"p/{i:02d}.bin": os.urandom(100_000) for i in range(40)}
+    for key, body in bodies.items():
+        client.put_object(Bucket="data", Key=key, Body=body)
+    monkeypatch.setattr(transfer, "IN_FLIGHT_BYTES", budget)
+    now, most = [0], [0]
+    real = transfer._whole
+
+    async def slow_whole(store, key):
+        now[0] += 1
+        most[0] = max(most[0], now[0])
+        try:
+            got = await real(store, key)
+            await asyncio.sleep(0.02)
+            return got
+        finally:
+            now[0] -= 1
+
+    monkeypatch.setattr(transfer, "_whole", slow_whole)
+    engine = Engine(concurrency=32, connect_timeout=2, read_timeout=5, attempts=3)
+    jobs = [(key, str(tmp_path / f".{i}.part"), str(tmp_path / f"{i}.bin"), 100_000) for i, key in enumerate(bodies)]
+    failed = []
+    try:
+        engine.run(engine.download_all("data", jobs, lambda i, n, etag, error=None: error and failed.append(error)))
+    finally:
+        engine.close()
+    assert not failed and all((tmp_path / f"{i}.bin").read_bytes() == b for i, b in enumerate(bodies.values()))
+    if budget == 300_000:
+        assert most[0] <= 3 and engine.held_peak <= 300_000, (most, engine.held_peak)
+    else:
+        assert most[0] > 3, most
+    assert engine.held == 0, "every held byte was given back"
+
+
 CHAINS = {  # what is in the environment (and the profile files), as botocore's chain meets it
     "keys": {"AWS_ACCESS_KEY_ID": "AKENV", "AWS_SECRET_ACCESS_KEY": "env-secret"},
     "keys and a session token": {"AWS_ACCESS_KEY_ID": "ASENV", "AWS_SECRET_ACCESS_KEY": "env-secret",

@@ -119,7 +119,7 @@ def prepare(data: DataSettings, output: Path, *, num_threads: int, report_empty:
             shards = source.prepare_shards(data, num_threads=num_threads, workers=SyncSettings.workers,
                                            labels=labels)
 
-        verify_local(shards.everything, data.cache_dir)  # size and sha256 of every local shard, once
+        verify_local(shards.everything, data.cache_dir)  # size and checksum of every local shard, once
         source.report(shards, data.scan, output)
         result = shards.scan_result()
         check_bad_fraction(result, data, output)

@@ -40,12 +40,13 @@ from .config import default_cache_dir
 from .errors import UserError
 from .manifest import MANIFEST_NAME, read_table
 from .scan import write_report
-from .shards.cache import Verdicts
+from .shards.cache import Verdicts, verdict_key
 from .shards.format import (
     FAST_SUM,
     FORMAT,
     PACKED_NAME,
     IndexEntry,
+    PackedFormatError,
     TarFormatError,
     cls_bytes,
     file_sha256,
@@ -54,6 +55,7 @@ from .shards.format import (
     image_member,
     index_tar,
     json_bytes,
+    parse_packed,
     read_index,
     sample_keys,
 )
@@ -256,15 +258,17 @@ def difference(meta: dict, settings: dict) -> str:
 
 def finished(dst: Path, settings: dict, cache_dir: str | Path | None = None) -> dict | None:
     """packed.json of DST when DST holds a finished pack of exactly `settings`, every file of it whole
-    (each shard's sha256 and index checked; with `cache_dir`, verdicts are cached there by path, size and
+    (each shard's sha256, XXH3-128 and index checked; with `cache_dir`, verdicts are cached there by path, size and
     mtime); None when DST holds no finished pack. A finished pack of other input or settings is an error."""
     path = dst / PACKED_NAME
     if not path.is_file() or (dst / PROGRESS_NAME).is_file():
         return None
     try:
-        meta = json.loads(path.read_text())
-    except (OSError, ValueError):
+        meta = parse_packed(path.read_bytes(), str(path))  # held to what every reader of the pack holds it to
+    except OSError:
         raise PackError(f"{path} is damaged; delete {dst} and pack again") from None
+    except PackedFormatError as e:
+        raise PackError(f"{e} (delete {dst} first)") from None
     if not same_pack(meta, settings):
         raise PackError(f"{dst} already holds a finished pack of {difference(meta, settings)}; pack into another "
                         "folder, or delete this one to pack it again")
@@ -287,10 +291,12 @@ def finished(dst: Path, settings: dict, cache_dir: str | Path | None = None) -> 
 
 def _shard_problem(tar: Path, index: Path, s: dict, verdicts) -> str | None:
     """What is wrong with a finished shard and its index, or None: the shard's bytes against packed.json's
-    sha256 (a verdict cached by path, size and mtime spares the read), the index against the one the shard's
-    own bytes give (checked whenever the shard is read)."""
+    sha256 and XXH3-128 (a verdict cached by path, size and mtime spares the read: one of both checksums,
+    not a reader's of one), the index against the one the shard's own bytes give (checked whenever the
+    shard is read)."""
     sha = s.get("sha256")
-    if sha is not None and verdicts is not None and verdicts.matches(tar, sha) and verdicts.matches(
+    verdict = f"{sha}+{verdict_key(None, s[FAST_SUM])}" if sha and s.get(FAST_SUM) else verdict_key(sha, s.get(FAST_SUM))
+    if verdict is not None and verdicts is not None and verdicts.matches(tar, verdict) and verdicts.matches(
             index, file_sha256(index)):
         return None
     try:
@@ -304,8 +310,8 @@ def _shard_problem(tar: Path, index: Path, s: dict, verdicts) -> str | None:
         return f"{tar} has {FAST_SUM} {indexed.xxh3[:12]}..., packed.json records {s[FAST_SUM][:12]}..."
     if index.read_text(encoding="utf-8", errors="surrogateescape") != format_index(indexed.entries):
         return f"{index} is not the index of {tar.name}"
-    if sha is not None and verdicts is not None:
-        verdicts.record(tar, sha)
+    if verdict is not None and verdicts is not None:
+        verdicts.record(tar, verdict)
         verdicts.record(index, file_sha256(index))
     return None
 

@@ -8,7 +8,7 @@ through obstore (Python bindings of Rust's `object_store`) on one event loop thr
   whole object (status 200: rclone's serve s3) is found out by one request, the first part of the first
   large object, asked alone: then that object and the ones after it come in one streamed GET each.
   Streamed bodies are written (and, when asked, hashed: `digest`) on worker threads, in chunks of CHUNK,
-  so the loop stays free for the other requests and a shard's sha256 costs no second read. The requests of a whole sync share one
+  so the loop stays free for the other requests and a shard's checksum costs no second read. The requests of a whole sync share one
   bound (`concurrency`): a dataset of 1.2 M JPEGs and a pack of 150 MB shards take the same road.
 - Bounded: connect and read timeouts and `attempts` tries per request (obstore retries 5xx answers
   such as S3's 503 SlowDown, cut connections and stalled bodies, with exponential backoff); the

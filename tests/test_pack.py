@@ -127,6 +127,39 @@ def test_each_shard_carries_the_sha256_and_the_xxh3_128_of_its_bytes(odd_pack):
         assert (s["sha256"], s["xxh3_128"]) == (hashlib.sha256(raw).hexdigest(), xxhash.xxh3_128(raw).hexdigest())
 
 
+@pytest.mark.parametrize("field,value,message", [
+    ("xxh3_128", "0" * 32, "has xxh3_128 .*packed.json records 000000000000"),
+    ("sha256", "f" * 64, "has sha256 .*packed.json records ffffffffffff"),
+    ("xxh3_128", 12345, "'xxh3_128' is not 32 hexadecimal digits"),
+    ("xxh3_128", None, "'xxh3_128' is not 32 hexadecimal digits"),
+    ("xxh3_128", "A" * 32, "'xxh3_128' is not 32 hexadecimal digits"),
+])
+def test_a_rerun_holds_both_checksums_to_the_bytes_even_after_readers_checked_them(odd_pack, odd_root, tmp_path,
+                                                                                   cache_dir, field, value, message):
+    """A rerun over a finished pack checks both checksums of each shard (and refuses a malformed one as every
+    reader does): a verdict a reader recorded (its fast checksum only) does not make it 'nothing to do'."""
+    import shutil
+
+    from dali_pipe.pack import PackError
+    from dali_pipe.shards.cache import verify_local
+    from dali_pipe.shards.source import open_packed
+
+    dst = tmp_path / "p"
+    shutil.copytree(odd_pack, dst)
+
+    def again():  # the command that made odd_pack
+        main(["pack", str(odd_root), str(dst), "--max-side", "96", "--shard-size", "60kB", "--workers", "1"])
+
+    again()  # nothing to do: the pack's verdicts are cached
+    meta = json.loads((dst / "packed.json").read_text())
+    meta["splits"]["train"]["shards"][0][field] = value
+    (dst / "packed.json").write_text(json.dumps(meta))
+    if field == "sha256":  # a reader checks the fast checksum and records that verdict
+        verify_local(open_packed(str(dst), "unused").train, cache_dir, progress=False)
+    with pytest.raises(PackError, match=message):
+        again()
+
+
 def test_nothing_to_do_only_over_a_pack_whose_bytes_match(odd_pack, odd_root, tmp_path, cache_dir):
     """A rerun over a finished pack whose shard has a flipped byte (same size) or whose index lies is an error
     naming the file, not 'nothing to do'; once repaired, the rerun has nothing to do."""

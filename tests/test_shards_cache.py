@@ -25,6 +25,7 @@ from dali_pipe.shards.cache import (
     ShardFetchError,
     StreamCache,
     StreamCacheError,
+    Verdicts,
     fetch_to,
     verify_local,
 )
@@ -117,6 +118,30 @@ def test_a_local_shard_with_a_flipped_byte_is_named_and_verdicts_are_cached(pack
     with pytest.raises(ShardError, match="do not match packed.json") as e:
         verify_local(train, tmp_path / "cache", progress=False)
     assert victim.name in str(e.value) and "sync the pack again" in str(e.value)
+
+
+def test_a_verdict_vouches_only_for_the_checksum_it_checked(pack, tmp_path, monkeypatch):
+    """A verdict records the checksum that was computed: a shard checked by its XXH3-128 is not taken as
+    checked by its sha256, and a sha256 verdict (an earlier version's) does not spare a pack's XXH3-128 check."""
+    import shutil
+
+    copy = tmp_path / "p"
+    shutil.copytree(pack, copy)
+    train = _train(copy)
+    first = train.paths[0]
+    verdicts = Verdicts(tmp_path / "cache")
+    verdicts.record(first, train.sha256[0])  # as an earlier version recorded it, after a sha256 check
+    verdicts.save()
+    hashed = []
+    real = cache_mod.file_xxh3
+    monkeypatch.setattr(cache_mod, "file_xxh3", lambda p: hashed.append(p) or real(p))
+    verify_local(train, tmp_path / "cache", progress=False)
+    assert first in hashed, "the sha256 verdict spared the XXH3-128 check"
+    data = json.loads((tmp_path / "cache" / "shard-verdicts.json").read_text())
+    assert sorted(v[2] for v in data.values()) == sorted(f"xxh3_128:{x}" for x in set(train.xxh3))
+    wrong = dataclasses.replace(train, sha256=("f" * 64,) + train.sha256[1:], xxh3=None)  # a sha256-only check
+    with pytest.raises(ShardError, match="has sha256"):
+        verify_local(wrong, tmp_path / "cache", progress=False)
 
 
 def test_the_verdicts_file_holds_no_path(pack, tmp_path):

@@ -129,6 +129,23 @@ DAMAGE = {
 }
 
 
+def test_a_pack_has_the_identity_it_had_before_the_fast_checksum(odd_pack, tmp_path):
+    """The same pack with and without packed.json's xxh3_128 (as an earlier version wrote it) is the same data to a
+    run, so a run started on one resumes on the other."""
+    old = tmp_path / "old"
+    shutil.copytree(odd_pack, old)
+    meta = json.loads((old / "packed.json").read_text())
+    for split in meta["splits"].values():
+        for shard in split["shards"]:
+            assert shard.pop("xxh3_128")
+    (old / "packed.json").write_text(json.dumps(meta))
+    new = _open(odd_pack, tmp_path / "c1").digest()
+    assert new == _open(old, tmp_path / "c2").digest()
+    meta["splits"]["train"]["shards"][0]["sha256"] = "0" * 64  # the digest still tells packs apart
+    (old / "packed.json").write_text(json.dumps(meta))
+    assert _open(old, tmp_path / "c3").digest() != new
+
+
 @pytest.mark.parametrize("case", list(DAMAGE))
 def test_pack_damage_is_an_error_naming_the_file(case, odd_pack, tmp_path):
     """A .cls outside the classes, a class missing from packed.json, a deleted index file, wrong counts and an index

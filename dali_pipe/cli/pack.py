@@ -225,7 +225,7 @@ def _counts(meta: dict) -> str:
 def _local_tars(source, data) -> None:
     """Shards of others on S3 are read from a copy in the cache dir (CACHE/s3/...), fetched with ranged GETs,
     folder by folder (a brace pattern may span several); https:// ones from CACHE/http/DIGEST, each checked
-    against the size and sha256 it was indexed with."""
+    against the size and checksum it was indexed with."""
     web = [s for s in source.shards if is_http(s.path)]
     if web:
         local = http_copies(data.data, data.cache_dir)

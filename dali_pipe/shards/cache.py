@@ -4,7 +4,7 @@ a pack on S3 synced whole, or streamed through a bounded local cache.
 Every shard whose size and checksum are known (packed.json; peer shards as indexed) is checked
 before its first use, and a mismatch names the shard and the way out; nothing unchecked is
 decoded. The checksum is the fast one (format.FAST_SUM, XXH3-128, about 9 GB/s here) where known,
-else the sha256 (packs made before it, at about 1.2 GB/s); a verdict is cached under the sha256.
+else the sha256 (packs made before it, at about 1.2 GB/s); a verdict records the checksum it checked.
 
 - Local packs (`verify_local`): hashed once before training, with the verdict cached by (path,
   size, mtime) in CACHE_DIR/shard-verdicts.json, so reruns cost a stat per shard.
@@ -29,7 +29,7 @@ else the sha256 (packs made before it, at about 1.2 GB/s); a verdict is cached u
   HEALS times per shard and run; a rerun keeps every shard that landed whole (those the verdicts
   file, saved every few seconds, does not know yet are hashed again instead of fetched).
 - Shards of others on S3 or at an https:// server are streamed the same way (their sizes and
-  sha256 from indexing); gzipped ones were decompressed into the cache dir while indexed
+  checksums from indexing); gzipped ones were decompressed into the cache dir while indexed
   (shards/source.py) and are local files here.
 
 Faults: S3 throttling (503 SlowDown), a cut connection and a stalled body (read timeout) are
@@ -99,7 +99,7 @@ HEALS = 2  # times one shard may be fetched again in a run after it went missing
 
 
 class ShardError(UserError):
-    """A shard failed its size or sha256 check, or cannot be fetched; the message names it and the fix."""
+    """A shard failed its size or checksum check, or cannot be fetched; the message names it and the fix."""
 
 
 class ShardFetchError(ShardError):
@@ -124,10 +124,10 @@ class Remote:
         return fast_digest() if self.xxh3 else hashlib.sha256() if self.sha256 else None
 
 
-# -- verdicts: (path, size, mtime) -> sha256, so an unchanged shard is hashed once -----------------
+# -- verdicts: (path, size, mtime) -> checksum, so an unchanged shard is hashed once ---------------
 class Verdicts:
-    """CACHE_DIR/shard-verdicts.json: {digest of the real path: [size, mtime_ns, sha256]} of shards that
-    matched (digests, so no secret a path may carry, an hf_ token say, is written)."""
+    """CACHE_DIR/shard-verdicts.json: {digest of the real path: [size, mtime_ns, checksum (verdict_key)]} of
+    shards that matched (digests, so no secret a path may carry, an hf_ token say, is written)."""
 
     def __init__(self, cache_dir: str | Path):
         self.path = Path(cache_dir) / VERDICTS_NAME
@@ -170,9 +170,10 @@ def _path_key(path: str | Path) -> str:
 
 
 def verdict_key(sha256: str | None, xxh3: str | None) -> str | None:
-    """What a verdict records for a shard: its sha256 where known (verdicts written before the fast checksum
-    stay good), else its fast checksum."""
-    return sha256 or (f"{FAST_SUM}:{xxh3}" if xxh3 else None)
+    """What a verdict records for a shard: the checksum that was checked, the fast one where known
+    ("xxh3_128:HEX"), else the sha256. A verdict holds only for the checksum a check would compute now: a
+    sha256 verdict (of an earlier version) does not vouch for a pack's xxh3_128, which is checked once more."""
+    return f"{FAST_SUM}:{xxh3}" if xxh3 else sha256
 
 
 def check_remote(path: str | Path, r: Remote, verdicts: Verdicts | None = None, *,
@@ -185,7 +186,7 @@ def check_file(path: str | Path, size: int | None, sha256: str | None, verdicts:
                xxh3: str | None = None, digest: str | None = None) -> str | None:
     """None when the file has the size and checksum expected (any may be unknown), else what differs. The
     checksum is the fast one (`xxh3`, format.FAST_SUM) where known, else the sha256; a verdict is cached
-    under the sha256 where known. `digest`: that checksum of the file when it is known already (hashed from
+    under the checksum checked (verdict_key). `digest`: that checksum of the file when it is known already (hashed from
     its bytes as they streamed in), so the file is not read again."""
     try:
         actual = os.stat(path).st_size
@@ -388,7 +389,7 @@ class HttpFetcher:
         self._stop = threading.Event()
 
     def listed(self, remotes: list[Remote]) -> list[Remote]:
-        """The shards as indexed (their sizes and sha256 are known: each fetch checks both)."""
+        """The shards as indexed (their sizes and checksums are known: each fetch checks them)."""
         return list(remotes)
 
     def close(self) -> None:

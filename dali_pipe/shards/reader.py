@@ -6,7 +6,7 @@ gives too since DALI 2.2 (`shuffle_after_epoch`: the shard order redrawn each ep
 in order, with `random_shuffle`'s sample buffer on top); it also reads s3:// paths and takes a
 pipeline checkpoint. This reader is kept for what DALI's does not do (docs/s3-and-packs.md, with the
 two measured side by side by tools/bench_reader.py): shard bytes checked against their size and
-sha256 before they are read, single bad members left out (`Shards.excluded`), the `.cls` text parsed
+checksum before they are read, single bad members left out (`Shards.excluded`), the `.cls` text parsed
 to an integer label and remapped (DALI hands over the member's bytes), and an epoch plan that the
 streaming cache fetches ahead by, into a bounded disk cache. `ShardReader` is the external_source
 callable: it takes DALI's `BatchInfo` (epoch and iteration) and returns that batch of the rank's plan
@@ -16,7 +16,7 @@ pipeline checkpoint, which saves the epoch and iteration and re-asks the source 
 from the epoch and iteration saved in the checkpoint"), is all an exact resume needs.
 
 Bytes come from local files only, through a store: `LocalStore` for shards on disk (checked
-against their sha256 before training, dali_pipe/shards/cache.py), or the streaming cache, which
+against their checksum before training, dali_pipe/shards/cache.py), or the streaming cache, which
 fetches shards ahead in plan order and blocks a read until its shard has landed and matched. A
 shard file that cannot be opened, or ends before a sample its index lists, is reported to the store:
 the streaming cache fetches it again and the read is retried once; a local file is named, with the

@@ -11,10 +11,10 @@
   (`shards/train-{000000..000099}.tar`, nested groups too, expanded by braceexpand as webdataset
   does), an s3:// prefix (or its train/ and val/ sub-prefixes), or https:// URLs (one, or a brace
   pattern: a server lists no folder). Each shard is indexed once (`format.index_tar`, one pass; on S3
-  or HTTP one streaming GET) into CACHE_DIR/shards, with its size and sha256; the user's folder or
+  or HTTP one streaming GET) into CACHE_DIR/shards, with its size, sha256 and XXH3-128; the user's folder or
   bucket is never written. A gzipped shard is decompressed in that same pass into CACHE_DIR/gunzip
   (one copy per source, refused up front when the copies would not fit on the cache disk with
-  cache.HEADROOM spare, bounded while written), and read from there: checked by sha256 on every run
+  cache.HEADROOM spare, bounded while written), and read from there: checked by its checksum on every run
   (a cached verdict: a stat), made again when gone or damaged. Images and labels: the members
   `format.pick_member` chooses (plain jpg, jpeg, png, webp and `cls`; else compound names such as
   `image.jpg` and `label.cls`, as webdataset's `to_tuple` reads them). Classes are the `cls`
@@ -346,8 +346,9 @@ class ShardSet:
     def digest(self) -> str:
         """A hash of what a run reads: classes, shards, split and the members left out."""
         if self.kind == "pack" and not any(s.bad for s in self.shards):  # as before checks existed: resumes match
-            return hashlib.sha256(json.dumps([self.classes, self.meta["splits"]], sort_keys=True).encode()
-                                  ).hexdigest()[:16]
+            splits = {name: {**split, "shards": [{k: v for k, v in s.items() if k != FAST_SUM} for s in split["shards"]]}
+                      for name, split in self.meta["splits"].items()}  # the same pack before the fast checksum too
+            return hashlib.sha256(json.dumps([self.classes, splits], sort_keys=True).encode()).hexdigest()[:16]
         h = hashlib.sha256(json.dumps(self.classes).encode())
         for s in self.shards:
             h.update(f"{s.name}\t{s.size}\t{s.sha256}\t{len(s.keys)}\n".encode())
@@ -891,7 +892,7 @@ def _index_peer(item: _Listed, cache_dir: Path, level: str, max_pixels: int, num
                 verdicts: Verdicts) -> dict:
     """Index one shard written by others (once: cached by its identity) and check its members at
     `level` (at least the fast header checks, which cost nothing while its bytes pass). A gzipped shard
-    is decompressed into its copy in the same pass; a copy that is gone or no longer matches its sha256 is
+    is decompressed into its copy in the same pass; a copy that is gone or no longer matches its checksum is
     made again."""
     idx = cache_file(cache_dir, item.identity, ".idx")
     meta_path = cache_file(cache_dir, item.identity, ".json")

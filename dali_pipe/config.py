@@ -288,7 +288,8 @@ class SyncSettings:
     """`python -m dali_pipe sync`."""
     uri: str = setting(None, "s3://bucket/prefix holding dataset.tsv, or a pack", positional=True)
     local_dir: str = setting(None, "target directory (created if needed)", positional=True)
-    workers: int = setting(64, "S3 requests in flight at once (one event loop; also for uploads)", check=AT_LEAST_1)
+    workers: int = setting(256, "S3 requests in flight at once (one event loop; also for uploads); the bytes they hold "
+                                "are bounded apart (256 MiB)", check=AT_LEAST_1)
     no_progress: bool = setting(False, "no progress bar; print a summary line instead")
 
 

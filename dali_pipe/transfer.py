@@ -33,11 +33,14 @@ manifest row, which is normalised).
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import contextlib
 import itertools
 import os
 import re
+import resource
+import sys
 import threading
 from concurrent.futures import Future
 from datetime import datetime, timedelta, timezone
@@ -50,6 +53,7 @@ from .shards.format import hash_file
 PART = 8 << 20  # objects above this size are fetched in ranged GETs of this size
 CHUNK = 1 << 20  # a streamed body is written (hashed, counted as progress) in chunks of about this size
 WRITERS = 4  # threads that write (and hash) streamed bodies
+FILES_SPARE = 128  # open files left for the rest of the process, beside the requests' (requests_room)
 IN_FLIGHT_BYTES = 256 << 20  # body bytes held in memory at once, across all requests: a whole object read up
 # to PART, or two CHUNKs per streamed body; so memory is bounded whatever --workers (256 objects of up to
 # PART in flight would otherwise hold 2 GB)
@@ -184,7 +188,7 @@ class Engine:
     `attempts` bound each request."""
 
     def __init__(self, *, concurrency: int, connect_timeout: float, read_timeout: float, attempts: int):
-        self.concurrency, self.attempts = max(1, concurrency), max(1, attempts)
+        self.concurrency, self.attempts = requests_room(max(1, concurrency)), max(1, attempts)
         self.ranges: bool | None = None  # whether the server answers ranged GETs with 206; None: not asked yet
         self._asking: asyncio.Event | None = None  # set when the download that asks has its answer
         self.connect_timeout, self.read_timeout = connect_timeout, read_timeout
@@ -192,7 +196,7 @@ class Engine:
         self._lock = threading.Lock()
         self._loop = asyncio.new_event_loop()
         self._slots: asyncio.Semaphore | None = None
-        self._waiting: list[asyncio.Future] = []  # requests waiting for held bytes to be given back
+        self._waiting: collections.deque = collections.deque()  # (bytes, future) of requests waiting, in turn
         self.held = self.held_peak = 0  # body bytes held now (IN_FLIGHT_BYTES at most), and the most at once
         self._writers = concurrent.futures.ThreadPoolExecutor(WRITERS, thread_name_prefix="s3-writes")
         self._thread = threading.Thread(target=self._loop.run_forever, name="s3-transfers", daemon=True)
@@ -284,27 +288,48 @@ class Engine:
 
     @contextlib.asynccontextmanager
     async def _holding(self, n: int):
-        """Hold `n` bytes of the engine's IN_FLIGHT_BYTES for the block (waiting until they are free; a
-        request larger than the whole budget waits for all of it). Taken before a request slot, so a slot is
-        never held while its request waits for memory. Given back without awaiting anything, so a cancelled
-        holder cannot keep its bytes."""
+        """Hold `n` bytes of the engine's IN_FLIGHT_BYTES for the block. Requests wait in turn (first come, first
+        served, so large ones are not starved by small ones) and each release wakes only those that now fit; a
+        request larger than the whole budget waits for all of it. Taken before a request slot, so a slot is never
+        held while its request waits for memory; given back without awaiting anything, so a cancelled holder
+        cannot keep its bytes."""
         n = min(n, IN_FLIGHT_BYTES)
-        while self.held + n > IN_FLIGHT_BYTES:
-            waiter = asyncio.get_running_loop().create_future()
-            self._waiting.append(waiter)
+        if self._waiting or self.held + n > IN_FLIGHT_BYTES:
+            granted = asyncio.get_running_loop().create_future()
+            self._waiting.append((n, granted))
             try:
-                await waiter
-            finally:
-                self._waiting.remove(waiter)
-        self.held += n
-        self.held_peak = max(self.held_peak, self.held)
+                await granted  # _grant counted the bytes as held before it resolved this
+            except BaseException:
+                if granted.done() and not granted.cancelled():  # granted, then cancelled before it could run
+                    self._give_back(n)
+                else:
+                    self._grant()  # those queued behind it may fit now
+                raise
+        else:
+            self.held += n
+            self.held_peak = max(self.held_peak, self.held)
         try:
             yield
         finally:
-            self.held -= n
-            for waiter in self._waiting:
-                if not waiter.done():
-                    waiter.set_result(None)
+            self._give_back(n)
+
+    def _give_back(self, n: int) -> None:
+        self.held -= n
+        self._grant()
+
+    def _grant(self) -> None:
+        """Let the waiting requests at the head of the queue go, as long as they fit."""
+        while self._waiting:
+            n, granted = self._waiting[0]
+            if granted.done():  # cancelled while it waited
+                self._waiting.popleft()
+                continue
+            if self.held + n > IN_FLIGHT_BYTES:
+                return
+            self._waiting.popleft()
+            self.held += n
+            self.held_peak = max(self.held_peak, self.held)
+            granted.set_result(None)
 
     async def list(self, bucket: str, prefix: str) -> dict[str, tuple[int, str]]:
         """{key relative to `prefix`: (size, ETag without quotes)} of every object under `prefix`."""
@@ -354,12 +379,13 @@ class Engine:
         (they land in any order), read back from the file. Raises TransferError for what S3 (or the
         network) did, OSError for the local disk; on any failure or cancellation `tmp` is removed."""
         store = self.store(bucket)
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        fd = None  # opened once there are bytes to write: a download waiting for its turn holds no file
         try:
             if size is None or size <= PART:
                 async with self._holding(PART if size is None else size):  # until its bytes are written
                     async with self._slot():
                         data, got_etag = await _whole(store, key)
+                    fd = _create(tmp)
                     n = _write_all(fd, memoryview(data), 0)
                     if digest is not None:
                         digest.update(data)
@@ -367,6 +393,7 @@ class Engine:
                 if on_bytes is not None:
                     on_bytes(n)
             else:
+                fd = _create(tmp)
                 got_etag, n = etag, await self._ranged(store, key, fd, size, etag, on_bytes)
                 if n is None:  # the server ignores Range (it answers 200): one GET of the whole object, streamed
                     os.ftruncate(fd, 0)
@@ -378,7 +405,8 @@ class Engine:
             if size is not None and n != size:
                 raise TransferError("size", f"got {n} bytes of {key}, {size} expected")
         except BaseException:
-            os.close(fd)
+            if fd is not None:
+                os.close(fd)
             _remove(tmp)
             raise
         os.close(fd)
@@ -390,14 +418,22 @@ class Engine:
         until then, the first part of the first large object asks alone (its 206 lets the other parts go,
         a refused 200 sends every large object to one whole GET), and other large objects wait for it."""
         while self.ranges is None and self._asking is not None:
-            await self._asking.wait()
+            asking = self._asking
+            await asking.wait()
+            if asking is self._asking and self.ranges is None:
+                await asyncio.sleep(0)  # never spin without yielding: the asking download must get to run
         if self.ranges is False:
             return None
         spans = [(start, min(start + PART, size)) for start in range(0, size, PART)]
         if self.ranges:
             return await _all_or_none([self._part(store, key, fd, a, b, etag, on_bytes) for a, b in spans])
         self._asking = asking = asyncio.Event()
-        first = asyncio.ensure_future(self._part(store, key, fd, *spans[0], etag, on_bytes, opened=asking.set))
+
+        def partial() -> None:  # the first part's 206 came: ranges work (set before the waiters wake, or they spin)
+            self.ranges = True
+            asking.set()
+
+        first = asyncio.ensure_future(self._part(store, key, fd, *spans[0], etag, on_bytes, opened=partial))
         try:
             answered = asyncio.ensure_future(asking.wait())
             try:
@@ -528,6 +564,38 @@ async def _whole(store, key: str):
         return await result.bytes_async(), result.meta.get("e_tag")
     except Exception as e:
         raise classify(e) from None
+
+
+def requests_room(wanted: int) -> int:
+    """How many of `wanted` requests in flight the open-file limit has room for (each holds a connection and, as
+    its bytes land, a file; FILES_SPARE more are left for the rest of the process). The soft limit is raised
+    towards the hard one first, as Go's runtime does for s5cmd (often 1024 soft, far more hard); where even the
+    hard limit is short, fewer requests go at once, and stderr says so once, instead of a sync whose files
+    fail by the thousand with EMFILE."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    need = 2 * wanted + FILES_SPARE
+    if soft != resource.RLIM_INFINITY and soft < need:
+        target = need if hard == resource.RLIM_INFINITY else min(need, hard)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError):
+            pass
+    if soft == resource.RLIM_INFINITY or soft >= need:
+        return wanted
+    room = max(1, (soft - FILES_SPARE) // 2)
+    if room not in _told:
+        _told.add(room)
+        print(f"dali_pipe: the open-file limit ({soft}, `ulimit -n`) leaves room for {room} S3 requests in flight, "
+              f"not {wanted}; raise it to use more", file=sys.stderr)
+    return room
+
+
+_told: set[int] = set()
+
+
+def _create(path) -> int:
+    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
 
 
 def _remove(path) -> None:

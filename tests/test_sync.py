@@ -461,11 +461,13 @@ def test_cli_sync_of_a_pack_asks_for_packed_json_once_through_one_engine(s3, pho
                                                                           monkeypatch):
     """`python -m dali_pipe sync` of a pack: dataset.tsv (absent) and packed.json are asked for once each, at
     once, on the same engine (no boto3 client), the index files on it too, after one LIST that serves the
-    shards as well; the shards land whole, each matching packed.json, and packed.json lands last."""
+    shards as well; the shards land whole, each matching packed.json, and packed.json lands last. The shards come
+    in ranged parts (moto answers 206), several shards at once."""
     import hashlib
     import json
 
     from dali_pipe import sync as sync_mod
+    from dali_pipe import transfer
     from dali_pipe.cli.commands import main
     from dali_pipe.transfer import Engine
 
@@ -479,6 +481,7 @@ def test_cli_sync_of_a_pack_asks_for_packed_json_once_through_one_engine(s3, pho
     monkeypatch.setattr(Engine, "__init__", lambda self, **kw: engines.append(kw) or real_init(self, **kw))
     monkeypatch.setattr(sync_mod, "make_client", lambda *a, **kw: pytest.fail("a boto3 client was made"))
     dest = tmp_path / "local"
+    monkeypatch.setattr(transfer, "PART", 16 << 10)  # the 60 kB shards in ranged GETs of 16 kB
     assert main(["sync", "s3://data/packed", str(dest), "--no-progress"]) == 0
     assert sorted(reads) == ["packed/dataset.tsv", "packed/packed.json"] and lists == ["packed/"]
     assert len(engines) == 2, engines  # the command's (manifest, packed.json, index files) and the shards' own
@@ -490,3 +493,28 @@ def test_cli_sync_of_a_pack_asks_for_packed_json_once_through_one_engine(s3, pho
     landed = max((dest / n).stat().st_mtime_ns for s in shards for n in (s["name"], s["index"]))
     assert (dest / "packed.json").stat().st_mtime_ns >= landed
     assert not [p for p in dest.iterdir() if ".part-" in p.name]
+
+
+@pytest.mark.parametrize("hard", ["low", "high"])
+def test_a_low_open_file_limit_means_fewer_requests_in_flight_not_failed_files(s3, photo_root, tmp_path, hard):
+    """400 files at the default 256 requests in flight under `ulimit -n 300`: where the hard limit is higher the
+    soft one is raised (as Go's runtime does for s5cmd) and nothing is said; where it is 300 too, fewer requests
+    go at once and stderr says why. Either way every file lands (before, most failed with EMFILE)."""
+    import resource
+
+    client = make_client(8)
+    client.create_bucket(Bucket="data")
+    photo = next(photo_root.rglob("*.jpg")).read_bytes()
+    rows = ["image_path\tlabel"] + [f"c/{i:03d}.jpg\tc" for i in range(400)]
+    for i in range(400):
+        client.put_object(Bucket="data", Key=f"ds/c/{i:03d}.jpg", Body=photo)
+    client.put_object(Bucket="data", Key="ds/dataset.tsv", Body="\n".join(rows).encode() + b"\n")
+    _, top = resource.getrlimit(resource.RLIMIT_NOFILE)
+    limit = (300, 300 if hard == "low" else top)
+    r = subprocess.run([sys.executable, "-m", "dali_pipe", "sync", "s3://data/ds", str(tmp_path / "L"), "--no-progress"],
+                       capture_output=True, text=True, timeout=120,
+                       preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, limit))
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert len(list((tmp_path / "L" / "c").iterdir())) == 400
+    told = "the open-file limit (300, `ulimit -n`) leaves room for 86 S3 requests in flight, not 256"
+    assert (told in r.stderr) == (hard == "low"), r.stderr[-2000:]

@@ -52,6 +52,32 @@ def test_a_large_object_lands_whole_from_ranged_gets_through_faults(big, tmp_pat
     assert proxy.applied("503") == 1 and proxy.applied("cut") == 1
 
 
+def test_large_objects_fetched_at_once_from_a_server_that_answers_ranges(s3, tmp_path, monkeypatch):
+    """Three large objects at once against moto (206 to a ranged GET, as S3): the first part of the first asks
+    alone, the others wait for its answer, then all go in parts and land whole (the waiting ones once spun on
+    the loop forever, so the asker never ran)."""
+    import asyncio
+
+    client = make_client(2)
+    client.create_bucket(Bucket="data")
+    bodies = {f"p/big{i}.bin": os.urandom(300_000) for i in range(3)}
+    for key, body in bodies.items():
+        client.put_object(Bucket="data", Key=key, Body=body)
+    monkeypatch.setattr(transfer, "PART", 64 << 10)
+    engine = Engine(concurrency=4, connect_timeout=1, read_timeout=1, attempts=3)
+    tmps = {key: tmp_path / f".{i}.part" for i, key in enumerate(bodies)}
+
+    async def all_at_once():
+        return await asyncio.gather(*(engine.download("data", k, tmps[k], len(b)) for k, b in bodies.items()))
+
+    try:
+        got = engine.run(all_at_once(), timeout=20)
+    finally:
+        engine.close()
+    assert [n for n, _ in got] == [300_000] * 3 and engine.ranges is True
+    assert all(tmps[k].read_bytes() == b for k, b in bodies.items())
+
+
 def test_an_object_replaced_after_the_listing_is_refused_and_leaves_nothing(big, tmp_path):
     """Each part's ETag must be the one the listing gave: another object under the key fails the download
     instead of mixing two objects' bytes; the temporary file is removed."""

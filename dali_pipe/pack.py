@@ -294,8 +294,8 @@ def _shard_problem(tar: Path, index: Path, s: dict, verdicts) -> str | None:
     sha256 and XXH3-128 (a verdict cached by path, size and mtime spares the read: one of both checksums,
     not a reader's of one), the index against the one the shard's own bytes give (checked whenever the
     shard is read)."""
-    sha = s.get("sha256")
-    verdict = f"{sha}+{verdict_key(None, s[FAST_SUM])}" if sha and s.get(FAST_SUM) else verdict_key(sha, s.get(FAST_SUM))
+    sha, fast = s.get("sha256"), s.get(FAST_SUM)
+    verdict = f"{sha}+{verdict_key(None, fast)}" if sha and fast else verdict_key(sha, fast)
     if verdict is not None and verdicts is not None and verdicts.matches(tar, verdict) and verdicts.matches(
             index, file_sha256(index)):
         return None
@@ -306,8 +306,8 @@ def _shard_problem(tar: Path, index: Path, s: dict, verdicts) -> str | None:
         return f"{tar} is {e}"
     if sha is not None and indexed.sha256 != sha:
         return f"{tar} has sha256 {indexed.sha256[:12]}..., packed.json records {sha[:12]}..."
-    if s.get(FAST_SUM) is not None and indexed.xxh3 != s[FAST_SUM]:
-        return f"{tar} has {FAST_SUM} {indexed.xxh3[:12]}..., packed.json records {s[FAST_SUM][:12]}..."
+    if fast is not None and indexed.xxh3 != fast:
+        return f"{tar} has {FAST_SUM} {indexed.xxh3[:12]}..., packed.json records {fast[:12]}..."
     if index.read_text(encoding="utf-8", errors="surrogateescape") != format_index(indexed.entries):
         return f"{index} is not the index of {tar.name}"
     if verdict is not None and verdicts is not None:

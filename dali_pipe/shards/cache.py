@@ -194,10 +194,8 @@ def check_file(path: str | Path, size: int | None, sha256: str | None, verdicts:
         return f"cannot be read ({e.strerror})"
     if size is not None and actual != size:
         return f"has {actual} bytes, {size} expected"
-    if sha256 is None and xxh3 is None:
-        return None
     verdict = verdict_key(sha256, xxh3)
-    if verdicts is not None and verdicts.matches(path, verdict):
+    if verdict is None or (verdicts is not None and verdicts.matches(path, verdict)):
         return None
     name, want = (FAST_SUM, xxh3) if xxh3 else ("sha256", sha256)
     got = digest or (file_xxh3(path) if xxh3 else file_sha256(path))
@@ -221,7 +219,7 @@ def verify_local(shards, cache_dir: str | Path, *, progress: bool = True) -> Non
     if not todo:
         return
     verdicts = Verdicts(cache_dir)
-    unknown = [t for t in todo if verdict_key(t[2], t[3]) is None or not verdicts.matches(t[0], verdict_key(t[2], t[3]))]
+    unknown = [t for t in todo if (v := verdict_key(t[2], t[3])) is None or not verdicts.matches(t[0], v)]
     total = sum(os.stat(p).st_size for p, _, h, x in unknown if (h or x) and os.path.exists(p))
     bar = tqdm(total=total, unit="B", unit_scale=True, desc="check shards", file=sys.stderr, mininterval=1.0,
                disable=not progress or total < (256 << 20))

@@ -72,7 +72,7 @@ from ..pipeline import Shards
 from ..scan import DaliDecoder, ScanResult, check_bytes
 from ..sync import SyncError, explain, local_target, make_client, parse_s3_uri, read_object
 from ..workdir import human_bytes, remove_dead_temps
-from .cache import HEADROOM, Verdicts, check_file, fetch, is_remote
+from .cache import HEADROOM, Verdicts, check_file, fetch, is_remote, verdict_key
 from .format import (
     FAST_SUM,
     IMAGE_EXTS,
@@ -916,7 +916,7 @@ def _index_peer(item: _Listed, cache_dir: Path, level: str, max_pixels: int, num
         raise ShardSourceError(f"{item.name} changed while it was read ({stored} bytes, listed as {item.size}); "
                                "rerun when it no longer changes")
     if item.copy is not None:
-        verdicts.record(item.copy, indexed.sha256)
+        verdicts.record(item.copy, verdict_key(indexed.sha256, indexed.xxh3))  # what the next run checks
     checked = collector.close(len(indexed.entries))
     for e, ext in indexed.duplicates.items():
         checked["problems"].setdefault(str(e), f"holds two {ext} members (a key that repeats)")

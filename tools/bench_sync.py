@@ -12,6 +12,9 @@ Makes a dataset of real photos (dali_pipe/demo.py's generator: scikit-image's ph
 re-encoded), serves it, then syncs into fresh folders, each tool once per round, the order reversed every
 other round. Prints each round, the median and min-max per tool, the ratio of the medians with the
 min-max of the per-round ratios, and the CPU time (user + system, the client's alone) per 1000 files.
+For the pack, each round also times our start-up alone (`python -m dali_pipe sync --help`: the interpreter
+and the imports every sync pays before its first request; obstore's own 4 ms not included), and prints the
+ratio with it taken off ours: how the transfer itself compares.
 The measured processes (and the server) are pinned to --cpus cores. `--latency-ms` delays every request,
 to stand in for S3's per-request latency: in moto's server, or (s5cmd) in a proxy in front of rclone's.
 
@@ -82,13 +85,22 @@ def timed(cmd: list[str]) -> tuple[float, float]:
     return wall, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
 
 
+STARTUP = "our start-up alone"  # `python -m dali_pipe sync --help`: the interpreter and the sync's imports
+
+
 def measure(pairs: dict[str, dict[str, callable]], rounds: int, work: Path, counts: dict[str, int], label: str,
             report: dict) -> None:
-    """For each group (raw, packed): its two tools, alternating, `rounds` times; then medians and ratios."""
+    """For each group (raw, packed): its two tools, alternating, `rounds` times; then medians and ratios.
+    With `startup` (a command), each round also times our process's start-up alone (the interpreter and the
+    imports every sync pays before its first request), so that the fixed cost is measured beside the rest."""
     for group, tools in pairs.items():
+        startup = tools.pop(STARTUP, None)
         wall = {name: [] for name in tools}
         cpu = {name: [] for name in tools}
+        started: list[float] = []
         for r in range(rounds):
+            if startup is not None:
+                started.append(timed(startup)[0])
             for name in (list(tools) if r % 2 == 0 else list(reversed(tools))):
                 dest = work / "out" / f"{group}-{len(wall[name])}-{name.split()[0]}"
                 w, c = timed(tools[name](dest))
@@ -107,6 +119,12 @@ def measure(pairs: dict[str, dict[str, callable]], rounds: int, work: Path, coun
         report["results"][f"{label}{group}"] = {"seconds": wall, "cpu_seconds": cpu, "files": counts[group],
                                                 "median_ratio": med[a] / med[b], "round_ratios": ratios,
                                                 "cpu_s_per_1000_files": per1000}
+        if started:
+            after = [x / (y - s) for x, y, s in zip(wall[a], wall[b], started)]
+            print(f"{label}{group}: {STARTUP} (interpreter and imports, `sync --help`) {statistics.median(started):.3f} s "
+                  f"({min(started):.3f}-{max(started):.3f}); {b} less it is {statistics.median(after):.2f}x as fast "
+                  f"as {a} (rounds {min(after):.2f}-{max(after):.2f})", flush=True)
+            report["results"][f"{label}{group}"].update(startup_seconds=started, round_ratios_less_startup=after)
 
 
 def compare_s5cmd(args, work: Path, report: dict) -> None:
@@ -151,6 +169,8 @@ def s5cmd_pairs(args, served: Path, url: str, counts: dict) -> dict:
     s5 = [tool("s5cmd"), "--endpoint-url", url, "--log", "error", "cp"]
     pairs = {g: {"s5cmd cp": (lambda d, g=g: s5 + [f"s3://bench/{g}/*", f"{d}/"]),
                  "dali_pipe sync": (lambda d, g=g: sync + [f"s3://bench/{g}", str(d)])} for g in served_groups}
+    if "packed" in pairs:  # a pack's sync is short enough that our start-up is a large share of it
+        pairs["packed"][STARTUP] = [sys.executable, "-m", "dali_pipe", "sync", "--help"]
     if "packed-verified" in counts:  # the same work as ours: s5cmd's copy, then every shard's sha256
         hashed = "printf '%s\\0' {d}/*.tar | xargs -0 -P 2 -n 2 openssl dgst -sha256 >/dev/null"  # 2 at once
         pairs["packed-verified"] = {

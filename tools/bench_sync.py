@@ -13,7 +13,7 @@ re-encoded), serves it, then syncs into fresh folders, each tool once per round,
 other round. Prints each round, the median and min-max per tool, the ratio of the medians with the
 min-max of the per-round ratios, and the CPU time (user + system, the client's alone) per 1000 files.
 For the pack, each round also times our start-up alone (`python -m dali_pipe sync --help`: the interpreter
-and the imports every sync pays before its first request; obstore's own 4 ms not included), and prints the
+and the imports every sync pays before its first request; obstore's own import, 3-20 ms, not included), and prints the
 ratio with it taken off ours: how the transfer itself compares.
 The measured processes (and the server) are pinned to --cpus cores. `--latency-ms` delays every request,
 to stand in for S3's per-request latency: in moto's server, or (s5cmd) in a proxy in front of rclone's.
@@ -89,18 +89,18 @@ STARTUP = "our start-up alone"  # `python -m dali_pipe sync --help`: the interpr
 
 
 def measure(pairs: dict[str, dict[str, callable]], rounds: int, work: Path, counts: dict[str, int], label: str,
-            report: dict) -> None:
+            report: dict, startup: dict[str, list[str]] | None = None) -> None:
     """For each group (raw, packed): its two tools, alternating, `rounds` times; then medians and ratios.
-    With `startup` (a command), each round also times our process's start-up alone (the interpreter and the
-    imports every sync pays before its first request), so that the fixed cost is measured beside the rest."""
+    `startup`: {group: command} of groups whose rounds also time our process's start-up alone (the interpreter
+    and the imports every sync pays before its first request), so that the fixed cost is measured beside the rest."""
     for group, tools in pairs.items():
-        startup = tools.pop(STARTUP, None)
+        started_by = (startup or {}).get(group)
         wall = {name: [] for name in tools}
         cpu = {name: [] for name in tools}
         started: list[float] = []
         for r in range(rounds):
-            if startup is not None:
-                started.append(timed(startup)[0])
+            if started_by is not None:
+                started.append(timed(started_by)[0])
             for name in (list(tools) if r % 2 == 0 else list(reversed(tools))):
                 dest = work / "out" / f"{group}-{len(wall[name])}-{name.split()[0]}"
                 w, c = timed(tools[name](dest))
@@ -148,7 +148,8 @@ def compare_s5cmd(args, work: Path, report: dict) -> None:
             url = f"http://127.0.0.1:{proxy.port}" if proxy else served_url
             try:
                 label = f"latency {latency:g} ms, " if latency or len(args.latency_ms) > 1 else ""
-                measure(s5cmd_pairs(args, served, url, counts), args.rounds, work, counts, label, report)
+                measure(s5cmd_pairs(args, served, url, counts), args.rounds, work, counts, label, report,
+                        startup={"packed": [sys.executable, "-m", "dali_pipe", "sync", "--help"]})
             finally:
                 if proxy:
                     proxy.stop()
@@ -169,8 +170,6 @@ def s5cmd_pairs(args, served: Path, url: str, counts: dict) -> dict:
     s5 = [tool("s5cmd"), "--endpoint-url", url, "--log", "error", "cp"]
     pairs = {g: {"s5cmd cp": (lambda d, g=g: s5 + [f"s3://bench/{g}/*", f"{d}/"]),
                  "dali_pipe sync": (lambda d, g=g: sync + [f"s3://bench/{g}", str(d)])} for g in served_groups}
-    if "packed" in pairs:  # a pack's sync is short enough that our start-up is a large share of it
-        pairs["packed"][STARTUP] = [sys.executable, "-m", "dali_pipe", "sync", "--help"]
     if "packed-verified" in counts:  # the same work as ours: s5cmd's copy, then every shard's sha256
         hashed = "printf '%s\\0' {d}/*.tar | xargs -0 -P 2 -n 2 openssl dgst -sha256 >/dev/null"  # 2 at once
         pairs["packed-verified"] = {

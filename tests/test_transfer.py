@@ -340,3 +340,52 @@ def test_a_long_secret_in_a_credentials_error_is_redacted_whole(aws_files):
         _new_store()
     assert e.value.code == "credentials"
     assert "SECRET" not in e.value.detail and "pppp" not in e.value.detail, e.value.detail
+
+
+CHURN = """
+import collections, resource, sys
+from dali_pipe.transfer import keep_freed_memory
+kept = keep_freed_memory(one_arena=True) if sys.argv[1] == "keep" else None
+flights = collections.deque(b"\\x01" * (1 << 20) for _ in range(8))  # 1 MB chunks in flight, as four shards keep
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for _ in range(256):  # each written and freed, the next one made
+    flights.popleft()
+    flights.append(b"\\x01" * (1 << 20))
+print(kept, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+"""
+
+
+def _churn(how: str, **env) -> tuple[str, int]:
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", CHURN, how], capture_output=True, text=True, check=True,
+                         env={**os.environ, **env}).stdout.split()
+    return out[0], int(out[1])
+
+
+@pytest.mark.skipif(not hasattr(os, "confstr") or not os.confstr("CS_GNU_LIBC_VERSION"), reason="glibc's malloc only")
+def test_freed_chunks_are_reused_instead_of_faulted_in_anew():
+    """256 chunks of 1 MB made and freed with eight in flight: glibc's defaults trim the freed ones and fault
+    the next ones in (thousands of page faults); kept, the same memory serves them all."""
+    kept, faults = _churn("keep")
+    assert kept == "True" and faults < 64, faults
+    assert _churn("default")[1] > 1000  # glibc's defaults do fault here: the check above can fail
+
+
+@pytest.mark.skipif(not hasattr(os, "confstr") or not os.confstr("CS_GNU_LIBC_VERSION"), reason="glibc's malloc only")
+@pytest.mark.parametrize("env", [{"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=131072"},
+                                 {"MALLOC_ARENA_MAX": "4"}])
+def test_malloc_tuned_by_the_user_is_left_alone(env):
+    assert _churn("keep", **env)[0] == "False"
+
+
+def test_no_glibc_no_mallopt(monkeypatch):
+    """musl, macOS: nothing asked of a C library that has no such knobs."""
+    def not_glibc(name):
+        raise ValueError("unrecognized configuration name")
+
+    monkeypatch.setattr(transfer, "_memory_kept", None)
+    monkeypatch.setattr(transfer.os, "confstr", not_glibc)
+    monkeypatch.setattr(transfer.ctypes, "CDLL", lambda *a: pytest.fail("mallopt called without glibc"))
+    assert transfer.keep_freed_memory(one_arena=True) is False

@@ -14,6 +14,7 @@ from ..manifest import MANIFEST_NAME
 from ..shards.cache import fetch_to
 from ..shards.format import PACKED_NAME
 from ..sync import ManifestMissing, SyncStats, make_engine, read_object, sync
+from ..transfer import keep_freed_memory
 from . import described
 from . import main as train_main
 
@@ -111,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
                         "(see --help)")
     validate(s, COMMANDS[command], problems)
     if command == "sync":
+        keep_freed_memory(one_arena=True)  # this process only moves bytes: glibc keeps what it frees for them
         engine = make_engine(s.sync.workers)  # one for the manifest or packed.json and the small files
         asking = ThreadPoolExecutor(1, thread_name_prefix="packed-json")
         try:

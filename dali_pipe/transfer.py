@@ -23,7 +23,7 @@ through obstore (Python bindings of Rust's `object_store`) on one event loop thr
   printed). An endpoint of our own (moto, rclone, MinIO) is addressed path-style, AWS virtual-hosted,
   in the bucket's region.
 - Memory: an engine has glibc's malloc keep what a transfer frees for the next chunk (keep_freed_memory),
-  which halves the system time of a large pack's sync; left alone where the user tunes malloc.
+  which cuts a large pack's page faults by more than half; left alone where the user tunes malloc.
 
 Why obstore: side by side with AWS's Common Runtime (awscrt through s3transfer's CRT transfer manager,
 and awscrt's S3 client driven directly) and with s5cmd on 5120 ImageNet-size JPEGs, obstore listed
@@ -65,7 +65,8 @@ RETRY_WINDOW = 60.0  # seconds after a request's first try during which obstore 
 CREDENTIALS_TTL = timedelta(minutes=5)  # how long obstore keeps a set of credentials before asking again
 MMAP_THRESHOLD = 32 << 20  # glibc's own ceiling for its sliding mmap threshold (DEFAULT_MMAP_THRESHOLD_MAX, 64-bit)
 TRIM_THRESHOLD = 2 * MMAP_THRESHOLD  # what glibc sets beside it when it slides the mmap threshold up
-_MALLOC_KNOBS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_ARENA_MAX")
+_MALLOC_KNOBS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_MMAP_MAX_",
+                 "MALLOC_ARENA_MAX", "MALLOC_ARENA_TEST")  # glibc's malloc variables; set, even empty, they tune it
 _serial = itertools.count()
 _memory_kept: bool | None = None  # keep_freed_memory's answer, once per process
 NO_CREDENTIALS = "no AWS credentials were found"
@@ -201,7 +202,7 @@ class Engine:
         self.connect_timeout, self.read_timeout = connect_timeout, read_timeout
         self._stores: dict[str, object] = {}
         self._lock = threading.Lock()
-        keep_freed_memory()  # before the loop's and obstore's threads make their first allocations
+        keep_freed_memory()  # the thresholds (process-wide, whenever set); the sync command asked for one arena first
         self._loop = asyncio.new_event_loop()
         self._slots: asyncio.Semaphore | None = None
         self._waiting: collections.deque = collections.deque()  # (bytes, future) of requests waiting, in turn
@@ -586,18 +587,19 @@ def keep_freed_memory(one_arena: bool = False) -> bool:
     chunks at the heap's top are trimmed and the next ones fault their pages in anew. Fixed at glibc's own
     ceilings (the 32 MB it slides the mmap threshold up to at most, and twice that for the trim threshold),
     the same memory is reused; with one arena, the threads also share one pool of it instead of warming one
-    each. Measured on a 908 MB pack (docs/s3-and-packs.md#how-fast): page faults from 63 000 to 23 000
-    (11 000 with one arena; s5cmd 5 800) and system time from 1.9 s to 0.9 s. The cost: up to 64 MB of freed
-    heap stays with the process instead of going back to the kernel (a block above 32 MB still goes back as
-    it is freed). Process-wide, so left alone where the user tunes malloc already (MALLOC_*_ or glibc.malloc
+    each. Measured on a 952 MB pack (docs/s3-and-packs.md#how-fast): page faults from 63 000-74 000 to 23 000
+    (11 500 with one arena; s5cmd 5 800), system time down 16-53%. The cost: up to 64 MB of freed heap per
+    malloc arena stays with the process instead of going back to the kernel (a block above 32 MB still goes
+    back as it is freed). An engine in a training process (shard streaming) sets the thresholds too; that was
+    not measured there. Process-wide, so left alone where the user tunes malloc already (MALLOC_*_ or glibc.malloc
     tunables in the environment) and where the C library is not glibc (musl, macOS)."""
     global _memory_kept
     if _memory_kept is None:
         _memory_kept = False
-        tuned = any(os.environ.get(k) for k in _MALLOC_KNOBS) or "glibc.malloc." in os.environ.get("GLIBC_TUNABLES", "")
+        tuned = any(k in os.environ for k in _MALLOC_KNOBS) or "glibc.malloc." in os.environ.get("GLIBC_TUNABLES", "")
         try:
             glibc = bool(os.confstr("CS_GNU_LIBC_VERSION"))
-        except (ValueError, OSError):  # not a glibc system
+        except (AttributeError, ValueError, OSError):  # not a glibc system (Windows has no confstr)
             glibc = False
         if glibc and not tuned:
             mallopt = ctypes.CDLL(None).mallopt  # M_MMAP_THRESHOLD -3, M_TRIM_THRESHOLD -1, M_ARENA_MAX -8 (malloc.h)

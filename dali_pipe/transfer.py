@@ -597,16 +597,20 @@ def keep_freed_memory(one_arena: bool = False) -> bool:
     if _memory_kept is None:
         _memory_kept = False
         tuned = any(k in os.environ for k in _MALLOC_KNOBS) or "glibc.malloc." in os.environ.get("GLIBC_TUNABLES", "")
-        try:
-            glibc = bool(os.confstr("CS_GNU_LIBC_VERSION"))
-        except (AttributeError, ValueError, OSError):  # not a glibc system (Windows has no confstr)
-            glibc = False
-        if glibc and not tuned:
+        if on_glibc() and not tuned:
             mallopt = ctypes.CDLL(None).mallopt  # M_MMAP_THRESHOLD -3, M_TRIM_THRESHOLD -1, M_ARENA_MAX -8 (malloc.h)
             _memory_kept = bool(mallopt(-3, MMAP_THRESHOLD)) and bool(mallopt(-1, TRIM_THRESHOLD))
             if one_arena:
                 mallopt(-8, 1)
     return _memory_kept
+
+
+def on_glibc() -> bool:
+    """Whether this process's C library is glibc (whose malloc keep_freed_memory tunes)."""
+    try:
+        return bool(os.confstr("CS_GNU_LIBC_VERSION"))
+    except (AttributeError, ValueError, OSError):  # Windows has no confstr; macOS and musl refuse the name
+        return False
 
 
 def requests_room(wanted: int) -> int:

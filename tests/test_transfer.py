@@ -342,15 +342,7 @@ def test_a_long_secret_in_a_credentials_error_is_redacted_whole(aws_files):
     assert "SECRET" not in e.value.detail and "pppp" not in e.value.detail, e.value.detail
 
 
-
-def _glibc() -> bool:
-    try:
-        return bool(os.confstr("CS_GNU_LIBC_VERSION"))
-    except (AttributeError, ValueError, OSError):  # Windows has no confstr; macOS and musl refuse the name
-        return False
-
-
-glibc_only = pytest.mark.skipif(not _glibc(), reason="glibc's malloc only")
+glibc_only = pytest.mark.skipif(not transfer.on_glibc(), reason="glibc's malloc only")
 LEFT_ALONE = {"MALLOC_ARENA_TEST": "8"}  # glibc's own default on 64-bit: malloc as it is, and the engine keeps off it
 STREAM = """
 import asyncio, resource, sys
@@ -371,7 +363,7 @@ engine.close()
 
 @glibc_only
 def test_a_streamed_download_reuses_the_memory_its_chunks_free(s3, tmp_path):
-    """Four 48 MB objects through the engine, in ranged parts streamed in 1 MB chunks (each a fresh bytes
+    """Four 48 MB objects through the engine, each in one GET streamed in 1 MB chunks (each a fresh bytes
     object, freed once written): with malloc as glibc leaves it, the freed chunks go back to the kernel and
     the next ones fault their pages in anew; kept (what every engine asks for), the same memory serves them."""
     import subprocess
@@ -402,7 +394,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dali_pipe.cli import cli
 from dali_pipe.cli.commands import main
 if sys.argv[1] == "sync":  # against an endpoint nothing listens on: it fails at once, past the engine's making
-    status = cli(lambda: main(["sync", "--no-progress", "s3://data/x", sys.argv[2]]))
+    cli(lambda: main(["sync", "--no-progress", "s3://data/x", sys.argv[2]]))
 else:
     from dali_pipe.sync import make_engine
     make_engine(8).close()

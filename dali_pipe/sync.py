@@ -33,6 +33,7 @@ import sys
 import threading
 import time
 from collections import deque
+from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -299,9 +300,33 @@ def list_objects(client, bucket: str, base: str) -> dict[str, tuple[int, str]]:
     return remote
 
 
-def listing(engine: Engine, bucket: str, base: str) -> dict[str, tuple[int, str]]:
-    """{key relative to the prefix: (size, ETag)} of every object under it, through the engine."""
+@dataclass(frozen=True)
+class AskedListing:
+    """A prefix's LIST, asked for ahead of need (ask_listing) and waited for by `listing`."""
+    bucket: str
+    base: str
+    future: Future
+
+
+def ask_listing(engine: Engine, uri: str) -> AskedListing:
+    """The LIST of the s3:// prefix `uri`, started now on the engine. The sync command asks for it beside the
+    manifest (or packed.json) it reads first, which the listing does not depend on: one round trip less
+    before the first file, and a long paginated LIST (a million keys) runs while the manifest is checked."""
+    bucket, prefix = parse_s3_uri(uri)
+    base = f"{prefix}/" if prefix else ""
+    return AskedListing(bucket, base, engine.submit(engine.list(bucket, base)))
+
+
+def listing(engine: Engine, bucket: str, base: str, asked: AskedListing | None = None) -> dict[str, tuple[int, str]]:
+    """{key relative to the prefix: (size, ETag)} of every object under it, through the engine; `asked`: that
+    LIST started already (ask_listing; another prefix's is not used), waited for instead of a new one."""
     try:
+        if asked is not None and (asked.bucket, asked.base) == (bucket, base):
+            try:
+                return asked.future.result()
+            except BaseException:  # SIGTERM, Ctrl-C while waiting: the request is dropped, as engine.run drops it
+                asked.future.cancel()
+                raise
         return engine.run(engine.list(bucket, base))
     except TransferError as e:
         raise SyncError(explain(e, bucket, base)) from None
@@ -457,13 +482,14 @@ def folder_rows(missing: list[str], remote: dict) -> list[str]:
 
 
 def sync(uri: str, dest: Path | str, *, workers: int, skip_missing: bool = False, progress: bool = True,
-         engine: Engine | None = None, rows: bool = False) -> SyncStats:
+         engine: Engine | None = None, rows: bool = False, asked: AskedListing | None = None) -> SyncStats:
     """Download s3://bucket/prefix/dataset.tsv and the files it lists into `dest`.
 
     Files listed but absent in S3 stop the sync (nothing is trained on a partial set) unless
     `skip_missing`, which reports them and lets training skip them (--skip-missing). `rows`: the
     manifest is for training, so its rows are checked as training reads them before any download.
-    `engine`: the transfer engine to use (default: one with `workers` requests in flight)."""
+    `engine`: the transfer engine to use (default: one with `workers` requests in flight); `asked`: the prefix's
+    LIST, asked for on that engine already (ask_listing)."""
     start = time.perf_counter()
     bucket, prefix = parse_s3_uri(uri)
     dest = Path(dest)
@@ -478,7 +504,7 @@ def sync(uri: str, dest: Path | str, *, workers: int, skip_missing: bool = False
                 raise disk_full(dest, SyncStats(), []) from None
             raise
         try:
-            remote = listing(engine, bucket, base)
+            remote = listing(engine, bucket, base, asked)
             state = _State(dest)
             stats = SyncStats(listed=len(wanted))
             todo, missing = [], []

@@ -459,10 +459,11 @@ def test_a_row_naming_a_folder_in_s3_is_named_as_a_folder(s3, photo_root, tmp_pa
 
 def test_cli_sync_of_a_pack_asks_for_packed_json_once_through_one_engine(s3, photo_root, tmp_path, cache_dir,
                                                                           monkeypatch):
-    """`python -m dali_pipe sync` of a pack: dataset.tsv (absent) and packed.json are asked for once each, at
-    once, on the same engine (no boto3 client), the index files on it too, after one LIST that serves the
-    shards as well; the shards land whole, each matching packed.json, and packed.json lands last. The shards come
-    in ranged parts (moto answers 206), several shards at once."""
+    """`python -m dali_pipe sync` of a pack: dataset.tsv (absent), packed.json and the prefix's one LIST are asked
+    for at once (the LIST before dataset.tsv's answer is waited for), on one engine (no boto3 client), which then
+    fetches the index files and the shards too, and stays open until the command ends; the shards land whole,
+    each matching packed.json, and packed.json lands last. The shards come in ranged parts (moto answers 206),
+    several shards at once."""
     import hashlib
     import json
 
@@ -473,18 +474,21 @@ def test_cli_sync_of_a_pack_asks_for_packed_json_once_through_one_engine(s3, pho
 
     make_client(4).create_bucket(Bucket="data")
     main(["pack", str(photo_root), "s3://data/packed", "--max-side", "96", "--shard-size", "60kB"])
-    reads, engines, lists = [], [], []
+    reads, engines, lists, asked = [], [], [], []
     real_read, real_init, real_list = Engine.read, Engine.__init__, Engine.list
-    monkeypatch.setattr(Engine, "read", lambda self, bucket, key: reads.append(key) or real_read(self, bucket, key))
-    monkeypatch.setattr(Engine, "list", lambda self, bucket, prefix: lists.append(prefix) or real_list(self, bucket,
-                                                                                                     prefix))
+    monkeypatch.setattr(Engine, "read", lambda self, bucket, key: reads.append(key) or asked.append(key)
+                        or real_read(self, bucket, key))
+    monkeypatch.setattr(Engine, "list", lambda self, bucket, prefix: lists.append(prefix) or asked.append("LIST")
+                        or real_list(self, bucket, prefix))
     monkeypatch.setattr(Engine, "__init__", lambda self, **kw: engines.append(kw) or real_init(self, **kw))
     monkeypatch.setattr(sync_mod, "make_client", lambda *a, **kw: pytest.fail("a boto3 client was made"))
     dest = tmp_path / "local"
     monkeypatch.setattr(transfer, "PART", 16 << 10)  # the 60 kB shards in ranged GETs of 16 kB
     assert main(["sync", "s3://data/packed", str(dest), "--no-progress"]) == 0
     assert sorted(reads) == ["packed/dataset.tsv", "packed/packed.json"] and lists == ["packed/"]
-    assert len(engines) == 2, engines  # the command's (manifest, packed.json, index files) and the shards' own
+    assert asked.index("LIST") < asked.index("packed/dataset.tsv"), asked  # asked beside it, not after its answer
+    assert len(engines) == 1, engines  # the command's: manifest, packed.json, LIST, index files and shards
+    assert engines[0]["concurrency"] == 256
     meta = json.loads((dest / "packed.json").read_text())
     shards = [s for split in meta["splits"].values() for s in split["shards"]]
     for s in shards:
@@ -518,3 +522,32 @@ def test_a_low_open_file_limit_means_fewer_requests_in_flight_not_failed_files(s
     assert len(list((tmp_path / "L" / "c").iterdir())) == 400
     told = "the open-file limit (300, `ulimit -n`) leaves room for 86 S3 requests in flight, not 256"
     assert (told in r.stderr) == (hard == "low"), r.stderr[-2000:]
+
+
+def test_an_asked_listing_serves_its_own_prefix_only_and_an_interrupted_wait_drops_it(s3, tmp_path):
+    """listing(asked=...): the LIST asked for ahead (ask_listing) answers for its prefix; for another prefix a LIST
+    of that one is made; a wait cut by Ctrl-C or SIGTERM cancels the request instead of leaving it running."""
+    from concurrent.futures import Future
+
+    from dali_pipe.sync import AskedListing, ask_listing, listing, make_engine
+
+    client = make_client(4)
+    client.create_bucket(Bucket="data")
+    for key in ("a/1.jpg", "a/2.jpg", "b/3.jpg"):
+        client.put_object(Bucket="data", Key=key, Body=key.encode())
+    engine = make_engine(4)
+    try:
+        asked = ask_listing(engine, "s3://data/a")
+        assert sorted(listing(engine, "data", "a/", asked)) == ["1.jpg", "2.jpg"]
+        assert sorted(listing(engine, "data", "b/", asked)) == ["3.jpg"]  # not a/'s answer
+
+        class Interrupted(Future):
+            def result(self, timeout=None):
+                raise KeyboardInterrupt
+
+        cut = AskedListing("data", "a/", Interrupted())
+        with pytest.raises(KeyboardInterrupt):
+            listing(engine, "data", "a/", cut)
+        assert cut.future.cancelled()
+    finally:
+        engine.close()

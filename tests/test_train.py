@@ -401,15 +401,18 @@ def test_a_diverging_run_stops_with_exit_1_exports_nothing_and_keeps_the_last_fi
     assert all(torch.isfinite(v).all() for v in tensors)
 
 def test_a_command_exits_without_the_shutdown_collection_and_keeps_its_finalizers():
-    """as_a_command (train.py's and python -m dali_pipe's): at exit the garbage there is then is collected (a
-    cycle's finalizer runs), the other atexit handlers run first, and the exit status is kept."""
+    """as_a_command (train.py's and python -m dali_pipe's): what the imports made is frozen at once (no collection
+    walks it again), at exit the garbage there is then is collected (a cycle's finalizer runs), the other atexit
+    handlers run first, and the exit status is kept."""
     code = ("import atexit, gc, sys\n"
             "atexit.register(lambda: print('frozen' if gc.get_freeze_count() else 'not frozen', flush=True))\n"
-            "from dali_pipe.cli import as_a_command\nas_a_command()\n"
+            "from dali_pipe.cli import as_a_command\nbefore = gc.get_freeze_count()\nas_a_command()\n"
+            "print('imports frozen' if before == 0 and gc.get_freeze_count() > 1000 else gc.get_freeze_count(), "
+            "flush=True)\n"
             "atexit.register(lambda: print('other handler', flush=True))\n"
             "class Cycle:\n    def __del__(self):\n        print('finalized', flush=True)\n"
             "c = Cycle(); c.me = c\ndel c\n"
             "gc.disable()  # the cycle stays garbage until the exit's collection\nsys.exit(3)\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert r.returncode == 3, r.stderr
-    assert r.stdout.splitlines() == ["other handler", "finalized", "frozen"], r.stdout
+    assert r.stdout.splitlines() == ["imports frozen", "other handler", "finalized", "frozen"], r.stdout

@@ -13,7 +13,7 @@ from ..imagefolder import write_manifest
 from ..manifest import MANIFEST_NAME
 from ..shards.cache import fetch_to
 from ..shards.format import PACKED_NAME
-from ..sync import ManifestMissing, SyncStats, make_engine, read_object, sync
+from ..sync import ManifestMissing, SyncStats, ask_listing, make_engine, read_object, sync
 from ..transfer import keep_freed_memory
 from . import described
 from . import main as train_main
@@ -116,12 +116,13 @@ def main(argv: list[str] | None = None) -> int:
         engine = make_engine(s.sync.workers)  # one for the manifest or packed.json and the small files
         asking = ThreadPoolExecutor(1, thread_name_prefix="packed-json")
         try:
-            # packed.json is asked for beside the dataset's manifest (a pack's sync then waits for no second
-            # round trip; a dataset's costs one small GET in parallel)
+            # packed.json and the prefix's LIST are asked for beside the dataset's manifest: both syncs need the
+            # LIST, and a pack's waits for no second round trip (a dataset's costs one small GET in parallel)
             packed = asking.submit(read_object, s.sync.uri, PACKED_NAME, engine)
+            asked = ask_listing(engine, s.sync.uri)
             try:
                 stats = sync(s.sync.uri, s.sync.local_dir, workers=s.sync.workers, skip_missing=s.data.skip_missing,
-                             progress=not s.sync.no_progress, engine=engine)
+                             progress=not s.sync.no_progress, engine=engine, asked=asked)
             except ManifestMissing:
                 raw = packed.result()
                 if raw is None:  # neither a dataset nor a pack
@@ -130,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"sync: no {MANIFEST_NAME} there, but a {PACKED_NAME}: syncing the pack", file=sys.stderr)
                 stats = SyncStats()
                 fetch_to(s.sync.uri, Path(s.sync.local_dir), mode="sync", workers=s.sync.workers,  # a pack's files
-                         progress=not s.sync.no_progress, engine=engine, raw=raw, stats=stats)
+                         progress=not s.sync.no_progress, engine=engine, raw=raw, stats=stats, asked=asked)
                 if not s.sync.no_progress:
                     print(stats.summary(), file=sys.stderr)
         finally:

@@ -317,6 +317,20 @@ def ask_listing(engine: Engine, uri: str) -> AskedListing:
     return AskedListing(bucket, base, engine.submit(engine.list(bucket, base)))
 
 
+@contextmanager
+def listing_asked(engine: Engine, uri: str, asked: AskedListing | None):
+    """`asked`, else the LIST of `uri` asked for now (ask_listing), dropped at the end if it still runs then (the
+    manifest was refused, say)."""
+    if asked is not None:
+        yield asked
+        return
+    asked = ask_listing(engine, uri)
+    try:
+        yield asked
+    finally:
+        asked.future.cancel()
+
+
 def listing(engine: Engine, bucket: str, base: str, asked: AskedListing | None = None) -> dict[str, tuple[int, str]]:
     """{key relative to the prefix: (size, ETag)} of every object under it, through the engine; `asked`: that
     LIST started already (ask_listing; another prefix's is not used), waited for instead of a new one."""
@@ -489,11 +503,11 @@ def sync(uri: str, dest: Path | str, *, workers: int, skip_missing: bool = False
     `skip_missing`, which reports them and lets training skip them (--skip-missing). `rows`: the
     manifest is for training, so its rows are checked as training reads them before any download.
     `engine`: the transfer engine to use (default: one with `workers` requests in flight); `asked`: the prefix's
-    LIST, asked for on that engine already (ask_listing)."""
+    LIST, asked for on that engine already (ask_listing), else it is asked for here, beside the manifest."""
     start = time.perf_counter()
     bucket, prefix = parse_s3_uri(uri)
     dest = Path(dest)
-    with holding(dest), engine_for(engine, workers) as engine:
+    with holding(dest), engine_for(engine, workers) as engine, listing_asked(engine, uri, asked) as asked:
         base = f"{prefix}/" if prefix else ""
         if progress:
             print(f"sync: reading s3://{bucket}/{base}{MANIFEST_NAME} from {endpoint()}", file=sys.stderr, flush=True)

@@ -675,3 +675,26 @@ def test_a_pack_sync_onto_a_disk_too_small_is_refused_before_any_download(s3, od
                                             r"downloaded"):
             fetch_to("s3://data/pack", disk / "p", mode="sync", workers=4, progress=False, cache_dir=tmp_path / "c")
         assert not [p for p in (disk / "p").rglob("*") if p.is_file()]
+
+
+def test_training_readies_a_pack_on_s3_through_one_engine_with_the_listing_asked_beside_packed_json(
+        s3, odd_pack, tmp_path, monkeypatch):
+    """A training run's --data s3://pack (fetch, here streamed): packed.json, the prefix's one LIST (asked for before
+    packed.json's answer is waited for) and the index files through one engine; the index files land matching."""
+    from dali_pipe.sync import make_client
+    from dali_pipe.transfer import Engine
+
+    client = make_client(2)
+    client.create_bucket(Bucket="data")
+    for q in odd_pack.iterdir():
+        if q.is_file():
+            client.put_object(Bucket="data", Key=f"pack/{q.name}", Body=q.read_bytes())
+    order, engines = [], []
+    real_read, real_list, real_init = Engine.read, Engine.list, Engine.__init__
+    monkeypatch.setattr(Engine, "read", lambda self, b, k: order.append(k) or real_read(self, b, k))
+    monkeypatch.setattr(Engine, "list", lambda self, b, p: order.append("LIST") or real_list(self, b, p))
+    monkeypatch.setattr(Engine, "__init__", lambda self, **kw: engines.append(kw) or real_init(self, **kw))
+    local = cache_mod.fetch("s3://data/pack", tmp_path / "c", mode="stream", workers=4, progress=False)
+    assert order == ["LIST", "pack/packed.json"] and len(engines) == 1, (order, engines)
+    indexes = [q.name for q in odd_pack.iterdir() if q.suffix == ".idx"]
+    assert indexes and all((local / n).read_bytes() == (odd_pack / n).read_bytes() for n in indexes)

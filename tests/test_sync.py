@@ -551,3 +551,38 @@ def test_an_asked_listing_serves_its_own_prefix_only_and_an_interrupted_wait_dro
         assert cut.future.cancelled()
     finally:
         engine.close()
+
+
+def test_a_sync_asks_for_the_listing_beside_the_manifest_and_drops_it_when_the_manifest_is_refused(
+        s3, photo_root, tmp_path, monkeypatch):
+    """sync() as training calls it (no listing given): the prefix's LIST is asked for before the manifest's answer
+    is waited for, and the sync completes; where the manifest is missing, the LIST still in flight is cancelled,
+    not waited for."""
+    import asyncio
+
+    from dali_pipe import sync as sync_mod
+    from dali_pipe.sync import ManifestMissing, make_engine
+    from dali_pipe.transfer import Engine
+
+    _upload(photo_root)
+    order = []
+    real_read, real_list = Engine.read, Engine.list
+    monkeypatch.setattr(Engine, "read", lambda self, b, k: order.append(k) or real_read(self, b, k))
+    monkeypatch.setattr(Engine, "list", lambda self, b, p: order.append("LIST") or real_list(self, b, p))
+    stats = sync("s3://data/ds", tmp_path / "L", workers=4, progress=False)
+    assert order[:2] == ["LIST", "ds/dataset.tsv"] and stats.downloaded == stats.listed > 0
+
+    async def never(self, bucket, prefix):
+        await asyncio.Event().wait()
+
+    monkeypatch.setattr(Engine, "list", never)
+    made = []
+    real_ask = sync_mod.ask_listing
+    monkeypatch.setattr(sync_mod, "ask_listing", lambda *a: made.append(real_ask(*a)) or made[-1])
+    engine = make_engine(4)
+    try:
+        with pytest.raises(ManifestMissing):
+            sync("s3://data/nothing-here", tmp_path / "M", workers=4, progress=False, engine=engine)
+        assert made and made[0].future.cancelled()
+    finally:
+        engine.close()

@@ -76,6 +76,7 @@ from ..sync import (
     engine_for,
     explain,
     listing,
+    listing_asked,
     local_target,
     parse_s3_uri,
     read_object,
@@ -935,29 +936,30 @@ def fetch_to(data: str, local: Path, *, mode: str, workers: int, progress: bool 
     downloaded (their bytes) and unchanged, and the seconds."""
     start = time.perf_counter()
     local.mkdir(parents=True, exist_ok=True)
-    if raw is None:
-        raw = read_object(data, PACKED_NAME, engine)
-    if raw is None:
-        raise PackedFormatError(f"{data} has no {PACKED_NAME}; pack it first (python -m dali_pipe pack)")
-    meta = parse_packed(raw, f"{data}/{PACKED_NAME}")
-    shards = [s for split in meta["splits"].values() for s in split["shards"]]
-    total = sum(s["size"] for s in shards)
-    free = shutil.disk_usage(local).free + sum((local / s["name"]).stat().st_size for s in shards
-                                               if (local / s["name"]).is_file())
-    if mode == "auto":
-        mode = "sync" if free >= total + HEADROOM else "stream"
-        if progress and mode == "stream":
-            print(f"packed data: {total / 1e9:.1f} GB of shards do not fit in {local} ({free / 1e9:.1f} GB free); "
-                  "streaming them through a bounded cache (--stream-cache)", file=sys.stderr)
-    if mode == "sync" and free < total:
-        raise SyncError(f"{data}: the pack's {len(shards)} shard(s) need {human_bytes(total)} in {local}, which has "
-                        f"{human_bytes(free)} free (counting the shards already there); free space there, or sync to "
-                        "another disk (another LOCAL_DIR; for training, --cache-dir, or --packed-s3 stream). Nothing "
-                        "was downloaded.")
     prefix = data.rstrip("/")
+    bucket, key = parse_s3_uri(prefix)
     given = engine
-    with engine_for(engine, workers) as engine:  # one LIST for the index files and the shards
-        bucket, key = parse_s3_uri(prefix)
+    # one engine for packed.json, the LIST (asked for beside it) and the index files; the LIST serves the shards too
+    with engine_for(engine, workers) as engine, listing_asked(engine, prefix, asked) as asked:
+        if raw is None:
+            raw = read_object(data, PACKED_NAME, engine)
+        if raw is None:
+            raise PackedFormatError(f"{data} has no {PACKED_NAME}; pack it first (python -m dali_pipe pack)")
+        meta = parse_packed(raw, f"{data}/{PACKED_NAME}")
+        shards = [s for split in meta["splits"].values() for s in split["shards"]]
+        total = sum(s["size"] for s in shards)
+        free = shutil.disk_usage(local).free + sum((local / s["name"]).stat().st_size for s in shards
+                                                   if (local / s["name"]).is_file())
+        if mode == "auto":
+            mode = "sync" if free >= total + HEADROOM else "stream"
+            if progress and mode == "stream":
+                print(f"packed data: {total / 1e9:.1f} GB of shards do not fit in {local} ({free / 1e9:.1f} GB free); "
+                      "streaming them through a bounded cache (--stream-cache)", file=sys.stderr)
+        if mode == "sync" and free < total:
+            raise SyncError(f"{data}: the pack's {len(shards)} shard(s) need {human_bytes(total)} in {local}, which "
+                            f"has {human_bytes(free)} free (counting the shards already there); free space there, or "
+                            "sync to another disk (another LOCAL_DIR; for training, --cache-dir, or --packed-s3 "
+                            "stream). Nothing was downloaded.")
         remote = listing(engine, bucket, f"{key}/" if key else "", asked)
         got = sync_objects(data, local, [s["index"] for s in shards], workers=workers, progress=False, engine=engine,
                            remote=remote)

@@ -4,9 +4,10 @@ through obstore (Python bindings of Rust's `object_store`) on one event loop thr
 - One path: every object is one GET (objects above PART bytes: ranged GETs of PART bytes, up to
   the engine's concurrency at once, each written at its offset, each answer's ETag checked against
   the listed one) into a temporary file that the
-  caller names; a failed or cancelled download removes it. A server that answers a ranged GET with the
-  whole object (status 200: rclone's serve s3) is found out by one request, the first part of the first
-  large object, asked alone: then that object and the ones after it come in one streamed GET each.
+  caller names; a failed or cancelled download removes it. A server that answers a ranged GET with status
+  200, which object_store refuses (one that ignores Range, or rclone's serve s3, which sends the range as a
+  200), is found out by one request, the first part of the first large object, asked alone: then that
+  object and the ones after it come in one streamed GET each.
   Streamed bodies are written (and, when asked, hashed: `digest`) on worker threads, in chunks of CHUNK,
   so the loop stays free for the other requests and a shard's checksum costs no second read. The requests of a whole sync share one
   bound (`concurrency`): a dataset of 1.2 M JPEGs and a pack of 150 MB shards take the same road.
@@ -423,7 +424,7 @@ class Engine:
 
     async def _ranged(self, store, key: str, fd: int, size: int, etag: str | None, on_bytes) -> int | None:
         """The object in ranged GETs of PART bytes, up to the engine's concurrency at once; None (nothing
-        written) when the server answers a ranged GET with the whole object. That is learnt once per engine:
+        written) when the server answers a ranged GET with status 200. That is learnt once per engine:
         until then, the first part of the first large object asks alone (its 206 lets the other parts go,
         a refused 200 sends every large object to one whole GET), and other large objects wait for it."""
         while self.ranges is None and self._asking is not None:

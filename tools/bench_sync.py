@@ -10,7 +10,7 @@
 
 Makes a dataset of real photos (dali_pipe/demo.py's generator: scikit-image's photographs, cropped and
 re-encoded), serves it, then syncs into fresh folders, each tool once per round, the order reversed every
-other round. Prints each round, the median and min-max per tool, the ratio of the medians with the
+other round, each run after an untimed sync(2) (so none pays for the writeback of the data made or copied before it). Prints each round, the median and min-max per tool, the ratio of the medians with the
 min-max of the per-round ratios, and the CPU time (user + system, the client's alone) per 1000 files.
 For the pack, each round also times our start-up alone (`python -m dali_pipe sync --help`: the interpreter
 and the imports every sync pays before its first request; obstore's own import, 3-20 ms, not included), and prints the
@@ -122,6 +122,8 @@ def measure(pairs: dict[str, dict[str, callable]], rounds: int, work: Path, coun
                 started.append(timed(started_by)[0])
             for name in (list(tools) if r % 2 == 0 else list(reversed(tools))):
                 dest = work / "out" / f"{group}-{len(wall[name])}-{name.split()[0]}"
+                os.sync()  # untimed: the dataset's and the previous run's writes and deletions reach the disk first,
+                # so that no run pays for the writeback of the gigabytes written before it
                 w, c = timed(tools[name](dest))
                 shutil.rmtree(dest, ignore_errors=True)
                 wall[name].append(w)
@@ -149,6 +151,10 @@ def measure(pairs: dict[str, dict[str, callable]], rounds: int, work: Path, coun
 def compare_s5cmd(args, work: Path, report: dict) -> None:
     from dali_pipe.demo import make_photo_dataset
 
+    binary = s5cmd_binary()
+    report["s5cmd"] = {"binary": binary, "version": subprocess.run([binary, "version"], capture_output=True,
+                                                                   text=True).stdout.strip()}
+    print(f"s5cmd: {report['s5cmd']['version']}, the Go binary {binary}", flush=True)
     served = work / "s3"
     make_photo_dataset(served / "bench" / "raw", classes=5, per_class=args.files // 5, side=tuple(args.side))
     counts = {"raw": files_in(served / "bench" / "raw")[0]}

@@ -173,25 +173,6 @@ def test_transient_faults_are_retried_and_the_bytes_are_right(bucket, tmp_path):
         fetcher.close()
 
 
-def test_a_fetcher_through_the_callers_engine_retries_on_it_and_leaves_it_open(bucket, tmp_path):
-    """Fetcher(engine=...) (the sync command's one engine): a cut body is retried through that engine and the shard
-    lands matching; closing the fetcher leaves the engine to its caller, open for the next request."""
-    from dali_pipe.sync import make_engine
-
-    proxy, shards = bucket
-    name = shards.paths[0].rsplit("/", 1)[1]
-    engine = make_engine(8)
-    try:
-        fetcher = Fetcher(engine=engine)
-        proxy.arm("cut", name, times=1)
-        fetcher.fetch(_remote(shards, 0), tmp_path / name)
-        fetcher.close()
-        assert cache_mod.file_sha256(tmp_path / name) == shards.sha256[0] and proxy.applied("cut") == 1
-        assert engine.run(engine.read("data", f"p/{name}")) == (tmp_path / name).read_bytes()
-    finally:
-        engine.close()
-
-
 @pytest.mark.parametrize("kind", ["flip", "stall"])
 def test_a_fault_that_persists_is_named_with_endpoint_and_key_in_bounded_time(bucket, tmp_path, kind):
     """Every GET damaged or stalled: the fetch gives up after its attempts and names the shard (and for

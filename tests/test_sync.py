@@ -461,9 +461,10 @@ def test_cli_sync_of_a_pack_asks_for_packed_json_once_through_one_engine(s3, pho
                                                                           monkeypatch):
     """`python -m dali_pipe sync` of a pack: dataset.tsv (absent), packed.json and the prefix's one LIST are asked
     for at once (the LIST before dataset.tsv's answer is waited for), on one engine (no boto3 client), which then
-    fetches the index files and the shards too, and stays open until the command ends; the shards land whole,
-    each matching packed.json, and packed.json lands last. The shards come in ranged parts (moto answers 206),
-    several shards at once."""
+    fetches the index files; the shards come through an engine of their own, whatever --workers (with the
+    command's `--workers 1`, a shard waiting behind another for its one request counted as silent and was
+    cancelled). The shards land whole, each matching packed.json, and packed.json lands last. They come in
+    ranged parts (moto answers 206), several shards at once."""
     import hashlib
     import json
 
@@ -484,11 +485,11 @@ def test_cli_sync_of_a_pack_asks_for_packed_json_once_through_one_engine(s3, pho
     monkeypatch.setattr(sync_mod, "make_client", lambda *a, **kw: pytest.fail("a boto3 client was made"))
     dest = tmp_path / "local"
     monkeypatch.setattr(transfer, "PART", 16 << 10)  # the 60 kB shards in ranged GETs of 16 kB
-    assert main(["sync", "s3://data/packed", str(dest), "--no-progress"]) == 0
+    assert main(["sync", "s3://data/packed", str(dest), "--no-progress", "--workers", "1"]) == 0
     assert sorted(reads) == ["packed/dataset.tsv", "packed/packed.json"] and lists == ["packed/"]
     assert asked.index("LIST") < asked.index("packed/dataset.tsv"), asked  # asked beside it, not after its answer
-    assert len(engines) == 1, engines  # the command's: manifest, packed.json, LIST, index files and shards
-    assert engines[0]["concurrency"] == 256
+    assert [e["concurrency"] for e in engines] == [1, 8], engines  # the command's (--workers), the shards' own
+    assert engines[1]["read_timeout"] == 10.0  # a stalled shard body is retried after the shards' READ_TIMEOUT
     meta = json.loads((dest / "packed.json").read_text())
     shards = [s for split in meta["splits"].values() for s in split["shards"]]
     for s in shards:
@@ -570,7 +571,8 @@ def test_a_sync_asks_for_the_listing_beside_the_manifest_and_drops_it_when_the_m
     monkeypatch.setattr(Engine, "read", lambda self, b, k: order.append(k) or real_read(self, b, k))
     monkeypatch.setattr(Engine, "list", lambda self, b, p: order.append("LIST") or real_list(self, b, p))
     stats = sync("s3://data/ds", tmp_path / "L", workers=4, progress=False)
-    assert order[:2] == ["LIST", "ds/dataset.tsv"] and stats.downloaded == stats.listed > 0
+    assert order[:2] == ["LIST", "ds/dataset.tsv"] and order.count("LIST") == 1, order  # the LIST asked is used
+    assert stats.downloaded == stats.listed > 0
 
     async def never(self, bucket, prefix):
         await asyncio.Event().wait()

@@ -265,12 +265,12 @@ class Fetcher:
     """Shards through the transfer engine (dali_pipe/transfer.py: ranged GETs, PART_CONCURRENCY in flight
     across the shards being fetched), each attempt bounded by its own watchdog."""
 
-    def __init__(self, concurrency: int = PART_CONCURRENCY, engine: Engine | None = None):
-        """`engine`: the caller's engine to fetch through (its concurrency and bounds; the caller closes it), instead
-        of one of this fetcher's own."""
-        self.engine = engine if engine is not None else Engine(
-            concurrency=concurrency, connect_timeout=CONNECT_TIMEOUT, read_timeout=READ_TIMEOUT, attempts=REQUEST_ATTEMPTS)
-        self._owns_engine = engine is None
+    def __init__(self, concurrency: int = PART_CONCURRENCY):
+        # an engine of its own, never a caller's: its request bound keeps every attempt of FETCH_PARALLEL under way
+        # (with a caller's `--workers 1`, a shard queued behind another counted as silent and was cancelled), and
+        # its READ_TIMEOUT is the one a stalled shard body is retried after
+        self.engine = Engine(concurrency=concurrency, connect_timeout=CONNECT_TIMEOUT, read_timeout=READ_TIMEOUT,
+                             attempts=REQUEST_ATTEMPTS)
         self._futures: set = set()
         self._closed = False
         register = getattr(threading, "_register_atexit", None)  # before the executors' threads are joined
@@ -286,8 +286,7 @@ class Fetcher:
             self._closed = True
             for future in list(self._futures):
                 future.cancel()
-            if self._owns_engine:
-                self.engine.close()
+            self.engine.close()
 
     def listed(self, remotes: list["Remote"]) -> list["Remote"]:
         """The shards with their sizes and ETags from S3 (`listed`)."""
@@ -455,13 +454,13 @@ class _Either:
         return (self.a is not None and self.a.is_set()) or self.b.is_set()
 
 
-def fetcher_for(remotes: list[Remote], engine: Engine | None = None):
-    """The fetcher of these shards' scheme (S3, through `engine` when given; or HTTP(S)); one scheme per run."""
+def fetcher_for(remotes: list[Remote]):
+    """The fetcher of these shards' scheme (S3, or HTTP(S)); one scheme per run."""
     schemes = {"http" if is_http(r.url) else "s3" for r in remotes}
     if len(schemes) > 1:
         raise ShardFetchError("these shards are partly on S3 and partly at an HTTP(S) server; give them one "
                               "source (copy them to one place)")
-    return HttpFetcher() if schemes == {"http"} else Fetcher(engine=engine)
+    return HttpFetcher() if schemes == {"http"} else Fetcher()
 
 
 # -- the streaming cache -------------------------------------------------------------------------
@@ -930,7 +929,7 @@ def fetch_to(data: str, local: Path, *, mode: str, workers: int, progress: bool 
              stats: SyncStats | None = None, asked: AskedListing | None = None) -> Path:
     """`fetch` into a given folder (`python -m dali_pipe sync` of a pack); verdicts of the shards that
     land go to `cache_dir` (default: the default cache dir). `engine`: the transfer engine for packed.json, the
-    index files and the shards (default: one for the first two, one for the shards); `raw`: packed.json's bytes,
+    LIST and the index files (default: one made here; the shards have their own: Fetcher); `raw`: packed.json's bytes,
     when the caller read them already; `asked`: the prefix's LIST, asked for on `engine` already (ask_listing).
     `stats`, when given, is filled in as a dataset's sync fills it: the pack's index and shard files listed,
     downloaded (their bytes) and unchanged, and the seconds."""
@@ -938,7 +937,6 @@ def fetch_to(data: str, local: Path, *, mode: str, workers: int, progress: bool 
     local.mkdir(parents=True, exist_ok=True)
     prefix = data.rstrip("/")
     bucket, key = parse_s3_uri(prefix)
-    given = engine
     # one engine for packed.json, the LIST (asked for beside it) and the index files; the LIST serves the shards too
     with engine_for(engine, workers) as engine, listing_asked(engine, prefix, asked) as asked:
         if raw is None:
@@ -969,7 +967,7 @@ def fetch_to(data: str, local: Path, *, mode: str, workers: int, progress: bool 
                             for s in shards], engine, found)
     if mode == "sync":
         fetched, size = sync_shards(ready, local, cache_dir=cache_dir or default_cache_dir(), progress=progress,
-                                    listed_already=True, engine=given)
+                                    listed_already=True)
         got.listed += len(shards)
         got.downloaded += fetched
         got.skipped += len(shards) - fetched
@@ -982,12 +980,10 @@ def fetch_to(data: str, local: Path, *, mode: str, workers: int, progress: bool 
 
 
 def sync_shards(remotes: list[Remote], local: Path, *, cache_dir: str | Path, progress: bool = True,
-                listed_already: bool = False, engine: Engine | None = None) -> tuple[int, int]:
+                listed_already: bool = False) -> tuple[int, int]:
     """Fetch every shard into `local` (ranged parallel GETs, FETCH_PARALLEL shards at a time), each
     checked as it lands; shards already there and matching are kept. Returns the shards fetched and their
-    bytes. `listed_already`: the remotes carry their sizes and ETags from S3 (`listed`), so no LIST again.
-    `engine`: the caller's transfer engine for S3 shards (the sync command's: its --workers requests in flight
-    and its bounds; no second engine, event loop and HTTP client to start), else one of their own."""
+    bytes. `listed_already`: the remotes carry their sizes and ETags from S3 (`listed`), so no LIST again."""
 
     verdicts = Verdicts(cache_dir)
     lock(local, "sync", "wait for it to finish")
@@ -1000,7 +996,7 @@ def sync_shards(remotes: list[Remote], local: Path, *, cache_dir: str | Path, pr
                 continue
             todo.append((r, dest))
         bar = byte_bar("sync shards", sum(r.size or 0 for r, _ in todo), progress and bool(todo))
-        fetcher, stop = fetcher_for([r for r, _ in todo] or remotes, engine), threading.Event()
+        fetcher, stop = fetcher_for([r for r, _ in todo] or remotes), threading.Event()
         if todo and not listed_already:
             todo = list(zip(fetcher.listed([r for r, _ in todo]), [d for _, d in todo]))
         pool = ThreadPoolExecutor(FETCH_PARALLEL, thread_name_prefix="shard-sync")

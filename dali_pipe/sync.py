@@ -336,11 +336,7 @@ def listing(engine: Engine, bucket: str, base: str, asked: AskedListing | None =
     LIST started already (ask_listing; another prefix's is not used), waited for instead of a new one."""
     try:
         if asked is not None and (asked.bucket, asked.base) == (bucket, base):
-            try:
-                return asked.future.result()
-            except BaseException:  # SIGTERM, Ctrl-C while waiting: the request is dropped, as engine.run drops it
-                asked.future.cancel()
-                raise
+            return engine.wait(asked.future)  # SIGTERM, Ctrl-C while waiting: the request is dropped
         return engine.run(engine.list(bucket, base))
     except TransferError as e:
         raise SyncError(explain(e, bucket, base)) from None

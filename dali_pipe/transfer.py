@@ -263,7 +263,12 @@ class Engine:
     def run(self, coro, timeout: float | None = None):
         """Run `coro` on the engine's loop and wait for its result here (cancelled if this thread is
         interrupted: SIGTERM, Ctrl-C)."""
-        fut = self.submit(coro)
+        return self.wait(self.submit(coro), timeout)
+
+    @staticmethod
+    def wait(fut: Future, timeout: float | None = None):
+        """The result of `fut` (a coroutine submitted to the engine), waited for here; cancelled if this thread is
+        interrupted (SIGTERM, Ctrl-C) or the wait times out."""
         try:
             return fut.result(timeout)
         except BaseException:

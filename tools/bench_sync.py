@@ -10,7 +10,8 @@
 
 Makes a dataset of real photos (dali_pipe/demo.py's generator: scikit-image's photographs, cropped and
 re-encoded), serves it, then syncs into fresh folders, each tool once per round, the order reversed every
-other round, each run after an untimed sync(2) (so none pays for the writeback of the data made or copied before it). Prints each round, the median and min-max per tool, the ratio of the medians with the
+other round, each run after an untimed sync(2) (so none pays for the writeback of the data made or copied
+before it). Prints each round, the median and min-max per tool, the ratio of the medians with the
 min-max of the per-round ratios, and the CPU time (user + system, the client's alone) per 1000 files.
 For the pack, each round also times our start-up alone (`python -m dali_pipe sync --help`: the interpreter
 and the imports every sync pays before its first request; obstore's own import, 3-20 ms, not included), and prints the
@@ -173,7 +174,7 @@ def compare_s5cmd(args, work: Path, report: dict) -> None:
             url = f"http://127.0.0.1:{proxy.port}" if proxy else served_url
             try:
                 label = f"latency {latency:g} ms, " if latency or len(args.latency_ms) > 1 else ""
-                measure(s5cmd_pairs(args, served, url, counts), args.rounds, work, counts, label, report,
+                measure(s5cmd_pairs(args, served, url, counts, binary), args.rounds, work, counts, label, report,
                         startup={"packed": [sys.executable, "-m", "dali_pipe", "sync", "--help"]})
             finally:
                 if proxy:
@@ -183,8 +184,9 @@ def compare_s5cmd(args, work: Path, report: dict) -> None:
         proc.wait(10)
 
 
-def s5cmd_pairs(args, served: Path, url: str, counts: dict) -> dict:
-    """For each group (raw, packed, packed-verified): s5cmd's command and ours, against the endpoint `url`."""
+def s5cmd_pairs(args, served: Path, url: str, counts: dict, binary: str) -> dict:
+    """For each group (raw, packed, packed-verified): s5cmd's command (its binary: s5cmd_binary) and ours, against
+    the endpoint `url`."""
     os.environ.update(AWS_ENDPOINT_URL=url, AWS_ACCESS_KEY_ID=KEY, AWS_SECRET_ACCESS_KEY=SECRET,
                       AWS_DEFAULT_REGION="us-east-1")
     served_groups = [g for g in ("raw", "packed") if g in counts]
@@ -192,7 +194,7 @@ def s5cmd_pairs(args, served: Path, url: str, counts: dict) -> dict:
         n, size = files_in(served / "bench" / group)
         print(f"{group}: {n} objects, {size / 1e6:.1f} MB on rclone serve s3, reached at {url}", flush=True)
     sync = [sys.executable, "-m", "dali_pipe", "sync", "--no-progress", "--workers", str(args.workers)]
-    s5 = [s5cmd_binary(), "--endpoint-url", url, "--log", "error", "cp"]
+    s5 = [binary, "--endpoint-url", url, "--log", "error", "cp"]
     pairs = {g: {"s5cmd cp": (lambda d, g=g: s5 + [f"s3://bench/{g}/*", f"{d}/"]),
                  "dali_pipe sync": (lambda d, g=g: sync + [f"s3://bench/{g}", str(d)])} for g in served_groups}
     if "packed-verified" in counts:  # the same work as ours: s5cmd's copy, then every shard's sha256

@@ -929,8 +929,9 @@ def fetch_to(data: str, local: Path, *, mode: str, workers: int, progress: bool 
              stats: SyncStats | None = None, asked: AskedListing | None = None) -> Path:
     """`fetch` into a given folder (`python -m dali_pipe sync` of a pack); verdicts of the shards that
     land go to `cache_dir` (default: the default cache dir). `engine`: the transfer engine for packed.json, the
-    LIST and the index files (default: one made here; the shards have their own: Fetcher); `raw`: packed.json's bytes,
-    when the caller read them already; `asked`: the prefix's LIST, asked for on `engine` already (ask_listing).
+    LIST and the index files (default: one made here; the shards have their own: Fetcher); `raw`: packed.json's
+    bytes, when the caller read them already; `asked`: the prefix's LIST, asked for on `engine` already
+    (ask_listing).
     `stats`, when given, is filled in as a dataset's sync fills it: the pack's index and shard files listed,
     downloaded (their bytes) and unchanged, and the seconds."""
     start = time.perf_counter()

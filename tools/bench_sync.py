@@ -4,15 +4,16 @@
     --compare s5cmd   `python -m dali_pipe sync` vs `s5cmd cp` of the same prefix, on rclone's `serve s3`
                       (Go; fast enough that the clients, not the server, set the pace): the raw JPEGs, and
                       with --packed also their pack (its shards' ranged GETs), once more against s5cmd
-                      followed by the shards' sha256 (OpenSSL, 2 at once), which our sync checks
+                      followed by the shards' XXH3-128 (`xxhsum -H2`, 2 at once), which our sync checks
     --compare cli     `python -m dali_pipe sync` of the raw files vs `aws s3 sync` of the same prefix (moto)
     --compare packed  `python -m dali_pipe sync` of the raw files vs of their pack (moto)
 
 Makes a dataset of real photos (dali_pipe/demo.py's generator: scikit-image's photographs, cropped and
 re-encoded), serves it, then syncs into fresh folders, each tool once per round, the order reversed every
 other round, each run after an untimed sync(2) (so none pays for the writeback of the data made or copied
-before it). Prints each round, the median and min-max per tool, the ratio of the medians with the
-min-max of the per-round ratios, and the CPU time (user + system, the client's alone) per 1000 files.
+before it). Prints each round, the median and min-max per tool, the median of the per-round ratios with
+their min-max (and the ratio of the medians), and the CPU time (user + system, the client's alone) per
+1000 files.
 For the pack, each round also times our start-up alone (`python -m dali_pipe sync --help`: the interpreter
 and the imports every sync pays before its first request; obstore's own import, 3-20 ms, not included), and prints the
 ratio with it taken off ours: how the transfer itself compares.
@@ -169,7 +170,8 @@ def compare_s5cmd(args, work: Path, report: dict) -> None:
                         "--shard-size", args.shard_size, "--cache-dir", str(work / "cache")], check=True, cwd=ROOT,
                        stderr=subprocess.DEVNULL)
         counts["packed"] = files_in(served / "bench" / "packed")[0]
-        if verifier():
+        check = verifier()
+        if check:
             counts["packed-verified"] = counts["packed"]
     proc, served_url = rclone_server(served)
     try:
@@ -178,7 +180,7 @@ def compare_s5cmd(args, work: Path, report: dict) -> None:
             url = f"http://127.0.0.1:{proxy.port}" if proxy else served_url
             try:
                 label = f"latency {latency:g} ms, " if latency or len(args.latency_ms) > 1 else ""
-                measure(s5cmd_pairs(args, served, url, counts, binary), args.rounds, work, counts, label, report,
+                measure(s5cmd_pairs(args, served, url, counts, binary, check), args.rounds, work, counts, label, report,
                         startup={"packed": [sys.executable, "-m", "dali_pipe", "sync", "--help"]})
             finally:
                 if proxy:
@@ -188,9 +190,9 @@ def compare_s5cmd(args, work: Path, report: dict) -> None:
         proc.wait(10)
 
 
-def s5cmd_pairs(args, served: Path, url: str, counts: dict, binary: str) -> dict:
+def s5cmd_pairs(args, served: Path, url: str, counts: dict, binary: str, check: tuple[str, str] | None = None) -> dict:
     """For each group (raw, packed, packed-verified): s5cmd's command (its binary: s5cmd_binary) and ours, against
-    the endpoint `url`."""
+    the endpoint `url`; `check`: verifier()'s checksum, which follows s5cmd's copy in packed-verified."""
     os.environ.update(AWS_ENDPOINT_URL=url, AWS_ACCESS_KEY_ID=KEY, AWS_SECRET_ACCESS_KEY=SECRET,
                       AWS_DEFAULT_REGION="us-east-1")
     served_groups = [g for g in ("raw", "packed") if g in counts]
@@ -201,8 +203,8 @@ def s5cmd_pairs(args, served: Path, url: str, counts: dict, binary: str) -> dict
     s5 = [binary, "--endpoint-url", url, "--log", "error", "cp"]
     pairs = {g: {"s5cmd cp": (lambda d, g=g: s5 + [f"s3://bench/{g}/*", f"{d}/"]),
                  "dali_pipe sync": (lambda d, g=g: sync + [f"s3://bench/{g}", str(d)])} for g in served_groups}
-    if "packed-verified" in counts:  # the same work as ours: s5cmd's copy, then every shard's checksum
-        name, hashing = verifier()
+    if "packed-verified" in counts and check:  # the same work as ours: s5cmd's copy, then every shard's checksum
+        name, hashing = check
         hashed = "printf '%s\\0' {d}/*.tar | xargs -0 -P 2 -n 2 " + hashing + " >/dev/null"  # 2 at once
         pairs["packed-verified"] = {
             f"s5cmd cp + {name}": lambda d: ["sh", "-c", " ".join(shlex.quote(a) for a in s5 + [
@@ -216,7 +218,7 @@ def verifier() -> tuple[str, str] | None:
     command). Ours is XXH3-128 (shards.format.FAST_SUM), which `xxhsum -H2` computes (Debian's xxhash);
     without it, OpenSSL's sha256, slower per byte than XXH3 (so a flattered baseline: the name says so)."""
     if shutil.which("xxhsum"):
-        return "xxhsum -H2", "xxhsum -H2"
+        return "xxhsum -H2", "xxhsum -q -H2"
     if shutil.which("openssl"):
         return "openssl sha256 (slower than our XXH3)", "openssl dgst -sha256"
     return None

@@ -10,9 +10,13 @@
 A thin entry: the commands live in dali_pipe/cli/, every flag in dali_pipe/config.py. The CLI is
 also a library: tests call `main([...])`.
 """
+import gc
 import sys
 
-from dali_pipe.cli import UsageError, as_a_command, cli, main  # noqa: F401  (UsageError: what main() raises)
+if __name__ == "__main__":
+    gc.disable()  # while the modules load; as_a_command() freezes what they made, then turns the collector on
+
+from dali_pipe.cli import UsageError, as_a_command, cli, main  # noqa: E402, F401  (UsageError: what main() raises)
 
 if __name__ == "__main__":
     as_a_command()

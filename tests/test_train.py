@@ -400,6 +400,48 @@ def test_a_diverging_run_stops_with_exit_1_exports_nothing_and_keeps_the_last_fi
                                                     for v in s.values() if torch.is_tensor(v)]
     assert all(torch.isfinite(v).all() for v in tensors)
 
+@pytest.mark.parametrize("entry", ["python -m dali_pipe", "train.py"])
+def test_the_entry_points_load_their_modules_with_the_collector_off_and_turn_it_back_on(entry):
+    """train.py and python -m dali_pipe turn the collector off before their first import: loading the command's
+    modules runs no collection (37 passes before, for python -m dali_pipe), then as_a_command() freezes what they
+    made and turns it back on. Imported as a module (this file imports train), train.py leaves the collector alone."""
+    run = ("runpy.run_module('dali_pipe', run_name='__main__', alter_sys=True)" if entry != "train.py" else
+           "runpy.run_path('train.py', run_name='__main__')")
+    argv = ["dali_pipe", "sync", "--help"] if entry != "train.py" else ["train.py", "--help"]
+    code = ("import atexit, gc, runpy, sys\n"
+            "passes, marks, off, freeze = [], {}, gc.disable, gc.freeze\n"
+            "gc.callbacks.append(lambda phase, info: phase == 'start' and passes.append(info['generation']))\n"
+            "gc.disable = lambda: (marks.setdefault('off', len(passes)), off())[1]\n"
+            "gc.freeze = lambda: (marks.setdefault('frozen', len(passes)), freeze())[1]\n"
+            "atexit.register(lambda: print(marks.get('frozen', 0) - marks.get('off', -1000), gc.isenabled(),\n"
+            "                              gc.get_freeze_count() > 10000, flush=True))  # passes from off to frozen\n"
+            f"sys.argv = {argv!r}\n{run}\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert r.returncode == 0, r.stderr
+    passes, enabled, frozen = r.stdout.splitlines()[-1].split()
+    assert int(passes) == 0 and enabled == "True" and frozen == "True", r.stdout.splitlines()[-1]
+    import gc
+
+    assert gc.isenabled() and train.__name__ == "train"
+
+
+def test_command_imports_freeze_what_a_command_loads_and_leave_a_library_alone():
+    """command_imports(), around a command's lazy import of its heavy modules: in a command (after
+    as_a_command) the collector is off while they load, what they made is frozen after, and it is on again,
+    also when the import fails; in the user's own process (as_a_command never called) nothing changes."""
+    code = ("import gc\nfrom dali_pipe.cli import as_a_command, command_imports\n"
+            "with command_imports():\n    library = (gc.isenabled(), gc.get_freeze_count())\n"
+            "as_a_command()\nbefore = gc.get_freeze_count()\n"
+            "with command_imports():\n    inside = gc.isenabled()\n    import fractions, statistics\n"
+            "grew = gc.get_freeze_count() > before\n"
+            "try:\n    with command_imports():\n        import no_such_module_here\n"
+            "except ImportError:\n    pass\n"
+            "print(library, inside, grew, gc.isenabled())\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "(True, 0) False True True", r.stdout
+
+
 def test_a_command_exits_without_the_shutdown_collection_and_keeps_its_finalizers():
     """as_a_command (train.py's and python -m dali_pipe's): what the imports made is frozen at once (no collection
     walks it again), at exit the garbage there is then is collected (a cycle's finalizer runs), the other atexit

@@ -15,7 +15,7 @@ from ..shards.cache import fetch_to
 from ..shards.format import PACKED_NAME
 from ..sync import ManifestMissing, SyncStats, ask_listing, make_engine, read_object, sync
 from ..transfer import keep_freed_memory
-from . import described
+from . import command_imports, described
 from . import main as train_main
 
 SYNC_DOC = ("Download s3://bucket/prefix/dataset.tsv and every file it lists into LOCAL_DIR (or, for a pack, its "
@@ -146,16 +146,19 @@ def main(argv: list[str] | None = None) -> int:
         print(f"manifest: wrote {path} ({rows} images); training now reads it instead of the folders")
     elif command == "pack":
         manifest = described(dataclasses.replace(s.data, data=s.pack.src), "SRC")  # before Lightning loads
-        from .pack import run  # lazy: a command's module loads Lightning (~10 s); --help must answer at once
+        with command_imports():
+            from .pack import run  # lazy: a command's module loads Lightning (~10 s); --help must answer at once
 
         run(s, manifest)
     elif command == "evaluate":
         manifest = described(s.data)  # before torch and Lightning load: a data mistake is told at once
-        from .evaluate import run  # lazy: as above
+        with command_imports():
+            from .evaluate import run  # lazy: as above
 
         run(s, manifest)
     elif command == "predict":
-        from .predict import run  # lazy: as above
+        with command_imports():
+            from .predict import run  # lazy: as above
 
         run(s)
     return 0

@@ -14,6 +14,12 @@ import train
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def _python(code: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    """`python -c code` in a fresh interpreter from the repository's root (for what a process does at its start
+    and exit), its output captured."""
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=timeout)
+
+
 def test_fit_learns_and_saved_model_reloads(photo_root, tmp_path, cache_dir):
     """Loss goes down over a short fit; the saved model reloads with from_pretrained and gives the same logits."""
     out = tmp_path / "out"
@@ -218,7 +224,7 @@ def test_our_warnings_print_as_one_plain_line(tmp_path):
     (tmp_path / "dataset.tsv").write_text("image_path\na/1.jpg\na/1.jpg\na/2.jpg\nb/1.jpg\nb/2.jpg\n")
     code = ("import sys; from dali_pipe.cli import cli; from dali_pipe.manifest import read_manifest; "
             f"sys.exit(cli(lambda: read_manifest({str(tmp_path)!r}, val_fraction=0.1, seed=0, skip_missing=False)))")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    r = _python(code)
     assert r.returncode == 0, r.stderr
     assert r.stderr == f"warning: {tmp_path / 'dataset.tsv'}: dropped 1 duplicate row(s) (same image_path, label and split).\n"
 
@@ -416,7 +422,7 @@ def test_the_entry_points_load_their_modules_with_the_collector_off_and_turn_it_
             "atexit.register(lambda: print(marks.get('frozen', 0) - marks.get('off', -1000), gc.isenabled(),\n"
             "                              gc.get_freeze_count() > 10000, flush=True))  # passes from off to frozen\n"
             f"sys.argv = {argv!r}\n{run}\n")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    r = _python(code, timeout=120)
     assert r.returncode == 0, r.stderr
     passes, enabled, frozen = r.stdout.splitlines()[-1].split()
     assert int(passes) == 0 and enabled == "True" and frozen == "True", r.stdout.splitlines()[-1]
@@ -437,7 +443,7 @@ def test_command_imports_freeze_what_a_command_loads_and_leave_a_library_alone()
             "try:\n    with command_imports():\n        import no_such_module_here\n"
             "except ImportError:\n    pass\n"
             "print(library, inside, grew, gc.isenabled())\n")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    r = _python(code)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "(True, 0) False True True", r.stdout
 
@@ -455,6 +461,6 @@ def test_a_command_exits_without_the_shutdown_collection_and_keeps_its_finalizer
             "class Cycle:\n    def __del__(self):\n        print('finalized', flush=True)\n"
             "c = Cycle(); c.me = c\ndel c\n"
             "gc.disable()  # the cycle stays garbage until the exit's collection\nsys.exit(3)\n")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    r = _python(code)
     assert r.returncode == 3, r.stderr
     assert r.stdout.splitlines() == ["imports frozen", "other handler", "finalized", "frozen"], r.stdout

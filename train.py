@@ -16,7 +16,12 @@ import sys
 if __name__ == "__main__":
     gc.disable()  # while the modules load; as_a_command() freezes what they made, then turns the collector on
 
-from dali_pipe.cli import UsageError, as_a_command, cli, main  # noqa: E402, F401  (UsageError: what main() raises)
+try:
+    from dali_pipe.cli import UsageError, as_a_command, cli, main  # noqa: F401  (UsageError: what main() raises)
+except BaseException:  # a process that outlives a failed import here (python -i, pdb, runpy) keeps its collector
+    if __name__ == "__main__":
+        gc.enable()
+    raise
 
 if __name__ == "__main__":
     as_a_command()

@@ -5,8 +5,13 @@ import sys
 if __name__ == "__main__":
     gc.disable()  # while the command's modules load; as_a_command() freezes what they made, then turns it on
 
-from .cli import as_a_command, cli  # noqa: E402
-from .cli.commands import main  # noqa: E402
+try:
+    from .cli import as_a_command, cli
+    from .cli.commands import main
+except BaseException:  # a process that outlives a failed import here (python -i, pdb, runpy) keeps its collector
+    if __name__ == "__main__":
+        gc.enable()
+    raise
 
 if __name__ == "__main__":
     as_a_command()

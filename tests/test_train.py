@@ -418,9 +418,10 @@ def test_the_entry_points_load_their_modules_with_the_collector_off_and_turn_it_
             "passes, marks, off, freeze = [], {}, gc.disable, gc.freeze\n"
             "gc.callbacks.append(lambda phase, info: phase == 'start' and passes.append(info['generation']))\n"
             "gc.disable = lambda: (marks.setdefault('off', len(passes)), off())[1]\n"
-            "gc.freeze = lambda: (marks.setdefault('frozen', len(passes)), freeze())[1]\n"
+            "gc.freeze = lambda: (marks.setdefault('frozen', len(passes)), freeze(),\n"
+            "                     marks.setdefault('count', gc.get_freeze_count()))[1]\n"
             "atexit.register(lambda: print(marks.get('frozen', 0) - marks.get('off', -1000), gc.isenabled(),\n"
-            "                              gc.get_freeze_count() > 10000, flush=True))  # passes from off to frozen\n"
+            "                              marks.get('count', 0) > 10000, flush=True))  # passes from off to frozen\n"
             f"sys.argv = {argv!r}\n{run}\n")
     r = _python(code, timeout=120)
     assert r.returncode == 0, r.stderr
@@ -431,21 +432,70 @@ def test_the_entry_points_load_their_modules_with_the_collector_off_and_turn_it_
     assert gc.isenabled() and train.__name__ == "train"
 
 
+@pytest.mark.parametrize("entry", ["python -m dali_pipe", "train.py"])
+def test_an_entry_point_whose_imports_fail_gives_the_collector_back(entry):
+    """Run inside a process that outlives it (python -i, pdb, runpy), an entry point whose first import fails
+    turns the collector back on before the error goes up."""
+    run = ("runpy.run_module('dali_pipe', run_name='__main__', alter_sys=True)" if entry != "train.py" else
+           "runpy.run_path('train.py', run_name='__main__')")
+    code = ("import gc, importlib.abc, runpy, sys\n"
+            "class Broken(importlib.abc.MetaPathFinder):\n"
+            "    def find_spec(self, name, path, target=None):\n"
+            "        if name == 'dali_pipe.cli':\n            raise ImportError('broken here')\n"
+            "sys.meta_path.insert(0, Broken())\n"
+            f"try:\n    {run}\nexcept ImportError as e:\n    print(e, gc.isenabled())\n")
+    r = _python(code)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "broken here True", r.stdout
+
+
 def test_command_imports_freeze_what_a_command_loads_and_leave_a_library_alone():
     """command_imports(), around a command's lazy import of its heavy modules: in a command (after
-    as_a_command) the collector is off while they load, what they made is frozen after, and it is on again,
-    also when the import fails; in the user's own process (as_a_command never called) nothing changes."""
-    code = ("import gc\nfrom dali_pipe.cli import as_a_command, command_imports\n"
-            "with command_imports():\n    library = (gc.isenabled(), gc.get_freeze_count())\n"
+    as_a_command) no full collection runs while they load (the young ones do), what they made is frozen after,
+    and the thresholds are back, also when the import fails; in the user's own process (as_a_command never
+    called) nothing changes."""
+    code = ("import gc\nfrom dali_pipe.cli import NO_FULL_PASS, as_a_command, command_imports\n"
+            "default = gc.get_threshold()\n"
+            "with command_imports():\n    library = (gc.get_threshold() == default, gc.get_freeze_count())\n"
             "as_a_command()\nbefore = gc.get_freeze_count()\n"
-            "with command_imports():\n    inside = gc.isenabled()\n    import fractions, statistics\n"
+            "with command_imports():\n"
+            "    inside = (gc.isenabled(), gc.get_threshold() == default[:2] + (NO_FULL_PASS,))\n"
+            "    import fractions, statistics\n"
             "grew = gc.get_freeze_count() > before\n"
             "try:\n    with command_imports():\n        import no_such_module_here\n"
             "except ImportError:\n    pass\n"
-            "print(library, inside, grew, gc.isenabled())\n")
+            "print(library, inside, grew, gc.isenabled(), gc.get_threshold() == default)\n")
     r = _python(code)
     assert r.returncode == 0, r.stderr
-    assert r.stdout.strip() == "(True, 0) False True True", r.stdout
+    assert r.stdout.strip() == "(True, 0) (True, True) True True True", r.stdout
+
+
+def test_training_loads_its_heavy_modules_through_command_imports(photo_root, tmp_path):
+    """train.py's main(), in a command: the modules it loads lazily (the finished-run check, the training
+    command; numpy through the data check) load with no full collection and are frozen, and the run itself
+    has the collector's usual thresholds (the modules stand in here, recording what they see)."""
+    code = ("import gc, importlib.abc, importlib.util, json, sys\n"
+            "seen, default = {}, gc.get_threshold()\n"
+            "class Stand(importlib.abc.MetaPathFinder, importlib.abc.Loader):\n"
+            "    def find_spec(self, name, path, target=None):\n"
+            "        if name in ('dali_pipe.cli.finished', 'dali_pipe.cli.fit'):\n"
+            "            return importlib.util.spec_from_loader(name, self)\n"
+            "    def create_module(self, spec):\n        return None\n"
+            "    def exec_module(self, module):\n"
+            "        seen[module.__name__] = (gc.get_threshold()[2] > default[2], gc.get_freeze_count())\n"
+            "        module.nothing_to_do = lambda *a: None\n"
+            "        module.run = lambda *a, **k: seen.setdefault('run', (gc.get_threshold() == default,\n"
+            "                                                               gc.get_freeze_count())) and {}\n"
+            "sys.meta_path.insert(0, Stand())\n"
+            "from dali_pipe.cli import as_a_command, main\nas_a_command()\n"
+            f"main(['--data', {str(photo_root)!r}, '--model', 'tiny', '--device', 'cpu', '--output', "
+            f"{str(tmp_path / 'out')!r}])\n"
+            "print(json.dumps(seen))\n")
+    r = _python(code, timeout=120)
+    assert r.returncode == 0, r.stderr
+    seen = json.loads(r.stdout.splitlines()[-1])
+    assert seen["dali_pipe.cli.finished"][0] and seen["dali_pipe.cli.fit"][0], seen  # no full pass while loading
+    assert seen["run"][0] and seen["run"][1] > seen["dali_pipe.cli.finished"][1], seen  # frozen, thresholds back
 
 
 def test_a_command_exits_without_the_shutdown_collection_and_keeps_its_finalizers():

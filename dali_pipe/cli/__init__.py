@@ -88,7 +88,8 @@ def described(data: DataSettings, what: str = "--data") -> Manifest | None:
     not exist is said so, as `what`. None where there is no local manifest to read: s3:// (or https://) data
     (its manifest is checked as it is synced, before the first GET), the other forms (checked as they are
     opened), the demo."""
-    from ..shards.source import source_kind  # lazy: it loads numpy (0.3 s); --help must answer at once
+    with command_imports():
+        from ..shards.source import source_kind  # lazy: it loads numpy (0.3 s); --help must answer at once
 
     if data.data is None or "://" in data.data:  # s3:// and https:// data: read as it is fetched
         return None
@@ -102,6 +103,7 @@ def described(data: DataSettings, what: str = "--data") -> Manifest | None:
 
 
 _COMMAND = False  # set by as_a_command(): this process is one of our commands, not a library user's
+NO_FULL_PASS = 1 << 30  # the collector's third threshold while a command's heavy modules load: no full pass
 
 
 def as_a_command() -> None:
@@ -129,23 +131,25 @@ def as_a_command() -> None:
 
 @contextlib.contextmanager
 def command_imports():
-    """Around a command's lazy import of its heavy modules (torch, Lightning, transformers, numpy): the collector
-    is off while they load, and what they made is frozen once they have (gc.freeze), as as_a_command() does for
-    the first imports. Loading torch, Lightning and transformers makes some 470k objects that live until exit,
-    and the collector walks them over and over as they come (1069 young, 97 middle and 7 full passes): about a
-    fifth of the import, 4.25 s -> 3.44 s for `from dali_pipe.cli.fit import run` on 2 cores (medians of 8
-    alternating rounds). The garbage they leave (12 464 objects) is frozen with them and never collected. In
-    library use (main() called from the user's code, as_a_command() never called), or with the collector off
-    already, it changes nothing."""
+    """Around a command's lazy import of its heavy modules (torch, Lightning, transformers, numpy): no full
+    collection runs while they load, and what they made is frozen once they have (gc.freeze), as as_a_command()
+    does for the first imports. Loading torch, Lightning and transformers makes some 470k objects that live until
+    exit, and the collector walks them over and over as they come (1069 young, 97 middle and 7 full passes):
+    about a fifth of the import. Without the full passes, `from dali_pipe.cli.fit import run` takes 3.15 s
+    instead of 4.03 (2 cores, medians of 6 alternating rounds). The young passes still run: with the collector
+    off it took 2.96 s, but the garbage the import makes (12 000 objects, 8 MB, mostly copies of sys.modules
+    that inspect's signature parsing keeps in cycles) was frozen with the rest for the process's life. In library use (main() called from the
+    user's code, as_a_command() never called), or with the collector off already, it changes nothing."""
     if not _COMMAND or not gc.isenabled():
         yield
         return
-    gc.disable()
+    thresholds = gc.get_threshold()
     try:
+        gc.set_threshold(thresholds[0], thresholds[1], NO_FULL_PASS)
         yield
     finally:
         gc.freeze()
-        gc.enable()
+        gc.set_threshold(*thresholds)
 
 
 def _freeze_at_exit() -> None:

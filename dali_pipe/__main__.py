@@ -4,15 +4,11 @@ import sys
 
 if __name__ == "__main__":
     gc.disable()  # while the command's modules load; as_a_command() freezes what they made, then turns it on
-
-try:
-    from .cli import as_a_command, cli
-    from .cli.commands import main
-except BaseException:  # a process that outlives a failed import here (python -i, pdb, runpy) keeps its collector
-    if __name__ == "__main__":
+    try:
+        from .cli import as_a_command, cli  # lazy: loaded with the collector off (see above)
+        from .cli.commands import main  # lazy: as above
+    except BaseException:  # a process that outlives a failed import here (python -i, pdb, runpy) keeps its collector
         gc.enable()
-    raise
-
-if __name__ == "__main__":
+        raise
     as_a_command()
     sys.exit(cli(main))

@@ -380,16 +380,18 @@ def test_a_streamed_download_reuses_the_memory_its_chunks_free(s3, tmp_path):
     size = 48 << 20
     for i in range(4):
         client.put_object(Bucket="data", Key=f"s/{i}.bin", Body=os.urandom(size))
-    faults = {}
-    for how, env in (("kept", {}), ("glibc's", LEFT_ALONE)):
-        out = subprocess.run([sys.executable, "-c", STREAM, str(tmp_path), str(size)], capture_output=True, text=True,
-                             timeout=120, env={**os.environ, **env})
-        assert out.returncode == 0, out.stderr
-        kept, n = out.stdout.split()
-        assert kept == ("True" if how == "kept" else "False")
-        faults[how] = int(n)
-        assert all((tmp_path / f"{i}.bin").stat().st_size == size for i in range(4))
-    assert faults["kept"] * 3 < faults["glibc's"] * 2, faults  # 192 MB is 49 152 pages; measured 7 900-9 800 vs 15 000-23 800
+    faults = {"kept": [], "glibc's": []}
+    for r in range(3):  # three pairs, alternating: the other tests' load moves a single pair (8 550 against 6 925 once)
+        for how, env in (("kept", {}), ("glibc's", LEFT_ALONE))[::1 if r % 2 == 0 else -1]:
+            out = subprocess.run([sys.executable, "-c", STREAM, str(tmp_path), str(size)], capture_output=True,
+                                 text=True, timeout=120, env={**os.environ, **env})
+            assert out.returncode == 0, out.stderr
+            kept, n = out.stdout.split()
+            assert kept == ("True" if how == "kept" else "False")
+            faults[how].append(int(n))
+            assert all((tmp_path / f"{i}.bin").stat().st_size == size for i in range(4))
+    median = {how: sorted(n)[1] for how, n in faults.items()}
+    assert median["kept"] * 3 < median["glibc's"] * 2, faults  # 192 MB is 49 152 pages; measured 7 900-9 800 vs 15 000-23 800
 
 
 ARENAS = """

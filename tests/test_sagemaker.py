@@ -325,9 +325,11 @@ def test_a_failed_host_stops_the_others_naming_it(tmp_path, photo_root):
 
 
 @pytest.mark.slow
-def test_sigterm_while_waiting_for_the_first_host_ends_at_once(tmp_path, photo_root):
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
+def test_a_signal_while_waiting_for_the_first_host_ends_at_once(tmp_path, photo_root, sig):
     """The second host waits for a first host that never comes; SIGTERM (docker stop, a stopped job) ends it
-    within seconds with exit 143, one clear line and the same reason in output/failure."""
+    within seconds with exit 143, one clear line and the same reason in output/failure; Ctrl-C (docker run -it)
+    with exit 130 and "stopped by Ctrl-C" (before: a bare "error: ", exit 1)."""
     import signal
     import time
 
@@ -340,11 +342,13 @@ def test_sigterm_while_waiting_for_the_first_host_ends_at_once(tmp_path, photo_r
         if "waiting for host" in line:
             break
     start = time.monotonic()
-    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(getattr(signal, sig))
     text = "".join(lines) + proc.communicate(timeout=30)[0]
-    assert proc.returncode == 143 and time.monotonic() - start < 10, text[-2000:]
-    reason = f"stopped by SIGTERM while waiting for host {first} (the first host)"
+    code, reason = ((143, f"stopped by SIGTERM while waiting for host {first} (the first host)") if sig == "SIGTERM"
+                    else (130, "stopped by Ctrl-C"))
+    assert proc.returncode == code and time.monotonic() - start < 10, text[-2000:]
     assert reason in text and (jobs[second][0] / "output" / "failure").read_text() == reason
+    assert "error: \n" not in text and "Traceback" not in text, text[-2000:]
 
 
 # -- every value form the SDKs send, each to the same setting ---------------------------------------------

@@ -289,6 +289,10 @@ def run_sagemaker(extra: list[str], main) -> dict:
         meeting = current()
         if isinstance(e, KeyboardInterrupt) and meeting is not None and meeting.interrupted_by:
             e = HostsError(meeting.interrupted_by)  # another host failed first: name it, not the interrupt
+        elif isinstance(e, KeyboardInterrupt):  # Ctrl-C (docker run -it): said and exited as without SageMaker (130)
+            _tell_hosts(meeting, "stopped by Ctrl-C", linger=False)
+            write_failure(failure_dir, "stopped by Ctrl-C")
+            raise
         if isinstance(e, RunMismatchError):
             e = RunMismatchError(f"{e}\n  Under SageMaker: give this job another checkpoint_s3_uri (its checkpoints "
                                  "are restored to /opt/ml/checkpoints), or the hyperparameter \"resume\": \"never\".")

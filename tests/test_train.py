@@ -406,13 +406,17 @@ def test_a_diverging_run_stops_with_exit_1_exports_nothing_and_keeps_the_last_fi
                                                     for v in s.values() if torch.is_tensor(v)]
     assert all(torch.isfinite(v).all() for v in tensors)
 
-@pytest.mark.parametrize("entry", ["python -m dali_pipe", "train.py"])
+
+ENTRY_RUNS = {"python -m dali_pipe": "runpy.run_module('dali_pipe', run_name='__main__', alter_sys=True)",
+              "train.py": "runpy.run_path('train.py', run_name='__main__')"}  # each entry point, run as a command
+
+
+@pytest.mark.parametrize("entry", list(ENTRY_RUNS))
 def test_the_entry_points_load_their_modules_with_the_collector_off_and_turn_it_back_on(entry):
     """train.py and python -m dali_pipe turn the collector off before their first import: loading the command's
     modules runs no collection (37 passes before, for python -m dali_pipe), then as_a_command() freezes what they
     made and turns it back on. Imported as a module (this file imports train), train.py leaves the collector alone."""
-    run = ("runpy.run_module('dali_pipe', run_name='__main__', alter_sys=True)" if entry != "train.py" else
-           "runpy.run_path('train.py', run_name='__main__')")
+    run = ENTRY_RUNS[entry]
     argv = ["dali_pipe", "sync", "--help"] if entry != "train.py" else ["train.py", "--help"]
     code = ("import atexit, gc, runpy, sys\n"
             "passes, marks, off, freeze = [], {}, gc.disable, gc.freeze\n"
@@ -432,12 +436,11 @@ def test_the_entry_points_load_their_modules_with_the_collector_off_and_turn_it_
     assert gc.isenabled() and train.__name__ == "train"
 
 
-@pytest.mark.parametrize("entry", ["python -m dali_pipe", "train.py"])
+@pytest.mark.parametrize("entry", list(ENTRY_RUNS))
 def test_an_entry_point_whose_imports_fail_gives_the_collector_back(entry):
     """Run inside a process that outlives it (python -i, pdb, runpy), an entry point whose first import fails
     turns the collector back on before the error goes up."""
-    run = ("runpy.run_module('dali_pipe', run_name='__main__', alter_sys=True)" if entry != "train.py" else
-           "runpy.run_path('train.py', run_name='__main__')")
+    run = ENTRY_RUNS[entry]
     code = ("import gc, importlib.abc, runpy, sys\n"
             "class Broken(importlib.abc.MetaPathFinder):\n"
             "    def find_spec(self, name, path, target=None):\n"

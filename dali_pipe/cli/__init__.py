@@ -138,8 +138,9 @@ def command_imports():
     about a fifth of the import. Without the full passes, `from dali_pipe.cli.fit import run` takes 3.15 s
     instead of 4.03 (2 cores, medians of 6 alternating rounds). The young passes still run: with the collector
     off it took 2.96 s, but the garbage the import makes (12 000 objects, 8 MB, mostly copies of sys.modules
-    that inspect's signature parsing keeps in cycles) was frozen with the rest for the process's life. In library use (main() called from the
-    user's code, as_a_command() never called), or with the collector off already, it changes nothing."""
+    that inspect's signature parsing keeps in cycles) was frozen with the rest for the process's life. In
+    library use (main() called from the user's code, as_a_command() never called), or with the collector off
+    already, it changes nothing."""
     if not _COMMAND or not gc.isenabled():
         yield
         return

@@ -465,3 +465,39 @@ def test_no_glibc_no_mallopt(monkeypatch, refusal):
     monkeypatch.setattr(transfer.os, "confstr", not_glibc, raising=False)
     monkeypatch.setattr(transfer.ctypes, "CDLL", lambda *a: pytest.fail("mallopt called without glibc"))
     assert transfer.keep_freed_memory(one_arena=True) is False
+
+
+@pytest.mark.parametrize("mode", ["asyncio", "threads"])
+def test_the_benchmarks_floor_client_copies_every_byte_of_the_prefix(s3, tmp_path, mode):
+    """tools/sync_floor.py, the least a Python client of obstore does (bench_sync.py --floors times it beside
+    s5cmd): every object under the prefix, nested ones too, lands whole, one above 8 MiB streamed at its offsets, and
+    nothing outside the prefix; bench_sync's check after each run finds it all there, and finds a short file."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    tools = Path(__file__).resolve().parents[1] / "tools"
+    sys.path.insert(0, str(tools))
+    from bench_sync import missing
+
+    client = make_client(2)
+    client.create_bucket(Bucket="data")
+    bodies = {"p/a.tar": os.urandom(9 << 20 | 123), "p/c/d.jpg": os.urandom(5000), "p/e.idx": b"x"}
+    for key, body in {**bodies, "q/outside.tar": b"no"}.items():
+        client.put_object(Bucket="data", Key=key, Body=body)
+    served = tmp_path / "served"
+    for key, body in bodies.items():
+        (served / key[2:]).parent.mkdir(parents=True, exist_ok=True)
+        (served / key[2:]).write_bytes(body)
+    dest = tmp_path / "dest"
+    subprocess.run([sys.executable, str(tools / "sync_floor.py"), mode, "s3://data/p", str(dest), "--at-once", "2"],
+                   check=True, timeout=60)
+    assert {str(q.relative_to(dest)): q.read_bytes() for q in dest.rglob("*") if q.is_file()} == {
+        k[2:]: v for k, v in bodies.items()}
+    assert missing(served, dest) is None
+    with open(dest / "a.tar", "r+b") as f:
+        f.truncate(100)
+    assert "1 of 2 files missing or short" in missing(served, dest)
+    bad = subprocess.run([sys.executable, str(tools / "sync_floor.py"), "fibers", "s3://data/p", str(dest)],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 1 and "asyncio" in bad.stderr and "threads" in bad.stderr

@@ -14,6 +14,8 @@ other round, each run after an untimed sync(2) (so none pays for the writeback o
 before it). Prints each round, the median and min-max per tool, the median of the per-round ratios with
 their min-max (and the ratio of the medians), and the CPU time (user + system, the client's alone) per
 1000 files.
+With --floors, the pack is also copied by the least a Python client of obstore does (tools/sync_floor.py: on one
+event loop, as our engine, and on threads), each against s5cmd in rounds of its own.
 For the pack, each round also times our start-up alone (`python -m dali_pipe sync --help`: the interpreter
 and the imports every sync pays before its first request; obstore's own import, 3-20 ms, not included), and prints the
 ratio with it taken off ours: how the transfer itself compares.
@@ -21,7 +23,7 @@ The measured processes (and the server) are pinned to --cpus cores. `--latency-m
 to stand in for S3's per-request latency: in moto's server, or (s5cmd) in a proxy in front of rclone's.
 
     python tools/bench_sync.py --compare s5cmd [--files 5120] [--side 450 560] [--rounds 3] [--packed]
-                               [--latency-ms 0 20] [--workers 256]
+                               [--latency-ms 0 20] [--workers 256] [--floors]
     python tools/bench_sync.py [--compare cli|packed] [--files 420] [--latency-ms 0 20] [--json OUT.json]
 """
 from __future__ import annotations
@@ -96,6 +98,20 @@ def files_in(folder: Path) -> tuple[int, int]:
     return len(files), sum(q.stat().st_size for q in files)
 
 
+def missing(served: Path, dest: Path) -> str | None:
+    """Which of the served data files (the JPEGs, or a pack's shards) are not in `dest` at their size: None
+    when all are."""
+    def sizes(folder: Path) -> dict[str, int]:
+        return {str(q.relative_to(folder)): q.stat().st_size for q in folder.rglob("*")
+                if q.suffix in (".jpg", ".tar") and q.is_file()}
+
+    want, got = sizes(served), sizes(dest)
+    if not want:
+        return f"no JPEGs or shards in {served} to compare with"
+    wrong = sorted(k for k in want if got.get(k) != want[k])
+    return f"{len(wrong)} of {len(want)} files missing or short, e.g. {wrong[:3]}" if wrong else None
+
+
 def timed(cmd: list[str]) -> tuple[float, float]:
     """Wall seconds and CPU seconds (user + system) of one run of `cmd`."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -106,14 +122,17 @@ def timed(cmd: list[str]) -> tuple[float, float]:
     return wall, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
 
 
+FLOORS = ("asyncio", "threads")  # tools/sync_floor.py's modes
 STARTUP = "our start-up alone"  # `python -m dali_pipe sync --help`: the interpreter and the sync's imports
 
 
 def measure(pairs: dict[str, dict[str, callable]], rounds: int, work: Path, counts: dict[str, int], label: str,
-            report: dict, startup: dict[str, list[str]] | None = None) -> None:
+            report: dict, startup: dict[str, list[str]] | None = None, landed=None) -> None:
     """For each group (raw, packed): its two tools, alternating, `rounds` times; then medians and ratios.
     `startup`: {group: command} of groups whose rounds also time our process's start-up alone (the interpreter
-    and the imports every sync pays before its first request), so that the fixed cost is measured beside the rest."""
+    and the imports every sync pays before its first request), so that the fixed cost is measured beside the rest.
+    `landed(group, dest)`: what a run that copied too little left wrong (None when all is there), checked
+    (untimed) after each run: a tool that stops early would otherwise only look fast."""
     for group, tools in pairs.items():
         started_by = (startup or {}).get(group)
         wall = {name: [] for name in tools}
@@ -127,7 +146,10 @@ def measure(pairs: dict[str, dict[str, callable]], rounds: int, work: Path, coun
                 os.sync()  # untimed: the dataset's and the previous run's writes and deletions reach the disk first,
                 # so that no run pays for the writeback of the gigabytes written before it
                 w, c = timed(tools[name](dest))
+                wrong = landed(group, dest) if landed is not None else None
                 shutil.rmtree(dest, ignore_errors=True)
+                if wrong:
+                    raise SystemExit(f"{label}{group}, round {r}: {name} did not copy everything: {wrong}")
                 wall[name].append(w)
                 cpu[name].append(c)
                 print(f"{label}{group}, round {r}: {name:26s} {w:6.2f} s wall, {c:6.2f} s CPU", flush=True)
@@ -173,6 +195,8 @@ def compare_s5cmd(args, work: Path, report: dict) -> None:
         check = verifier()
         if check:
             counts["packed-verified"] = counts["packed"]
+        if args.floors:
+            counts.update({f"packed, floor: {mode}": counts["packed"] for mode in FLOORS})
     proc, served_url = rclone_server(served)
     try:
         for latency in args.latency_ms:
@@ -181,7 +205,9 @@ def compare_s5cmd(args, work: Path, report: dict) -> None:
             try:
                 label = f"latency {latency:g} ms, " if latency or len(args.latency_ms) > 1 else ""
                 measure(s5cmd_pairs(args, served, url, counts, binary, check), args.rounds, work, counts, label, report,
-                        startup={"packed": [sys.executable, "-m", "dali_pipe", "sync", "--help"]})
+                        startup={"packed": [sys.executable, "-m", "dali_pipe", "sync", "--help"]},
+                        landed=lambda group, dest: missing(served / "bench" / group.split(",")[0].removesuffix(
+                            "-verified"), dest))
             finally:
                 if proxy:
                     proxy.stop()
@@ -191,7 +217,7 @@ def compare_s5cmd(args, work: Path, report: dict) -> None:
 
 
 def s5cmd_pairs(args, served: Path, url: str, counts: dict, binary: str, check: tuple[str, str] | None = None) -> dict:
-    """For each group (raw, packed, packed-verified): s5cmd's command (its binary: s5cmd_binary) and ours, against
+    """For each group (raw, packed, packed-verified, the pack's floors): s5cmd's command (its binary: s5cmd_binary) and ours, against
     the endpoint `url`; `check`: verifier()'s checksum, which follows s5cmd's copy in packed-verified."""
     os.environ.update(AWS_ENDPOINT_URL=url, AWS_ACCESS_KEY_ID=KEY, AWS_SECRET_ACCESS_KEY=SECRET,
                       AWS_DEFAULT_REGION="us-east-1")
@@ -203,6 +229,12 @@ def s5cmd_pairs(args, served: Path, url: str, counts: dict, binary: str, check: 
     s5 = [binary, "--endpoint-url", url, "--log", "error", "cp"]
     pairs = {g: {"s5cmd cp": (lambda d, g=g: s5 + [f"s3://bench/{g}/*", f"{d}/"]),
                  "dali_pipe sync": (lambda d, g=g: sync + [f"s3://bench/{g}", str(d)])} for g in served_groups}
+    for mode in FLOORS:  # the least a Python client of obstore does, of each kind (sync_floor.py)
+        if f"packed, floor: {mode}" in counts:
+            pairs[f"packed, floor: {mode}"] = {
+                "s5cmd cp": lambda d: s5 + ["s3://bench/packed/*", f"{d}/"],
+                f"sync_floor.py {mode}": lambda d, mode=mode: [sys.executable, str(ROOT / "tools" / "sync_floor.py"),
+                                                              mode, "s3://bench/packed", str(d)]}
     if "packed-verified" in counts and check:  # the same work as ours: s5cmd's copy, then every shard's checksum
         name, hashing = check
         hashed = "printf '%s\\0' {d}/*.tar | xargs -0 -P 2 -n 2 " + hashing + " >/dev/null"  # 2 at once
@@ -272,6 +304,9 @@ def main() -> None:
     p.add_argument("--workers", type=int, default=None, help="dali_pipe sync --workers (default: its own)")
     p.add_argument("--packed", action="store_true", help="s5cmd: also the pack of the same photos (ranged GETs)")
     p.add_argument("--shard-size", default="64MB", help="s5cmd --packed: the pack's --shard-size")
+    p.add_argument("--floors", action="store_true",
+                   help="s5cmd --packed: also the least a Python client of obstore does (tools/sync_floor.py, on an "
+                        "event loop and on threads), each against s5cmd: what is ours to cut, and what is not")
     p.add_argument("--cpus", type=int, default=2, help="pin the run (server and clients) to this many cores")
     p.add_argument("--latency-ms", type=float, nargs="+", default=None,
                    help="per-request delays to measure at, one pass each (default: 0 for s5cmd, through a "

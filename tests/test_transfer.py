@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import os
 import statistics
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 from faultproxy import FaultProxy
@@ -13,6 +16,8 @@ from faultproxy import FaultProxy
 from dali_pipe import transfer
 from dali_pipe.sync import make_client
 from dali_pipe.transfer import Engine, TransferError, temp_path
+
+TOOLS = Path(__file__).resolve().parents[1] / "tools"
 
 
 @pytest.fixture
@@ -467,37 +472,51 @@ def test_no_glibc_no_mallopt(monkeypatch, refusal):
     assert transfer.keep_freed_memory(one_arena=True) is False
 
 
+
 @pytest.mark.parametrize("mode", ["asyncio", "threads"])
-def test_the_benchmarks_floor_client_copies_every_byte_of_the_prefix(s3, tmp_path, mode):
+def test_the_benchmarks_floor_client_copies_every_byte_of_the_prefix(s3, tmp_path, monkeypatch, mode):
     """tools/sync_floor.py, the least a Python client of obstore does (bench_sync.py --floors times it beside
-    s5cmd): every object under the prefix, nested ones too, lands whole, one above 8 MiB streamed at its offsets, and
-    nothing outside the prefix; bench_sync's check after each run finds it all there, and finds a short file."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    tools = Path(__file__).resolve().parents[1] / "tools"
-    sys.path.insert(0, str(tools))
+    s5cmd): every object under the prefix, nested ones too, lands whole, one above 8 MiB streamed at its offsets;
+    nothing of a sibling prefix, no folder marker; bench_sync's check after each run finds it all there, and
+    finds a short file. A failed write fails the run (on threads too), and a bad argument gets the usage."""
+    monkeypatch.syspath_prepend(str(TOOLS))
     from bench_sync import missing
+    from sync_floor import CHUNK, PART
 
+    assert (CHUNK, PART) == (transfer.CHUNK, transfer.PART)  # copied there, to keep asyncio out of its imports
     client = make_client(2)
     client.create_bucket(Bucket="data")
-    bodies = {"p/a.tar": os.urandom(9 << 20 | 123), "p/c/d.jpg": os.urandom(5000), "p/e.idx": b"x"}
-    for key, body in {**bodies, "q/outside.tar": b"no"}.items():
+    bodies = {"p/a.tar": os.urandom(9 << 20 | 123), "p/c/d.jpg": os.urandom(5000), "p/c/e/f.idx": b"x",
+              "p/packed.json": b"{}"}
+    for key, body in {**bodies, "p/": b"", "p/c/": b"", "px/outside.tar": b"no", "q/outside.tar": b"no"}.items():
         client.put_object(Bucket="data", Key=key, Body=body)
     served = tmp_path / "served"
     for key, body in bodies.items():
         (served / key[2:]).parent.mkdir(parents=True, exist_ok=True)
         (served / key[2:]).write_bytes(body)
+
+    def floor(*args, **kw):
+        return subprocess.run([sys.executable, str(TOOLS / "sync_floor.py"), *args], capture_output=True, text=True,
+                              timeout=60, **kw)
+
     dest = tmp_path / "dest"
-    subprocess.run([sys.executable, str(tools / "sync_floor.py"), mode, "s3://data/p", str(dest), "--at-once", "2"],
-                   check=True, timeout=60)
+    done = floor(mode, "s3://data/p", str(dest), "--at-once", "2")
+    assert done.returncode == 0, done.stderr
     assert {str(q.relative_to(dest)): q.read_bytes() for q in dest.rglob("*") if q.is_file()} == {
         k[2:]: v for k, v in bodies.items()}
     assert missing(served, dest) is None
     with open(dest / "a.tar", "r+b") as f:
         f.truncate(100)
-    assert "1 of 2 files missing or short" in missing(served, dest)
-    bad = subprocess.run([sys.executable, str(tools / "sync_floor.py"), "fibers", "s3://data/p", str(dest)],
-                         capture_output=True, text=True, timeout=60)
-    assert bad.returncode == 1 and "asyncio" in bad.stderr and "threads" in bad.stderr
+    assert "1 of 4 files missing or short" in missing(served, dest)
+    blocked = tmp_path / "blocked"
+    blocked.mkdir()
+    (blocked / "c").write_bytes(b"a file where the folder c/ must go")
+    failed = floor(mode, "s3://data/p", str(blocked))
+    assert failed.returncode == 1 and ("FileExistsError" in failed.stderr or "NotADirectoryError" in failed.stderr), (
+        failed.stderr)
+    for bad, says in [(["fibers", "s3://data/p", str(dest)], "asyncio or threads"),
+                      ([mode, "s3://data/p", str(dest), "--at-once", "0"], "1 or more")]:
+        refused = floor(*bad)
+        assert refused.returncode == 1 and says in refused.stderr, refused.stderr
+    refused = floor(mode, "s3://data/p", str(dest), env={k: v for k, v in os.environ.items() if k != "AWS_ENDPOINT_URL"})
+    assert refused.returncode == 1 and "set AWS_ENDPOINT_URL" in refused.stderr, refused.stderr

@@ -98,16 +98,20 @@ def files_in(folder: Path) -> tuple[int, int]:
     return len(files), sum(q.stat().st_size for q in files)
 
 
+DATA_SUFFIXES, DATA_NAMES = (".jpg", ".tar", ".idx"), ("dataset.tsv", "packed.json")  # what every tool must copy
+
+
 def missing(served: Path, dest: Path) -> str | None:
-    """Which of the served data files (the JPEGs, or a pack's shards) are not in `dest` at their size: None
-    when all are."""
+    """Which of the served files that every tool must copy (the JPEGs and dataset.tsv; a pack's shards, index
+    files and packed.json; not a pack's bad_images.tsv, which a sync leaves in S3) are not in `dest` at their
+    size: None when all are."""
     def sizes(folder: Path) -> dict[str, int]:
         return {str(q.relative_to(folder)): q.stat().st_size for q in folder.rglob("*")
-                if q.suffix in (".jpg", ".tar") and q.is_file()}
+                if (q.suffix in DATA_SUFFIXES or q.name in DATA_NAMES) and q.is_file()}
 
     want, got = sizes(served), sizes(dest)
     if not want:
-        return f"no JPEGs or shards in {served} to compare with"
+        return f"nothing in {served} to compare with"
     wrong = sorted(k for k in want if got.get(k) != want[k])
     return f"{len(wrong)} of {len(want)} files missing or short, e.g. {wrong[:3]}" if wrong else None
 
@@ -131,8 +135,8 @@ def measure(pairs: dict[str, dict[str, callable]], rounds: int, work: Path, coun
     """For each group (raw, packed): its two tools, alternating, `rounds` times; then medians and ratios.
     `startup`: {group: command} of groups whose rounds also time our process's start-up alone (the interpreter
     and the imports every sync pays before its first request), so that the fixed cost is measured beside the rest.
-    `landed(group, dest)`: what a run that copied too little left wrong (None when all is there), checked
-    (untimed) after each run: a tool that stops early would otherwise only look fast."""
+    `landed(group, name, dest)`: what the run of tool `name` left wrong, if it copied too little (None when all
+    is there), checked (untimed) after each run: a tool that stops early would otherwise only look fast."""
     for group, tools in pairs.items():
         started_by = (startup or {}).get(group)
         wall = {name: [] for name in tools}
@@ -146,7 +150,7 @@ def measure(pairs: dict[str, dict[str, callable]], rounds: int, work: Path, coun
                 os.sync()  # untimed: the dataset's and the previous run's writes and deletions reach the disk first,
                 # so that no run pays for the writeback of the gigabytes written before it
                 w, c = timed(tools[name](dest))
-                wrong = landed(group, dest) if landed is not None else None
+                wrong = landed(group, name, dest) if landed is not None else None
                 shutil.rmtree(dest, ignore_errors=True)
                 if wrong:
                     raise SystemExit(f"{label}{group}, round {r}: {name} did not copy everything: {wrong}")
@@ -186,6 +190,7 @@ def compare_s5cmd(args, work: Path, report: dict) -> None:
     served = work / "s3"
     make_photo_dataset(served / "bench" / "raw", classes=5, per_class=args.files // 5, side=tuple(args.side))
     counts = {"raw": files_in(served / "bench" / "raw")[0]}
+    check = None
     if args.packed:
         subprocess.run([sys.executable, "-m", "dali_pipe", "pack", str(served / "bench" / "raw"),
                         str(served / "bench" / "packed"), "--max-side", "4000", "--val-fraction", "0",
@@ -197,6 +202,7 @@ def compare_s5cmd(args, work: Path, report: dict) -> None:
             counts["packed-verified"] = counts["packed"]
         if args.floors:
             counts.update({f"packed, floor: {mode}": counts["packed"] for mode in FLOORS})
+    source = {g: served / "bench" / ("raw" if g == "raw" else "packed") for g in counts}  # what each group copies
     proc, served_url = rclone_server(served)
     try:
         for latency in args.latency_ms:
@@ -206,8 +212,7 @@ def compare_s5cmd(args, work: Path, report: dict) -> None:
                 label = f"latency {latency:g} ms, " if latency or len(args.latency_ms) > 1 else ""
                 measure(s5cmd_pairs(args, served, url, counts, binary, check), args.rounds, work, counts, label, report,
                         startup={"packed": [sys.executable, "-m", "dali_pipe", "sync", "--help"]},
-                        landed=lambda group, dest: missing(served / "bench" / group.split(",")[0].removesuffix(
-                            "-verified"), dest))
+                        landed=lambda group, name, dest: missing(source[group], dest))
             finally:
                 if proxy:
                     proxy.stop()
@@ -217,8 +222,8 @@ def compare_s5cmd(args, work: Path, report: dict) -> None:
 
 
 def s5cmd_pairs(args, served: Path, url: str, counts: dict, binary: str, check: tuple[str, str] | None = None) -> dict:
-    """For each group (raw, packed, packed-verified, the pack's floors): s5cmd's command (its binary: s5cmd_binary) and ours, against
-    the endpoint `url`; `check`: verifier()'s checksum, which follows s5cmd's copy in packed-verified."""
+    """For each group (raw, packed, packed-verified, the pack's floors): s5cmd's command (its binary:
+    s5cmd_binary) and ours (or a floor's), against the endpoint `url`; `check`: verifier()'s checksum, which follows s5cmd's copy in packed-verified."""
     os.environ.update(AWS_ENDPOINT_URL=url, AWS_ACCESS_KEY_ID=KEY, AWS_SECRET_ACCESS_KEY=SECRET,
                       AWS_DEFAULT_REGION="us-east-1")
     served_groups = [g for g in ("raw", "packed") if g in counts]
@@ -233,8 +238,9 @@ def s5cmd_pairs(args, served: Path, url: str, counts: dict, binary: str, check: 
         if f"packed, floor: {mode}" in counts:
             pairs[f"packed, floor: {mode}"] = {
                 "s5cmd cp": lambda d: s5 + ["s3://bench/packed/*", f"{d}/"],
-                f"sync_floor.py {mode}": lambda d, mode=mode: [sys.executable, str(ROOT / "tools" / "sync_floor.py"),
-                                                              mode, "s3://bench/packed", str(d)]}
+                f"sync_floor.py {mode}": lambda d, mode=mode: [
+                    sys.executable, str(ROOT / "tools" / "sync_floor.py"), mode, "s3://bench/packed", str(d),
+                    "--at-once", str(args.workers)]}
     if "packed-verified" in counts and check:  # the same work as ours: s5cmd's copy, then every shard's checksum
         name, hashing = check
         hashed = "printf '%s\\0' {d}/*.tar | xargs -0 -P 2 -n 2 " + hashing + " >/dev/null"  # 2 at once
@@ -273,11 +279,13 @@ def compare_moto(args, work: Path, report: dict) -> None:
     n, size = upload(client, src, "raw")
     print(f"raw: {n} objects, {size / 1e6:.1f} MB on {url}")
     sync = [sys.executable, "-m", "dali_pipe", "sync", "--no-progress", "--workers", str(args.workers)]
-    tools = {}
+    tools, source = {}, {}  # source: what each tool copies
     if args.compare == "cli":
         tools["aws s3 sync (raw)"] = lambda d: [tool("aws"), "s3", "sync", "--only-show-errors", "s3://bench/raw",
                                                 str(d), "--endpoint-url", url]
+        source["aws s3 sync (raw)"] = src
     tools["dali_pipe sync (raw)"] = lambda d: sync + ["s3://bench/raw", str(d)]
+    source["dali_pipe sync (raw)"] = src
     if args.compare == "packed":
         subprocess.run([sys.executable, "-m", "dali_pipe", "pack", str(src), str(work / "packed"), "--max-side",
                         "384", "--val-fraction", "0", "--cache-dir", str(work / "cache")], check=True, cwd=ROOT,
@@ -285,11 +293,12 @@ def compare_moto(args, work: Path, report: dict) -> None:
         n, size = upload(client, work / "packed", "packed")
         print(f"packed: {n} objects, {size / 1e6:.1f} MB")
         tools["dali_pipe sync (packed)"] = lambda d: sync + ["s3://bench/packed", str(d)]
+        source["dali_pipe sync (packed)"] = work / "packed"
     try:
         for latency in args.latency_ms:
             server.delay = latency / 1000
             measure({"raw": tools}, args.rounds, work, {"raw": args.files // 7 * 7}, f"latency {latency:g} ms, ",
-                    report)
+                    report, landed=lambda group, name, dest: missing(source[name], dest))
     finally:
         server.stop()
 
@@ -313,6 +322,8 @@ def main() -> None:
                         "delaying proxy in front of rclone when above 0; 0 20 for moto, in the server)")
     p.add_argument("--json", help="also write the measurements here")
     args = p.parse_args()
+    if args.floors and not (args.compare == "s5cmd" and args.packed):
+        p.error("--floors needs --compare s5cmd --packed: the floors copy the pack")
     s5 = args.compare == "s5cmd"
     args.files = args.files or (5120 if s5 else 420)
     args.side = args.side or ((450, 560) if s5 else (600, 900))

@@ -223,7 +223,8 @@ def compare_s5cmd(args, work: Path, report: dict) -> None:
 
 def s5cmd_pairs(args, served: Path, url: str, counts: dict, binary: str, check: tuple[str, str] | None = None) -> dict:
     """For each group (raw, packed, packed-verified, the pack's floors): s5cmd's command (its binary:
-    s5cmd_binary) and ours (or a floor's), against the endpoint `url`; `check`: verifier()'s checksum, which follows s5cmd's copy in packed-verified."""
+    s5cmd_binary) and ours (or a floor's), against the endpoint `url`; `check`: verifier()'s checksum, which
+    follows s5cmd's copy in packed-verified."""
     os.environ.update(AWS_ENDPOINT_URL=url, AWS_ACCESS_KEY_ID=KEY, AWS_SECRET_ACCESS_KEY=SECRET,
                       AWS_DEFAULT_REGION="us-east-1")
     served_groups = [g for g in ("raw", "packed") if g in counts]

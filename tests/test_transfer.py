@@ -472,7 +472,6 @@ def test_no_glibc_no_mallopt(monkeypatch, refusal):
     assert transfer.keep_freed_memory(one_arena=True) is False
 
 
-
 @pytest.mark.parametrize("mode", ["asyncio", "threads"])
 def test_the_benchmarks_floor_client_copies_every_byte_of_the_prefix(s3, tmp_path, monkeypatch, mode):
     """tools/sync_floor.py, the least a Python client of obstore does (bench_sync.py --floors times it beside
@@ -484,12 +483,13 @@ def test_the_benchmarks_floor_client_copies_every_byte_of_the_prefix(s3, tmp_pat
     from sync_floor import CHUNK, PART
 
     assert (CHUNK, PART) == (transfer.CHUNK, transfer.PART)  # copied there, to keep asyncio out of its imports
+    bucket = f"floor-{os.urandom(4).hex()}"  # moto's objects outlive its server: a fresh bucket holds only these
     client = make_client(2)
-    client.create_bucket(Bucket="data")
+    client.create_bucket(Bucket=bucket)
     bodies = {"p/a.tar": os.urandom(9 << 20 | 123), "p/c/d.jpg": os.urandom(5000), "p/c/e/f.idx": b"x",
               "p/packed.json": b"{}"}
     for key, body in {**bodies, "p/": b"", "p/c/": b"", "px/outside.tar": b"no", "q/outside.tar": b"no"}.items():
-        client.put_object(Bucket="data", Key=key, Body=body)
+        client.put_object(Bucket=bucket, Key=key, Body=body)
     served = tmp_path / "served"
     for key, body in bodies.items():
         (served / key[2:]).parent.mkdir(parents=True, exist_ok=True)
@@ -500,7 +500,7 @@ def test_the_benchmarks_floor_client_copies_every_byte_of_the_prefix(s3, tmp_pat
                               timeout=60, **kw)
 
     dest = tmp_path / "dest"
-    done = floor(mode, "s3://data/p", str(dest), "--at-once", "2")
+    done = floor(mode, f"s3://{bucket}/p", str(dest), "--at-once", "2")
     assert done.returncode == 0, done.stderr
     assert {str(q.relative_to(dest)): q.read_bytes() for q in dest.rglob("*") if q.is_file()} == {
         k[2:]: v for k, v in bodies.items()}
@@ -511,12 +511,13 @@ def test_the_benchmarks_floor_client_copies_every_byte_of_the_prefix(s3, tmp_pat
     blocked = tmp_path / "blocked"
     blocked.mkdir()
     (blocked / "c").write_bytes(b"a file where the folder c/ must go")
-    failed = floor(mode, "s3://data/p", str(blocked))
+    failed = floor(mode, f"s3://{bucket}/p", str(blocked))
     assert failed.returncode == 1 and ("FileExistsError" in failed.stderr or "NotADirectoryError" in failed.stderr), (
         failed.stderr)
-    for bad, says in [(["fibers", "s3://data/p", str(dest)], "asyncio or threads"),
-                      ([mode, "s3://data/p", str(dest), "--at-once", "0"], "1 or more")]:
+    for bad, says in [(["fibers", f"s3://{bucket}/p", str(dest)], "asyncio or threads"),
+                      ([mode, f"s3://{bucket}/p", str(dest), "--at-once", "0"], "1 or more")]:
         refused = floor(*bad)
         assert refused.returncode == 1 and says in refused.stderr, refused.stderr
-    refused = floor(mode, "s3://data/p", str(dest), env={k: v for k, v in os.environ.items() if k != "AWS_ENDPOINT_URL"})
+    no_endpoint = {k: v for k, v in os.environ.items() if k != "AWS_ENDPOINT_URL"}
+    refused = floor(mode, f"s3://{bucket}/p", str(dest), env=no_endpoint)
     assert refused.returncode == 1 and "set AWS_ENDPOINT_URL" in refused.stderr, refused.stderr

@@ -9,9 +9,10 @@ the objects in turn), as the sync's engine (dali_pipe/transfer.py) does: an obje
 one write, a larger one streamed in 1 MiB chunks written at their offsets (the engine's ranged GETs are not
 done: the benchmark's server answers a Range with 200). Malloc is tuned as the sync tunes it
 (transfer.keep_freed_memory). Nothing else: no manifest or packed.json, no checksum, no temporary names, no
-deadlines of its own, no progress; folder markers (empty objects named like a folder of objects) are skipped.
-It ends with os._exit, skipping the interpreter's teardown. The endpoint and keys come from AWS_ENDPOINT_URL,
-AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (AWS_DEFAULT_REGION, else us-east-1).
+deadlines of its own, no progress; folder markers of folders that hold objects are skipped (a marker of an empty
+folder fails the run: its name, as obstore lists it, finds nothing). It ends with os._exit, skipping the
+interpreter's teardown. The endpoint and keys come from AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID and
+AWS_SECRET_ACCESS_KEY (AWS_DEFAULT_REGION, else us-east-1).
 
 `tools/bench_sync.py --compare s5cmd --packed --floors` times both kinds beside s5cmd. Whatever our sync adds to
 the floor of its kind is ours to cut; what the floor itself costs is the engine's and the interpreter's. Each

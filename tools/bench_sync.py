@@ -238,7 +238,7 @@ def s5cmd_pairs(args, served: Path, url: str, counts: dict, binary: str, check: 
     for mode in FLOORS:  # the least a Python client of obstore does, of each kind (sync_floor.py)
         if f"packed, floor: {mode}" in counts:
             pairs[f"packed, floor: {mode}"] = {
-                "s5cmd cp": lambda d: s5 + ["s3://bench/packed/*", f"{d}/"],
+                "s5cmd cp": pairs["packed"]["s5cmd cp"],
                 f"sync_floor.py {mode}": lambda d, mode=mode: [
                     sys.executable, str(ROOT / "tools" / "sync_floor.py"), mode, "s3://bench/packed", str(d),
                     "--at-once", str(args.workers)]}
@@ -248,7 +248,7 @@ def s5cmd_pairs(args, served: Path, url: str, counts: dict, binary: str, check: 
         pairs["packed-verified"] = {
             f"s5cmd cp + {name}": lambda d: ["sh", "-c", " ".join(shlex.quote(a) for a in s5 + [
                 "s3://bench/packed/*", f"{d}/"]) + " && " + hashed.format(d=shlex.quote(str(d)))],
-            "dali_pipe sync": lambda d: sync + ["s3://bench/packed", str(d)]}
+            "dali_pipe sync": pairs["packed"]["dali_pipe sync"]}
     return pairs
 
 

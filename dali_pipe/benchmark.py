@@ -32,6 +32,7 @@ import pytorch_lightning as pl
 
 from .baseline import classic_loader
 from .config import LOADERS, UsageError, resolve_precision
+from .decoder import DecoderLog
 from .monitor import (
     SHARE_WORDS,
     SHARES,
@@ -65,12 +66,16 @@ def endless(loader):
 
 
 class Cycle:
-    """A loader repeated forever, without a length: one endless epoch, so no epoch-end work (metric
-    lines, schedulers) lands inside the timed window."""
+    """A loader repeated as one epoch of `length` batches (the run's steps), so no epoch-end work (metric lines,
+    schedulers) lands inside the timed window. It has a length, as training's loader has: Lightning fetches an
+    iterable without one a batch ahead (to see its end), and the fetch it times would be the next batch's."""
 
-    def __init__(self, loader):
-        self.loader = loader
+    def __init__(self, loader, length: int):
+        self.loader, self.length = loader, length
         self.batch_size = getattr(loader, "batch_size", None)
+
+    def __len__(self) -> int:
+        return self.length
 
     def __iter__(self):
         return endless(self.loader)
@@ -245,20 +250,25 @@ def measure(name: str, build, *, device, batch_size: int, warmup: int, steps: in
     data = build()
     if make_module is None:
         sampler = Sampler(20.0, 0 if device.type == "cuda" else None).start()
+        decoder_log = DecoderLog() if device.type == "cuda" else contextlib.nullcontext()
         try:
-            log, t0, t1, budget = time_loader(endless(data), device, warmup=warmup, steps=steps, progress=progress,
-                                              origin=origin)
+            with decoder_log:  # nvImageCodec's refusals, counted (the MonitorCallback does it for the model's runs)
+                log, t0, t1, budget = time_loader(endless(data), device, warmup=warmup, steps=steps,
+                                                  progress=progress, origin=origin)
         finally:
             sampler.stop()
         m = {**log.summary(batch_size), **sampler.window(t0, t1), "stalls": log.stalls(), "gpu_note": sampler.gpu_note,
              "time_budget": budget}
         timeline, wait = m.pop("gpu_timeline"), log.wait_s
         m["diagnosis"] = diagnose(name, m, cores=cores, model=False)
+        if isinstance(decoder_log, DecoderLog):
+            m["decoder"] = decoder_log.refusals.to_json()
+            m["diagnosis"] += [f"{name}: {line}" for line in decoder_log.refusals.lines((warmup + steps) * batch_size)]
     else:
         pl.seed_everything(0, verbose=False)
         timer = MonitorCallback(skip_steps=warmup, sync_window=True, name=name, verbose=False, origin=origin)
         trainer = make_trainer([timer, _StepProgress(progress)], warmup + steps)
-        trainer.fit(make_module(), datamodule=_Feed(data if isinstance(data, Synthetic) else Cycle(data), classes))
+        trainer.fit(make_module(), datamodule=_Feed(Cycle(data, warmup + steps), classes))
         m = {**timer.report, "gpu_note": timer.sampler.gpu_note}
         m["diagnosis"] = m["diagnosis"] + m.pop("budget_verdicts")
         if name == "synthetic" and m["data_wait_fraction"] < 0.10:

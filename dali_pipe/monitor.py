@@ -33,6 +33,7 @@ from pathlib import Path
 import numpy as np
 import pytorch_lightning as pl
 
+from .decoder import DecoderLog
 from .workdir import remove_dead_temps
 
 INPUT_BOUND_WAIT = 0.10
@@ -557,6 +558,7 @@ class MonitorCallback(pl.Callback):
         self._given_origin = origin is not None
         self.report: dict | None = None
         self._tap = None
+        self._decoder_log = None  # nvImageCodec's refusals, counted on a CUDA device (dali_pipe/decoder.py)
         self._last_stage_end = None  # perf_counter at the end of this callback's previous Trainer stage
         self._reset()
 
@@ -564,7 +566,7 @@ class MonitorCallback(pl.Callback):
         """What pickles (Trainer(strategy="ddp_spawn") sends its callbacks to each process): the settings and
         any finished report, not the live taps (the Trainer's profiler, the sampler's thread)."""
         state = dict(self.__dict__)
-        state.update(_tap=None, sampler=None, clock=_Clock())
+        state.update(_tap=None, sampler=None, clock=_Clock(), _decoder_log=None)
         return state
 
     def _reset(self) -> None:
@@ -605,21 +607,39 @@ class MonitorCallback(pl.Callback):
                 self.origin = time.perf_counter()
         self._tap = _ProfilerTap(trainer.profiler, self.clock)
         trainer.profiler = self._tap
+        if self._on_cuda(trainer) and self._decoder_log is None:
+            self._decoder_log = DecoderLog().__enter__()  # before the loaders' first decode (no first batch is
+            # prepared before iteration: loader.py)
         self.clock.global_step = lambda: trainer.global_step
         spans = getattr(trainer.datamodule, "spans", None) or {}
         since = self._last_stage_end if self._last_stage_end is not None else float("-inf")
         if "prepare_data" in spans and spans["prepare_data"][0] >= since:  # this fit's, not an earlier stage's
             self.origin = min(self.origin, spans["prepare_data"][0])
 
+    @staticmethod
+    def _on_cuda(trainer) -> bool:
+        """Whether this fit runs on a CUDA device (where DALI's loaders decode with nvImageCodec)."""
+        device = getattr(getattr(trainer, "strategy", None), "root_device", None)
+        return getattr(device, "type", None) == "cuda"
+
     def teardown(self, trainer, pl_module, stage: str) -> None:
         self._untap(trainer)
         self._last_stage_end = time.perf_counter()
 
     def _untap(self, trainer) -> None:
-        """Give the Trainer its own profiler back."""
+        """Give the Trainer its own profiler back, and the process its own stderr."""
         if self._tap is not None and trainer.profiler is self._tap:
             trainer.profiler = self._tap._inner
         self._tap = None
+        self._close_decoder_log()
+
+    def _close_decoder_log(self):
+        """The refusals counted so far (None when not counting), the process's stderr given back."""
+        log, self._decoder_log = self._decoder_log, None
+        if log is None:
+            return None
+        log.__exit__(None, None, None)
+        return log.refusals
 
     def on_train_start(self, trainer, pl_module):
         gpu = (pl_module.device.index or 0) if pl_module.device.type == "cuda" else None
@@ -733,6 +753,11 @@ class MonitorCallback(pl.Callback):
         b = self.budget(trainer, end)
         m["time_budget"] = b
         m["diagnosis"] = diagnose(self.name, m, cores=len(self.sampler.cores))
+        refusals = self._close_decoder_log()
+        if refusals is not None:
+            m["decoder"] = refusals.to_json()
+            images = self._seen * (self._batch or 0) + self._val["images"]
+            m["diagnosis"] += [f"{self.name}: {line}" for line in refusals.lines(images)]
         m["time_line"] = budget_line(b)
         m["budget_verdicts"] = budget_verdicts(self.name, b, cli=self.cli)
         self.report = m

@@ -1,12 +1,14 @@
 """The DALI pipeline: one definition, built for the GPU (`device="gpu"`) or the CPU (`device="cpu"`),
 and `resources_for_rank()`, the one place that sizes its threads, queues and decoder memory.
 
-On the GPU, nvJPEG decodes (`device="mixed"`, a random-crop ROI decode for training): the DALI CPU
-threads read the bytes and do the Huffman decoding (a GPU's hardware JPEG decoder, on A100 and H100,
-takes its share of the JPEGs whole), the GPU the rest of the decode; then the GPU resizes, augments and
-normalises, and images and labels come out on the GPU. Chroma is upsampled as libjpeg-turbo does
-(`decoder_args`), so both devices decode to the same pixels. On the CPU the same graph runs with CPU
-operators, which is how the tests and CPU-only machines use it.
+On the GPU, nvJPEG decodes (`device="mixed"`): the DALI CPU threads read the bytes and do the Huffman
+decoding (a GPU's hardware JPEG decoder, on A100 and H100, takes its share of the JPEGs whole), the GPU the
+rest of the decode; then the GPU resizes, augments and normalises, and images and labels come out on the GPU.
+Chroma is upsampled as libjpeg-turbo does (`decoder_args`), so both devices decode to the same pixels. The
+training crop is a random-crop ROI decode where nvImageCodec runs one on the GPU with that upsampling (nvJPEG
+>= 13.2, and always on the CPU), else a whole-image decode and `fn.random_resized_crop` on the GPU (nvJPEG 12,
+the `[cuda120]` stack): dali_pipe/decoder.py has the rule, docs/training.md what each costs. On the CPU the
+same graph runs with CPU operators, which is how the tests and CPU-only machines use it.
 
 Training augmentation, all on the device that decodes: random-resized crop (`--crop-scale`),
 flip, an optional policy from `nvidia.dali.auto_aug` (`--auto-augment rand|trivial|auto`), and
@@ -21,6 +23,7 @@ import warnings
 from dataclasses import dataclass
 
 from .config import PipelineSettings, cores
+from .decoder import training_roi_decode
 from .errors import dali_missing
 from .shards.reader import ShardReader
 from .spec import ImageSpec
@@ -149,6 +152,9 @@ class PipelineOptions:
     shard_id: int = 0  # global rank
     num_shards: int = 1  # world size
     fancy_upsampling: bool = True  # GPU: chroma upsampled as libjpeg-turbo does (decoder_args); False only to time it
+    # training: a random-crop ROI decode (True), or a whole decode then fn.random_resized_crop (False); None: the
+    # ROI decode wherever nvImageCodec runs it on the GPU (decoder.training_roi_decode); set only to time or test
+    roi_decode: bool | None = None
 
 
 def seeded_order(n: int, seed: int) -> list[int]:
@@ -198,6 +204,7 @@ def build_pipeline(source, spec: ImageSpec, opts: PipelineOptions, *, training: 
         source = Files([source.files[i] for i in order], [int(source.labels[i]) for i in order])
     res = opts.resources
     aug = opts.augment
+    roi = opts.roi_decode if opts.roi_decode is not None else training_roi_decode(opts.device, opts.fancy_upsampling)
 
     @pipeline_def(enable_checkpointing=True, enable_conditionals=training)
     def image_pipeline():
@@ -208,11 +215,15 @@ def build_pipeline(source, spec: ImageSpec, opts: PipelineOptions, *, training: 
         mean = [m * 255 for m in spec.mean]
         std = [s * 255 for s in spec.std]
         if training:
-            images = fn.decoders.image_random_crop(
-                jpegs, device=decoder, output_type=types.RGB,
-                random_area=list(aug.crop_scale), random_aspect_ratio=[3 / 4, 4 / 3], num_attempts=10, **hints)
-            images = fn.resize(images, resize_x=spec.width, resize_y=spec.height,
-                               interp_type=interp, antialias=True)
+            crop = dict(random_area=list(aug.crop_scale), random_aspect_ratio=[3 / 4, 4 / 3], num_attempts=10)
+            if roi:  # only the crop is decoded
+                images = fn.decoders.image_random_crop(jpegs, device=decoder, output_type=types.RGB, **crop, **hints)
+                images = fn.resize(images, resize_x=spec.width, resize_y=spec.height,
+                                   interp_type=interp, antialias=True)
+            else:  # the same crop distribution, cut from the whole decoded image
+                images = fn.decoders.image(jpegs, device=decoder, output_type=types.RGB, **hints)
+                images = fn.random_resized_crop(images, size=[spec.height, spec.width], interp_type=interp,
+                                                antialias=True, **crop)
             images = _auto_augment(images, aug, (spec.height, spec.width))
             images = fn.crop_mirror_normalize(
                 images, dtype=types.FLOAT, output_layout="CHW", mean=mean, std=std,
@@ -237,6 +248,7 @@ def build_pipeline(source, spec: ImageSpec, opts: PipelineOptions, *, training: 
         device_id=opts.device_id if opts.device == "gpu" else None,
         seed=opts.seed + opts.shard_id, prefetch_queue_depth=res.prefetch_queue_depth, checkpoint=checkpoint)
     pipe.shard_reader = None if isinstance(source, Files) else source
+    pipe.training_decode = ("roi" if roi else "whole") if training else None
     return pipe
 
 
@@ -245,7 +257,13 @@ def decoder_args(opts: PipelineOptions) -> tuple[str, dict]:
     (decoders.image, decoders.image_random_crop). On the GPU, `jpeg_fancy_upsampling` (DALI's default is off)
     makes nvJPEG upsample the chroma of 4:2:0 and 4:2:2 JPEGs as libjpeg-turbo does, which is what the CPU
     decoder and PIL do, so a model trained on GPU-decoded images is evaluated and serves on the pixels it saw
-    (tests/test_pipeline.py; its cost is timed by tools/gpu_check.sh)."""
+    (tests/test_pipeline.py; its cost is timed by tools/gpu_check.sh).
+
+    `preallocate_width_hint` / `preallocate_height_hint` stay unset: they size the hardware decoder's pool for
+    the *source* JPEGs (batch x width x height, 4:4:4), which neither the image spec (the output size) nor the
+    listing knows; nvImageCodec creates the pool even at DALI's 1x1 (hw_decoder.cpp: the pool itself "due to
+    considerable performance benefit - >20% for 8GPU training"), nvJPEG sizes its buffers to the images as they
+    come, and a T4 has no hardware decoder."""
     if opts.device != "gpu":
         return "cpu", {}
     res = opts.resources

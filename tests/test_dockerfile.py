@@ -128,14 +128,14 @@ def _names(requirements) -> list[str]:
 
 def test_dali_is_an_extra_per_cuda_variant_and_every_install_names_the_locks():
     """No DALI among the runtime requirements (an environment's own DALI, of any CUDA variant, stays the only
-    one); one extra per variant, each naming its wheel alone; the README's two commands, the Dockerfile and
-    tools/lock.sh install the extra whose wheel the lock pins (cuda120, the image's CUDA 12)."""
+    one); one extra per variant, each naming its wheel alone, and the lock pins both wheels; the README's two
+    commands, the Dockerfile and tools/lock.sh install cuda120 (the image's CUDA 12)."""
     project = _pyproject()
     assert not [n for n in _names(project["dependencies"]) if n.startswith("nvidia-dali")]
     extras = {k: _names(v) for k, v in project["optional-dependencies"].items()}
     variants = {k: v for k, v in extras.items() if any(n.startswith("nvidia-dali") for n in v)}
     assert variants == {"cuda120": ["nvidia-dali-cuda120"], "cuda130": ["nvidia-dali-cuda130"]}, variants
-    assert [n for n in _lock() if n.startswith("nvidia-dali")] == ["nvidia-dali-cuda120"]
+    assert [n for n in _lock() if n.startswith("nvidia-dali")] == ["nvidia-dali-cuda120", "nvidia-dali-cuda130"]
     readme = (ROOT / "README.md").read_text()
     commands = [ln for ln in readme.splitlines() if ln.startswith("python3 -m venv .venv")][:2]
     assert "-e '.[cuda120]'" in commands[0] and "-e '.[cuda120,test]'" in commands[1], commands
@@ -169,6 +169,37 @@ def test_installing_beside_another_dali_variant_adds_no_second_copy(tmp_path):
     plain, cuda130, cuda120 = would_install(), would_install("--extra", "cuda130"), would_install("--extra", "cuda120")
     assert "torch" in plain and not [n for n in plain + cuda130 if n.startswith("nvidia-dali")], (plain, cuda130)
     assert "nvidia-dali-cuda120" in cuda120
+
+
+@pytest.mark.network
+@pytest.mark.parametrize("extra", ["cuda120", "cuda130"])
+def test_each_dali_extra_resolves_within_the_lock_to_an_nvjpeg_the_decoder_rule_knows(tmp_path, extra):
+    """uv resolves the extra (its DALI wheel and all that wheel pulls in) with the lock as constraints, for the
+    image's platform and Python: every package it would install is one the lock pins, at the lock's version.
+    Its nvJPEG is of the extra's CUDA major; with either, nvImageCodec 0.9 refuses the ROI decode with fancy
+    upsampling (measured under 13.3.2, the cuda130 pin), so the GPU training decode is the whole decode and a
+    GPU crop (dali_pipe/decoder.py)."""
+    from dali_pipe.decoder import Nvjpeg
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PIP_", "UV_"))}
+    wanted = _pyproject()["optional-dependencies"][extra]
+    r = subprocess.run([_tool("uv"), "pip", "install", "--dry-run", "--only-binary", ":all:",
+                        "--python-platform", "x86_64-manylinux_2_28", "--python-version", "3.11",
+                        "--target", str(tmp_path / "t"), "-c", str(ROOT / "requirements.lock"), *wanted],
+                       capture_output=True, text=True, timeout=600, env=env)
+    if r.returncode != 0 and re.search(r"dns error|Connection refused|Network is unreachable", r.stderr):
+        pytest.skip(f"no route to PyPI: {r.stderr.strip().splitlines()[-1]}")
+    assert r.returncode == 0, r.stderr[-3000:]
+    resolved = dict(re.findall(r"^ \+ ([a-z0-9-]+)==(\S+)", r.stderr, re.M))
+    lock = _lock()
+    assert f"nvidia-dali-{extra}" in resolved, resolved
+    off = {n: v for n, v in resolved.items() if lock.get(n) != v}
+    assert not off, f"resolved outside the lock (rerun tools/lock.sh): {off}"
+    nvjpeg = [v for n, v in resolved.items() if n.startswith("nvidia-nvjpeg") and not n.startswith("nvidia-nvjpeg2k")]
+    assert len(nvjpeg) == 1, resolved
+    version = tuple(int(x) for x in nvjpeg[0].split(".")[:3])
+    assert version[0] == {"cuda120": 12, "cuda130": 13}[extra], version
+    assert not Nvjpeg(version, "lock").roi_with_fancy_upsampling  # nvImageCodec 0.9 refuses it on either
 
 
 @pytest.mark.network
@@ -286,6 +317,29 @@ def test_gpu_check_without_a_gpu_says_so_and_ends_in_its_summary(tmp_path):
     assert {p.name for p in out.iterdir()} <= promised and "Traceback" not in r.stdout + r.stderr
     assert r.stdout.rstrip().endswith("GPU check: FAILED (see summary.md)")
     assert not list(tmp_path.glob("gpu-check.*")), "the work folder is removed"
+
+
+def test_gpu_check_says_its_usage_and_its_step_limits_fit_its_budget(tmp_path):
+    """`--help` prints the header's usage and exits 0 (before: mkdir's usage, exit 2); an unknown option is a
+    usage error; the steps' own limits add up to no more than the default budget, so the last step (the
+    benchmark, the headline) is not the one cut; GPU_CHECK_SKIP skips steps by name."""
+    script = ROOT / "tools" / "gpu_check.sh"
+    r = subprocess.run(["bash", str(script), "--help"], capture_output=True, text=True, timeout=30, cwd=tmp_path)
+    assert r.returncode == 0 and "usage: tools/gpu_check.sh [OUT] [STEPS]" in r.stdout and not r.stderr, r
+    assert not list(tmp_path.iterdir()), "--help wrote nothing"
+    r = subprocess.run(["bash", str(script), "--bogus"], capture_output=True, text=True, timeout=30, cwd=tmp_path)
+    assert r.returncode == 2 and "unknown option --bogus" in r.stderr
+    text = script.read_text()
+    budget = int(re.search(r"BUDGET=\$\{GPU_CHECK_BUDGET:-(\d+)\}", text).group(1))
+    limits = [int(x) for x in re.findall(r'^\s*step (?:[a-z]+|"[a-z ]+") (\d+) ', text, re.M)]
+    assert len(limits) == 6 and sum(limits) <= budget, (limits, budget)
+    out = tmp_path / "out"
+    env = {**os.environ, "PYTHON": sys.executable, "CUDA_VISIBLE_DEVICES": "", "TMPDIR": str(tmp_path),
+           "GPU_CHECK_SKIP": "data,probe"}
+    r = subprocess.run(["bash", str(script), str(out)], capture_output=True, text=True, timeout=300, env=env)
+    summary = (out / "summary.md").read_text()
+    assert "| data | not run: skipped (GPU_CHECK_SKIP) | 0 |" in summary and "| probe | not run: skipped" in summary
+    assert "| gpu tests | not run: no CUDA GPU visible | 0 |" in summary
 
 
 def test_the_image_compiles_bytecode_at_install_since_it_never_writes_it_at_run_time():

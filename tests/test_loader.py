@@ -22,8 +22,9 @@ def _indexed(photo_root):
     return files, list(range(len(files)))
 
 
-def _loader(files, labels, batch, training, shard=0, shards=1, augment=None):
-    opts = cpu_options(batch, threads=2, training=training, shard_id=shard, num_shards=shards, seed=3, augment=augment)
+def _loader(files, labels, batch, training, shard=0, shards=1, augment=None, roi=None):
+    opts = cpu_options(batch, threads=2, training=training, shard_id=shard, num_shards=shards, seed=3, augment=augment,
+                       roi_decode=roi)
     return DaliLoader(lambda ck: build_pipeline(Files(files, labels), SPEC, opts, training=training, checkpoint=ck),
                       training=training)
 
@@ -100,20 +101,22 @@ def _sequence(loader, epochs):
 HEAVY = {"auto_augment": "trivial", "random_erase": 0.5, "crop_scale": (0.35, 1.0)}
 
 
-@pytest.mark.parametrize("epoch,batches,augment", [(0, 2, None), (1, 0, None), (0, 48 // 7, None), (0, 3, HEAVY)])
-def test_restored_loader_continues_the_uninterrupted_sequence(photo_root, epoch, batches, augment):
+@pytest.mark.parametrize("epoch,batches,augment,roi", [(0, 2, None, None), (1, 0, None, None), (0, 48 // 7, None, None),
+                                                      (0, 3, HEAVY, None), (0, 3, HEAVY, False)])
+def test_restored_loader_continues_the_uninterrupted_sequence(photo_root, epoch, batches, augment, roi):
     """State taken after `epoch` full epochs plus `batches` batches: a loader rebuilt from it yields
-    exactly what the uninterrupted loader yields from there on (samples and augmented pixels)."""
+    exactly what the uninterrupted loader yields from there on (samples and augmented pixels); also with the
+    whole decode + random_resized_crop that nvJPEG 12 trains with on the GPU (roi False)."""
     files, labels = _indexed(photo_root)
     epochs = 2 if augment else 3  # the augmented case decodes and augments on the CPU: keep it short
-    reference = _sequence(_loader(files, labels, 7, training=True, augment=augment), epochs)
-    first = _loader(files, labels, 7, training=True, augment=augment)
+    reference = _sequence(_loader(files, labels, 7, training=True, augment=augment, roi=roi), epochs)
+    first = _loader(files, labels, 7, training=True, augment=augment, roi=roi)
     for _ in range(epoch):
         list(first)
     it = iter(first)
     head = [(y.tolist(), round(float(x.sum()), 2)) for _, (x, y) in zip(range(batches), it)]
     state = first.state()
-    second = _loader(files, labels, 7, training=True, augment=augment)
+    second = _loader(files, labels, 7, training=True, augment=augment, roi=roi)
     second.restore(state)
     # the rest of the interrupted epoch (none when it was fully yielded: Lightning then starts the next)
     rest = [(y.tolist(), round(float(x.sum()), 2)) for x, y in second] if batches < len(second) else []

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import time
 
@@ -240,3 +241,44 @@ def test_the_packing_advice_is_a_command_that_runs_as_printed(tmp_path):
         del ns.command
         s = settings_from(ns)
         assert (s.pack.src, s.pack.dst, s.pack.max_side) == (data, packed, 384)
+
+
+def test_on_a_gpu_the_report_counts_the_images_the_gpu_decoder_refused(photo_root, tmp_path, monkeypatch, capfd):
+    """A fit on a CUDA device (stood in for here) folds nvImageCodec's per-image warnings on stderr into one
+    MONITOR line, "the GPU decoder refused N of M images; they were decoded on the CPU: reason", and the
+    report's `decoder` counts; the process's stderr is its own again afterwards."""
+    import pytorch_lightning as pl
+    import torch
+
+    import dali_pipe
+    from dali_pipe.monitor import MonitorCallback
+
+    reason = "ROI decode with fancy upsampling may produce wrong results on image edge (1 pixel wide)"
+
+    class Module(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.head = torch.nn.Linear(3, 4)
+
+        def training_step(self, batch, batch_idx):
+            for _ in range(len(batch[1])):  # what nvImageCodec prints for each image it hands to the CPU
+                os.write(2, f"\x1b[33m[WARNING] \x1b[0m[nvjpeg_cuda_decoder] {reason}\n".encode())
+            return torch.nn.functional.cross_entropy(self.head(batch[0].mean((2, 3))), batch[1])
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    monkeypatch.setattr(MonitorCallback, "_on_cuda", staticmethod(lambda trainer: True))
+    dm = dali_pipe.DaliDataModule(data=photo_root, model="tiny", batch_size=8, device="cpu", num_threads=1,
+                                  val_fraction=0)
+    monitor = dali_pipe.MonitorCallback()
+    trainer = pl.Trainer(max_epochs=1, limit_train_batches=3, logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, enable_checkpointing=False, default_root_dir=tmp_path,
+                         callbacks=[monitor])
+    trainer.fit(Module(), datamodule=dm)
+    os.write(2, b"after the fit\n")
+    out, err = capfd.readouterr()
+    assert monitor.report["decoder"]["to_cpu"] == 24
+    line = f"MONITOR training: the GPU decoder refused 24 of 24 images; they were decoded on the CPU: {reason}"
+    assert line in out.splitlines(), out
+    assert err.count(reason) == 1 and err.endswith("after the fit\n"), err

@@ -14,8 +14,8 @@ or a benchmark run: the stack report, and the probe. Each part that fails is rep
 they differ from the image's (the lock and the Dockerfile's torch build): a different stack is reported, not
 failed, since the results then speak for that stack. It fails on what would break the image's stack too: two
 DALI variants in one environment, torch without CUDA, or DALI's GPU decode, handed to torch in the same process,
-giving other pixels than DALI's CPU decode (it checks within DALI's own 1-level bound, chroma upsampled as the
-pipeline does).
+giving other pixels than DALI's CPU decode (within decoder.GPU_DECODE_LEVELS, the GPU test's bound, chroma
+upsampled as the pipeline does).
 
 `probe`, on DATA (a folder with dataset.tsv), with the project's own pipeline, loader, module and Trainer:
 
@@ -58,6 +58,7 @@ sys.path.insert(0, str(ROOT))
 from dali_pipe.config import VIT_B16_RANDOM, DataSettings, ModelSettings, PipelineSettings  # noqa: E402
 
 IMAGE_DALI = "nvidia-dali-cuda120"  # the lock's and the image's variant
+ROI, WHOLE = "ROI decode", "whole decode + GPU crop"  # the two training decodes (dali_pipe/decoder.py)
 STACK = ("torch", "pytorch-lightning", "transformers", "torchmetrics", "numpy", "pillow")
 RUNTIME_MODULES = {"boto3": "s3:// data", "tensorboard": "training's TensorBoard logs (train.py, the GPU tests)",
                    "skimage": "the demo photos (or DALI_PIPE_PHOTOS)", "pynvml": "GPU utilization in the benchmark",
@@ -140,6 +141,11 @@ def versions() -> int:
         import nvidia.dali as dali
 
         print("dali imports as", dali.__version__, "from", Path(dali.__file__).parent)
+        from dali_pipe.decoder import nvjpeg
+
+        found = nvjpeg()
+        print(f"nvjpeg: {found}; the training decode on the GPU: "
+              f"{ROI if found.roi_with_fancy_upsampling else WHOLE} (dali_pipe/decoder.py)")
     except Exception as e:
         problems.append(f"DALI cannot be imported ({type(e).__name__}: {str(e)[:200]})")
     if torch.version.cuda is None:
@@ -172,6 +178,7 @@ def one_process_check() -> list[str]:
     from nvidia.dali import fn, pipeline_def, types
     from nvidia.dali.plugin.pytorch import feed_ndarray
 
+    from dali_pipe.decoder import GPU_DECODE_LEVELS
     from dali_pipe.demo import make_photo_dataset
     from dali_pipe.pipeline import Augment, PipelineOptions, decoder_args, resources_for_rank
 
@@ -203,9 +210,10 @@ def one_process_check() -> list[str]:
         if img.shape != ref.shape:
             return [f"DALI's GPU decode of {jpegs[i]} has shape {tuple(img.shape)}, its CPU decode {tuple(ref.shape)}"]
         worst = max(worst, (img.cpu().int() - ref.int()).abs().max().item())
-    ok = held.sum().item() == held.numel() and worst <= 1
+    bound = GPU_DECODE_LEVELS["max"]
+    ok = held.sum().item() == held.numel() and worst <= bound
     print(f"dali+torch in one process: {len(jpegs)} GPU decodes read by torch; max |GPU - CPU decode| {worst:.0f} "
-          f"level(s) (DALI's bound: 1): {'ok' if ok else 'FAILED'}")
+          f"level(s) (the bound, as the GPU test's: {bound}): {'ok' if ok else 'FAILED'}")
     return [] if ok else [f"DALI's GPU decode, read by torch, differs from its CPU decode by {worst:.0f} levels"]
 
 
@@ -214,12 +222,65 @@ def _spread(values: list[float]) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values), "runs": values}
 
 
-def decode_part(data: str, a, cores: int) -> dict:
-    """Loaders alone over DATA's training files, each configuration `a.rounds` times, alternating."""
+def decode_configs(pack: bool, old_nvjpeg: bool = False) -> dict[str, dict]:
+    """The decode runs: name -> (training, fancy upsampling, ROI decode (None: as the pipeline builds it),
+    hw_decoder_load, hybrid_huffman_threshold, from the pack). Under an nvJPEG older than 13.2 (`old_nvjpeg`,
+    the probe's second process) only the two training decodes the rule chooses between, without the hardware
+    decoder (a T4's case)."""
+    c = {}
+    for hw_name, hw in (("hw decoder", None), ("no hw decoder", 0.0)):
+        c[f"train, {ROI} + fancy upsampling, {hw_name}"] = dict(training=True, fancy=True, roi=True, hw=hw)
+        c[f"train, {WHOLE}, fancy upsampling, {hw_name}"] = dict(training=True, fancy=True, roi=False, hw=hw)
+        if not old_nvjpeg:
+            c[f"train, {ROI}, no fancy upsampling, {hw_name}"] = dict(training=True, fancy=False, roi=True, hw=hw)
+    if old_nvjpeg:
+        return {k: v for k, v in c.items() if k.endswith("no hw decoder")}
+    c["train, as built, no hw decoder, huffman threshold 0"] = dict(training=True, fancy=True, roi=None, hw=0.0,
+                                                                    huffman=0)
+    c["val, fancy upsampling, hw decoder"] = dict(training=False, fancy=True)
+    c["val, no fancy upsampling, hw decoder"] = dict(training=False, fancy=False)
+    if pack:  # the training decode as built, fed by the shard reader (external_source) from the photos' pack
+        c["train, as built, hw decoder, from the pack"] = dict(training=True, fancy=True, roi=None, pack=True)
+    return c
+
+
+def decode_pairs(configs: dict, found) -> dict[str, tuple[str, str]]:
+    """Ratios of images/s, each labelled by what it measures on this nvJPEG: the fancy upsampling's cost where
+    the ROI decode with it runs on the GPU, else the CPU fallback's."""
+    fancy_cost = ("chroma upsampling's cost" if found.roi_with_fancy_upsampling else
+                  f"the CPU fallback's cost (nvImageCodec refuses the ROI decode with fancy upsampling; {found.name})")
+    pairs = {}
+    for hw in ("hw decoder", "no hw decoder"):
+        roi, whole = f"train, {ROI} + fancy upsampling, {hw}", f"train, {WHOLE}, fancy upsampling, {hw}"
+        off = f"train, {ROI}, no fancy upsampling, {hw}"
+        if whole in configs and roi in configs:
+            pairs[f"{WHOLE} / {ROI} (fancy upsampling), {hw}"] = (whole, roi)
+        if off in configs:
+            pairs[f"{ROI}, fancy on / off, {hw}: {fancy_cost}"] = (roi, off)
+    if "val, no fancy upsampling, hw decoder" in configs:
+        pairs["val, fancy on / off, hw decoder: chroma upsampling's cost"] = ("val, fancy upsampling, hw decoder",
+                                                                             "val, no fancy upsampling, hw decoder")
+    def built(hw: str) -> str:  # the configuration the pipeline builds on this nvJPEG
+        return (f"train, {ROI} + fancy upsampling, {hw}" if found.roi_with_fancy_upsampling else
+                f"train, {WHOLE}, fancy upsampling, {hw}")
+
+    if "train, as built, no hw decoder, huffman threshold 0" in configs:
+        pairs["huffman threshold 0 / default, no hw decoder"] = ("train, as built, no hw decoder, huffman threshold 0",
+                                                                 built("no hw decoder"))
+    if "train, as built, hw decoder, from the pack" in configs:
+        pairs["from the pack / from files, train, hw decoder"] = ("train, as built, hw decoder, from the pack",
+                                                                  built("hw decoder"))
+    return pairs
+
+
+def decode_part(data: str, a, cores: int, old_nvjpeg: bool = False) -> dict:
+    """Loaders alone over DATA's training files, each configuration `a.rounds` times, alternating; per run the
+    images/s, CPU % and the images nvImageCodec's GPU decoders refused (decoded on the CPU instead)."""
     import torch
 
     from dali_pipe.benchmark import measure
     from dali_pipe.datamodule import DaliDataModule
+    from dali_pipe.decoder import nvjpeg
     from dali_pipe.loader import DaliLoader
     from dali_pipe.pipeline import Files, build_pipeline
     from dali_pipe.spec import ImageSpec
@@ -227,17 +288,10 @@ def decode_part(data: str, a, cores: int) -> dict:
     gpu = a.device == "gpu"
     device = torch.device("cuda", 0) if gpu else torch.device("cpu")
     spec = ImageSpec(224, 224, (0.5,) * 3, (0.5,) * 3)
-    configs = {  # name: (training, fancy upsampling, hw_decoder_load, hybrid_huffman_threshold)
-        "train, fancy on, hw decoder": (True, True, None, None),
-        "train, fancy off, hw decoder": (True, False, None, None),
-        "train, fancy on, no hw decoder": (True, True, 0.0, None),
-        "train, fancy off, no hw decoder": (True, False, 0.0, None),
-        "train, fancy on, no hw decoder, huffman threshold 0": (True, True, 0.0, 0),
-        "val, fancy on, hw decoder": (False, True, None, None),
-        "val, fancy off, hw decoder": (False, False, None, None),
-    }
-    if a.pack:  # the same training decode fed by the shard reader (external_source) from the photos' pack
-        configs["train, fancy on, hw decoder, from the pack"] = (True, True, None, None)
+    found = nvjpeg()
+    print(f"decode: {found}; the pipeline's training decode: "
+          f"{ROI if found.roi_with_fancy_upsampling else WHOLE}", flush=True)
+    configs = decode_configs(bool(a.pack), old_nvjpeg)
     base = DaliDataModule(DataSettings(data=data, batch_size=a.batch, cache_dir=a.cache_dir, scan="off",
                                        val_fraction=0.0),
                           PipelineSettings(device=a.device, num_threads=cores), spec, Path(tempfile.mkdtemp()))
@@ -253,41 +307,52 @@ def decode_part(data: str, a, cores: int) -> dict:
     results = {name: [] for name in configs}
     for r in range(a.rounds):
         for name in (list(configs) if r % 2 == 0 else list(configs)[::-1]):
-            training, fancy, hw, huffman = configs[name]
+            c = configs[name]
             settings = PipelineSettings(device=a.device, num_threads=cores,
-                                        **({} if hw is None else {"hw_decoder_load": hw}),
-                                        **({} if huffman is None else {"hybrid_huffman_threshold": huffman}))
+                                        **({} if c.get("hw") is None else {"hw_decoder_load": c["hw"]}),
+                                        **({} if c.get("huffman") is None else {"hybrid_huffman_threshold": c["huffman"]}))
             dm = DaliDataModule(base.data, settings, spec)
-            opts = dataclasses.replace(dm.options(training=training), fancy_upsampling=fancy)
+            opts = dataclasses.replace(dm.options(training=c["training"]), fancy_upsampling=c["fancy"],
+                                       roi_decode=c.get("roi"))
+            source = shards if c.get("pack") else files
 
-            source = shards if name.endswith("from the pack") else files
-
-            def build(opts=opts, training=training, source=source):
+            def build(opts=opts, training=c["training"], source=source):
                 return DaliLoader(lambda ckpt: build_pipeline(source, spec, opts, training=training, checkpoint=ckpt),
                                   training=training)
 
             m = measure(name, build, device=device, batch_size=a.batch, warmup=a.warmup, steps=a.steps,
                         cores=cores, classes=base.manifest.classes, label=f"round {r + 1} decode {name}")["metrics"]
             results[name].append({"images_per_sec": m["images_per_sec"], "cpu_util_mean": m["cpu_util_mean"],
-                                  "gpu_util_mean": m.get("gpu_util_mean")})
+                                  "gpu_util_mean": m.get("gpu_util_mean"),
+                                  "to_cpu": (m.get("decoder") or {}).get("to_cpu"),
+                                  "images": (a.warmup + a.steps) * a.batch,
+                                  "refusals": m.get("decoder")})
     out = {}
     for name, runs in results.items():
         out[name] = {"images_per_sec": _spread([x["images_per_sec"] for x in runs]),
                      "cpu_util_mean": _spread([x["cpu_util_mean"] or 0.0 for x in runs]),
-                     "gpu_util_mean": [x["gpu_util_mean"] for x in runs]}
-    pairs = {"fancy on / off, train, hw decoder": ("train, fancy on, hw decoder", "train, fancy off, hw decoder"),
-             "fancy on / off, train, no hw decoder": ("train, fancy on, no hw decoder",
-                                                      "train, fancy off, no hw decoder"),
-             "fancy on / off, val, hw decoder": ("val, fancy on, hw decoder", "val, fancy off, hw decoder"),
-             "huffman threshold 0 / default, no hw decoder": ("train, fancy on, no hw decoder, huffman threshold 0",
-                                                              "train, fancy on, no hw decoder")}
-    if a.pack:
-        pairs["from the pack / from files, train, hw decoder"] = ("train, fancy on, hw decoder, from the pack",
-                                                                  "train, fancy on, hw decoder")
+                     "gpu_util_mean": [x["gpu_util_mean"] for x in runs],
+                     "to_cpu": [x["to_cpu"] for x in runs], "images": runs[0]["images"],
+                     "refusals": runs[-1]["refusals"]}
     ratios = {k: _spread([x["images_per_sec"] / y["images_per_sec"] for x, y in zip(results[n], results[d])])
-              for k, (n, d) in pairs.items()}
-    return {"batch": a.batch, "steps": a.steps, "threads": cores, "images": len(files), "configs": out,
+              for k, (n, d) in decode_pairs(configs, found).items()}
+    return {"nvjpeg": str(found), "training_decode": ROI if found.roi_with_fancy_upsampling else WHOLE,
+            "batch": a.batch, "steps": a.steps, "threads": cores, "images": len(files), "configs": out,
             "ratios": ratios}
+
+
+def old_nvjpeg_part(data: str, a, cores: int) -> dict:
+    """decode_part's two training decodes in a second process whose nvImageCodec loads the nvJPEG in
+    `a.old_nvjpeg` (a folder with an older libnvjpeg, put first on LD_LIBRARY_PATH as the extension's dlopen
+    reads it): the CUDA 12 stack's case on this GPU."""
+    out = Path(tempfile.mkdtemp()) / "old.json"
+    env = {**os.environ, "LD_LIBRARY_PATH": f"{a.old_nvjpeg}:{os.environ.get('LD_LIBRARY_PATH', '')}"}
+    cmd = [sys.executable, __file__, "decode-only", data, str(out), "--device", a.device, "--batch", str(a.batch),
+           "--steps", str(a.steps), "--warmup", str(a.warmup), "--rounds", str(a.rounds), "--cache-dir", a.cache_dir]
+    r = subprocess.run(cmd, env=env)
+    if r.returncode != 0 or not out.exists():
+        raise RuntimeError(f"the old-nvJPEG decode process exited {r.returncode}")
+    return json.loads(out.read_text())
 
 
 class StepEvents:
@@ -408,7 +473,12 @@ def probe(a) -> int:
     cores = len(pin_cpus(None))
     report = {"device": a.device, "cores": cores, "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
     failed = []
-    for part, fn in (("decode", decode_part), ("steps", steps_part)):
+    wanted = set(a.parts.split(","))
+    parts = [(name, fn) for name, fn, key in (("decode", decode_part, "decode"),
+                                               ("decode, old nvJPEG", old_nvjpeg_part, "old"),
+                                               ("steps", steps_part, "steps"))
+             if key in wanted and (key != "old" or a.old_nvjpeg)]
+    for part, fn in parts:
         t0 = time.perf_counter()
         print(f"== probe: {part}", flush=True)
         try:
@@ -451,12 +521,18 @@ def _m(spread: dict | None, fmt: str = "{:.0f}") -> str:
     return med if lo == hi else f"{med} ({lo}-{hi})"
 
 
+def _refused(v: dict) -> str:
+    """'N of M' per run, or '-' where not counted (the CPU device)."""
+    counts = [c for c in v.get("to_cpu") or [] if c is not None]
+    return "-" if not counts else ", ".join(f"{c} of {v.get('images')}" for c in counts)
+
+
 def summary(out: str, steps_tsv: str, seconds: str) -> int:
     """The check's summary (markdown) from what its steps left in OUT."""
     out_dir = Path(out)
     lines = [f"# GPU check, {time.strftime('%Y-%m-%d')}: {seconds} s in all", ""]
     versions_txt = (out_dir / "versions.txt").read_text() if (out_dir / "versions.txt").exists() else ""
-    for prefix in ("gpu", "torch", "dali:", "stack", "not installed", "dali+torch", "checks:"):
+    for prefix in ("gpu", "torch", "dali:", "nvjpeg:", "stack", "not installed", "dali+torch", "checks:"):
         lines += [f"- {ln}" for ln in versions_txt.splitlines() if ln.startswith(prefix)]
     lines += ["", "| step | result | seconds |", "|---|---|---|"]
     rows = [ln.split("\t") for ln in Path(steps_tsv).read_text().splitlines()] if Path(steps_tsv).exists() else []
@@ -483,15 +559,21 @@ def summary(out: str, steps_tsv: str, seconds: str) -> int:
                          f"{m.get('cpu_util_mean') or 0:.0f} |")
         lines += [f"- {k}: {_m(v, '{:.2f}')}x" for k, v in r.get("ratios", {}).items()]
     p = _load(out_dir / "probe.json") or {}
-    dec = p.get("decode") or {}
-    if dec.get("error"):
-        lines += ["", f"probe, decode: FAILED: {dec['error']}"]
-    elif dec:
-        lines += ["", f"decode, loaders alone (batch {dec['batch']}, {dec['threads']} DALI threads, {dec['images']} "
-                      "training photos), runs alternating:",
-                  "| configuration | images/s | CPU % |", "|---|---|---|"]
-        lines += [f"| {k} | {_m(v['images_per_sec'])} | {_m(v['cpu_util_mean'])} |" for k, v in dec["configs"].items()]
-        lines += [f"- {k}: {_m(v, '{:.2f}')}x" for k, v in dec["ratios"].items()]
+    for part in ("decode", "decode, old nvJPEG"):
+        dec = p.get(part) or {}
+        if dec.get("error"):
+            lines += ["", f"probe, {part}: FAILED: {dec['error']}"]
+        elif dec:
+            lines += ["", f"{part}, loaders alone, {dec.get('nvjpeg')}, the pipeline's training decode: "
+                          f"{dec.get('training_decode')} (batch {dec['batch']}, {dec['threads']} DALI threads, "
+                          f"{dec['images']} training photos), runs alternating:",
+                      "| configuration | images/s | CPU % | decoded on the CPU (nvImageCodec's refusals) |",
+                      "|---|---|---|---|"]
+            lines += [f"| {k} | {_m(v['images_per_sec'])} | {_m(v['cpu_util_mean'])} | "
+                      f"{_refused(v)} |" for k, v in dec["configs"].items()]
+            lines += [f"- {k}: {_m(v, '{:.2f}')}x" for k, v in dec["ratios"].items()]
+            reasons = {r for v in dec["configs"].values() for r in ((v.get("refusals") or {}).get("reasons") or {})}
+            lines += [f"- refused because: {r}" for r in sorted(reasons)]
     st = p.get("steps") or {}
     if st.get("error"):
         lines += ["", f"probe, steps: FAILED: {st['error']}"]
@@ -531,16 +613,24 @@ def main(argv=None) -> int:
     sm.add_argument("steps_tsv")
     sm.add_argument("seconds")
     p = sub.add_parser("probe")
-    p.add_argument("data")
-    p.add_argument("out")
-    p.add_argument("--device", default="gpu", choices=("gpu", "cpu"))
+    old = sub.add_parser("decode-only", help="(the probe's second process) the training decodes under "
+                                             "LD_LIBRARY_PATH's nvJPEG, as JSON to OUT")
+    for q in (p, old):
+        q.add_argument("data")
+        q.add_argument("out")
+        q.add_argument("--device", default="gpu", choices=("gpu", "cpu"))
+        q.add_argument("--batch", type=int, default=128)
+        q.add_argument("--steps", type=int, default=30)
+        q.add_argument("--warmup", type=int, default=8)
+        q.add_argument("--rounds", type=int, default=2)
+        q.add_argument("--cache-dir", default=os.environ.get("DALI_PIPE_CACHE", "/tmp/dali_pipe_cache"))
     p.add_argument("--model", default=VIT_B16_RANDOM)
-    p.add_argument("--batch", type=int, default=128)
-    p.add_argument("--steps", type=int, default=30)
-    p.add_argument("--warmup", type=int, default=8)
-    p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--pack", help="DATA's pack: also time the training decode fed by the shard reader")
-    p.add_argument("--cache-dir", default=os.environ.get("DALI_PIPE_CACHE", "/tmp/dali_pipe_cache"))
+    p.add_argument("--parts", default="decode,old,steps",
+                   help="which parts run, of decode,old,steps (old: only with --old-nvjpeg); default all")
+    p.add_argument("--old-nvjpeg", metavar="DIR",
+                   help="a folder holding an nvJPEG older than 13.2 (libnvjpeg.so.N): also time the training decodes "
+                        "with it, in a second process (the CUDA 12 stack's case)")
     a = ap.parse_args(argv)
     if a.cmd == "versions":
         return versions()
@@ -548,6 +638,12 @@ def main(argv=None) -> int:
         return data(a.root, a.pack)
     if a.cmd == "summary":
         return summary(a.out, a.steps_tsv, a.seconds)
+    if a.cmd == "decode-only":
+        from dali_pipe.benchmark import pin_cpus
+
+        a.pack = None
+        Path(a.out).write_text(json.dumps(decode_part(a.data, a, len(pin_cpus(None)), old_nvjpeg=True), indent=1))
+        return 0
     return probe(a)
 
 

@@ -135,3 +135,22 @@ def test_seed_sets_the_order_and_epochs_differ(photo_root):
 
     a, b, c = order(0), order(0), order(1)
     assert a == b and a != c and a[0] != a[1]
+
+
+def test_a_run_resumes_with_the_training_decode_its_checkpoint_was_taken_with(photo_root, capfd):
+    """A loader position saved by the other training decode (an earlier version's ROI decode on a GPU, or a
+    machine whose nvImageCodec rule differs; here the whole decode, restored where the CPU would build the ROI
+    decode) resumes with the graph that wrote it, exactly, and says so once; DALI would refuse it otherwise
+    ("The checkpoint might come from another pipeline")."""
+    from dali_pipe import pipeline
+
+    pipeline._NOTED.clear()
+    files, labels = _indexed(photo_root)
+    reference = _sequence(_loader(files, labels, 7, training=True, augment=HEAVY, roi=False), 1)
+    first = _loader(files, labels, 7, training=True, augment=HEAVY, roi=False)
+    it = iter(first)
+    head = [(y.tolist(), round(float(x.sum()), 2)) for _, (x, y) in zip(range(3), it)]
+    second = _loader(files, labels, 7, training=True, augment=HEAVY)  # the rule's decode on the CPU: the ROI one
+    second.restore(first.state())
+    assert head + [(y.tolist(), round(float(x.sum()), 2)) for x, y in second] == reference[0]
+    assert capfd.readouterr().err.count("resume: this run's data position was saved with the whole-image") == 1

@@ -47,15 +47,30 @@ class DaliLoader:
         self._pos = 0  # batches yielded in the current epoch
         self._open = False  # an epoch was started and not run to its end
         self._resume = False  # restored mid-epoch: the next iter() continues that epoch
-        self._make(None)
+        self._it = None  # built at the first use, or by restore(): a resumed run builds its pipeline once
 
-    def _make(self, checkpoint) -> None:
+    def _ready(self) -> None:
+        if self._it is None:
+            self._make(None)
+
+    @property
+    def batch_size(self) -> int:
+        self._ready()
+        return self._batch_size
+
+    def _make(self, checkpoint, reader_of_checkpoint: str | None = None) -> None:
+        """Build the pipeline and its iterator, from `checkpoint` when given; with `reader_of_checkpoint`, a
+        checkpoint of another reader than the one built is dropped and ReaderChanged raised after the build."""
         from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
 
         pipe = self._build(checkpoint)
-        self.batch_size = pipe.max_batch_size
         reader = getattr(pipe, "shard_reader", None)
         self._reader = FILE_READER if reader is None else SHARD_READER
+        if checkpoint is not None and reader_of_checkpoint not in (None, self._reader):
+            self._make(None)
+            raise ReaderChanged(f"the checkpoint's loader position was taken by {reader_of_checkpoint!r}, this "
+                                f"version reads with {self._reader!r}")
+        self._batch_size = pipe.max_batch_size
         if reader is not None:  # shards: the epoch plan yields exactly the batches kept, padding marked
             self._it = DALIGenericIterator([pipe], ["images", "labels"], auto_reset=True, prepare_first_batch=False)
             self._len, self._valid = reader.batches, reader.valid
@@ -69,21 +84,21 @@ class DaliLoader:
         self._valid = None
 
     def __len__(self) -> int:
+        self._ready()
         return self._len
 
     # -- resume --------------------------------------------------------------------------------
     def state(self) -> dict:
         """Where this rank's loader stands: DALI's checkpoint plus the position in the epoch, and
         which reader took it (a checkpoint of another reader's graph cannot be restored)."""
+        self._ready()
         return {"dali": self._it.checkpoints()[0], "pos": self._pos, "open": self._open, "reader": self._reader}
 
     def restore(self, state: dict) -> None:
-        """Rebuild the pipeline from `state`; the next iter() continues where `state` was taken.
-        Raises ReaderChanged for a state of another reader (an older version's shard reader)."""
-        if state.get("reader", FILE_READER) != self._reader:
-            raise ReaderChanged(f"the checkpoint's loader position was taken by {state.get('reader', FILE_READER)!r}, "
-                                f"this version reads with {self._reader!r}")
-        self._make(state["dali"])
+        """Build (or rebuild) the pipeline from `state`; the next iter() continues where `state` was taken.
+        Raises ReaderChanged for a state of another reader (an older version's shard reader), leaving the
+        loader at its start."""
+        self._make(state["dali"], state.get("reader", FILE_READER))
         self._pos, self._open, self._resume = state["pos"], state["open"], True
 
     # -- iteration -----------------------------------------------------------------------------
@@ -97,6 +112,7 @@ class DaliLoader:
                 return
 
     def __iter__(self):
+        self._ready()
         resume, self._resume = self._resume, False
         if not (resume and self._open and self._pos < self._len):  # not a continuation: a fresh epoch
             if self._open:

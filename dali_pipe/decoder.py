@@ -20,10 +20,14 @@ from __future__ import annotations
 
 import ctypes
 import importlib.util
+import json
 import os
 import re
+import select
+import subprocess
 import sys
 import threading
+import uuid
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
@@ -183,9 +187,11 @@ DECODER_IDS = ("nvjpeg_cuda_decoder", "nvjpeg_hw_decoder", "nvjpeg_lossless_deco
                "nvbmp_decoder", "nvpnm_decoder", "nvjpeg_ext", "nvjpeg2k_ext", "nvtiff_ext", "libjpeg_turbo_ext",
                "libtiff_ext", "opencv_ext", "nvbmp_ext", "nvpnm_ext")
 _DECODER_ID = re.compile("|".join(sorted(DECODER_IDS, key=len, reverse=True)).encode())
-_PIECES = re.compile(_SEVERITY.pattern + rb"|\[|\] ?|" + _DECODER_ID.pattern)
+_WORD = re.compile(rb"[a-z0-9_]")
+_RUN = re.compile(rb"[a-z0-9_]*$")
 CPU_BOUND = "nvjpeg_cuda_decoder"  # the last GPU decoder before libjpeg-turbo: what it refuses goes to the CPU
 HARDWARE = "nvjpeg_hw_decoder"
+MAX_REASONS = 64  # distinct reasons kept; past them a line is counted by its decoder ids alone
 
 
 @dataclass
@@ -195,26 +201,29 @@ class Refusals:
     reasons: dict[str, int] = field(default_factory=dict)
 
     def to_cpu(self) -> int:
-        """Images the GPU decoders refused, so the CPU decoded them. nvJPEG's CUDA decoder, the last before the
-        CPU, warns for each; but nvImageCodec asked it twice per image where the hardware decoder was there with
-        no share of the images (the GPU check's H200, --hw-decoder-load 0: 5993 CUDA-decoder and 2997
-        hardware-decoder warnings for about 3000 images; with the hardware decoder's share, 3072 of each for
-        3072). The hardware decoder, where it warned too, asks once per image: then the lesser count."""
+        """About how many images the GPU decoders refused, so that the CPU decoded them. nvJPEG's CUDA decoder,
+        the last before the CPU, warns for each, but nvImageCodec asked it twice per image where the hardware
+        decoder was there with no share of the images (the GPU check's H200, --hw-decoder-load 0: 5993
+        CUDA-decoder and 2997 hardware-decoder warnings for about 3000 images; with the hardware decoder's
+        share, 3072 of each for 3072). So: the CUDA decoder's count, but where the hardware decoder warned too,
+        no more than the larger of its count and half the CUDA decoder's."""
         cuda, hw = self.decoders.get(CPU_BOUND, 0), self.decoders.get(HARDWARE, 0)
-        return min(cuda, hw) if cuda and hw else cuda
+        return min(cuda, max(hw, (cuda + 1) // 2)) if hw else cuda
 
     def settled(self) -> dict[str, int]:
         """The reasons, where two written back to back were read as one ("R1R1") counted as their parts."""
         out: dict[str, int] = {}
         for reason in sorted(self.reasons, key=len):
-            rest, n = reason, self.reasons[reason]
+            rest, parts = reason, {}
             for known in sorted(out, key=len, reverse=True):
                 if known in rest:
-                    out[known] += rest.count(known) * n
+                    parts[known] = rest.count(known)
                     rest = rest.replace(known, "")
-            rest = rest.strip()
-            if len(rest) >= 8:
-                out[rest] = out.get(rest, 0) + n
+            if parts and not rest.strip():  # wholly made of known ones
+                for known, n in parts.items():
+                    out[known] += n * self.reasons[reason]
+            else:
+                out[reason] = out.get(reason, 0) + self.reasons[reason]
         return out
 
     def lines(self, images: int | None = None) -> list[str]:
@@ -234,113 +243,280 @@ class Refusals:
         if self.decoders.get(HARDWARE):
             out.append(f"the hardware JPEG decoder refused {of(self.decoders[HARDWARE])} (nvJPEG's CUDA decoder "
                        f"took those it accepts){'' if self.to_cpu() else why}")
-        other = sum(n for d, n in self.decoders.items() if d not in (CPU_BOUND, HARDWARE))
-        if other:
-            out.append(f"nvImageCodec warned {other} times more ({', '.join(sorted(set(self.decoders) - {CPU_BOUND, HARDWARE}))})")
+        others = sorted(set(self.decoders) - {CPU_BOUND, HARDWARE})
+        if others:
+            out.append(f"nvImageCodec warned {sum(self.decoders[d] for d in others)} times more ({', '.join(others)})")
         return out
 
     def to_json(self) -> dict:
         return {"to_cpu": self.to_cpu(), "by_decoder": dict(sorted(self.decoders.items())),
                 "reasons": dict(sorted(self.settled().items(), key=lambda kv: -kv[1]))}
 
+    def minus(self, earlier: "Refusals") -> "Refusals":
+        return Refusals({k: n - earlier.decoders.get(k, 0) for k, n in self.decoders.items()
+                         if n > earlier.decoders.get(k, 0)},
+                        {k: n - earlier.reasons.get(k, 0) for k, n in self.reasons.items()
+                         if n > earlier.reasons.get(k, 0)})
+
+
+class _Filter:
+    """The filter's reading of stderr, line by line: nvImageCodec's lines counted and kept back, every other
+    line passed on as it came. A line is nvImageCodec's when it holds one of its decoder ids standing as a piece
+    (not inside another word: `my_nvjpeg_ext`, `libnvjpeg_ext.so`), nothing but its pieces (a severity, `[`,
+    `] `, colours), or a reason already seen beside an id."""
+
+    def __init__(self, forward, show_first: bool = True):
+        self.forward, self.show_first = forward, show_first
+        self.refusals = Refusals()
+        self.shown: set[str] = set()  # the reasons seen beside a decoder id (twice)
+        self._beside: dict[str, int] = {}
+
+    def _ids(self, text: bytes) -> list[tuple[int, int, str]]:
+        found = []
+        for m in _DECODER_ID.finditer(text):
+            before, after = text[:m.start()], text[m.end():m.end() + 1]
+            run = _RUN.search(before).group(0)  # the word characters the id follows directly
+            glued_before = re.search(rb"[a-z_]", run) and not (
+                before.endswith(tuple(d.encode() for d in DECODER_IDS))
+                or any(before.endswith(r.encode()) for r in self.shown))
+            glued_after = after and _WORD.match(after) and not _DECODER_ID.match(text, m.end())
+            if glued_before or glued_after:  # inside a word: `libnvjpeg_ext.so`, `my_..._ext`, `..._ext_utils`
+                continue
+            found.append((m.start(), m.end(), m.group(0).decode()))
+        return found
+
+    def line(self, line: bytes) -> None:
+        raw = line.rstrip(b"\r\n")
+        text = _ANSI.sub(b"", raw)  # a colour is a piece of its own: never inside another
+        if (not text.strip() and text == raw) or _ERROR.search(text):  # a blank line, an error: shown as written
+            self.forward(line)
+            return
+        ids = self._ids(text)
+        cut, last = [], 0
+        for start, end, _ in ids:
+            cut.append(text[last:start])
+            last = end
+        cut.append(text[last:])
+        fragments = [f.strip() for piece in cut for f in re.split(rb"\[(?:WARNING|ERROR|FATAL ERROR|INFO|DEBUG|"
+                                                                   rb"TRACE)\] |\[|\] ?", piece)]
+        words = [f.decode(errors="replace") for f in fragments if f]
+        known = [r for r in self.shown if any(r in w for w in words)]
+        if not (ids or not words or known):
+            self.forward(line)
+            return
+        for _, _, d in ids:
+            self.refusals.decoders[d] = self.refusals.decoders.get(d, 0) + 1
+        for w in words:
+            if len(w) < 8:
+                continue
+            if w in self.refusals.reasons or (ids and len(self.refusals.reasons) < MAX_REASONS):
+                self.refusals.reasons[w] = self.refusals.reasons.get(w, 0) + 1
+            new = w
+            for r in sorted(self.shown, key=len, reverse=True):
+                new = new.replace(r, "")
+            new = new.strip()
+            if not ids or len(new) < 8 or len(self.shown) >= MAX_REASONS or (
+                    new not in self._beside and len(self._beside) >= 4 * MAX_REASONS):
+                continue
+            # a reason is taken as nvImageCodec's once seen beside a decoder id twice (a line of another program's
+            # that landed once among a warning's pieces is not)
+            self._beside[new] = self._beside.get(new, 0) + 1
+            if self._beside[new] == 2:
+                self.shown.add(new)
+                if self.show_first:
+                    self.forward(f"[nvImageCodec] {new.strip()} (this and the GPU decoder's other warnings are "
+                                 "counted, not shown)\n".encode())
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    while data:
+        data = data[os.write(fd, data):]
+
+
+def _filter_main(marker: bytes) -> None:
+    """The filter process: stdin is the pipe the parent's fd 2 writes to, fd 2 the real stderr, stdout the
+    answers. Each `marker` read is a question: the counts so far, as one JSON line on stdout. It runs until the
+    pipe's last writer closes it (the parent, or a child that outlives it, or a parent that crashed: what they
+    wrote still reaches the real stderr)."""
+
+    def forward(data: bytes) -> None:
+        try:
+            _write_all(2, data)
+        except OSError:
+            pass
+
+    f = _Filter(forward)
+    pending = bytearray()
+    idle = 0.05  # a partial line waits this long for its end, then goes on (a prompt, a progress bar)
+    while True:
+        if pending and not select.select([0], [], [], idle)[0]:
+            if not pending.startswith((b"[", b"\x1b")):
+                forward(bytes(pending))
+                pending.clear()
+            continue
+        try:
+            chunk = os.read(0, 1 << 16)
+        except OSError:
+            break
+        if not chunk:
+            break
+        start = max(0, len(pending) - len(marker))
+        pending += chunk
+        while True:
+            at = pending.find(marker, start)
+            head = pending if at < 0 else pending[:at]
+            cut = head.rfind(b"\n") + 1  # complete lines, up to the marker (or all read)
+            if cut:
+                for ln in bytes(head[:cut]).split(b"\n")[:-1]:
+                    try:
+                        f.line(ln + b"\n")
+                    except Exception:  # never lose a line to the filter's own fault
+                        forward(ln + b"\n")
+                del pending[:cut]
+                at = -1 if at < 0 else at - cut
+            if at < 0:
+                break
+            del pending[at:at + len(marker)]
+            start = at
+            r = f.refusals
+            _write_all(1, (json.dumps({"decoders": r.decoders, "reasons": r.reasons}) + "\n").encode())
+        cr = pending.rfind(b"\r") + 1  # a progress bar's in-place updates go on at once
+        if cr and not pending.startswith((b"[", b"\x1b")) and marker[:2] not in pending[:cr]:
+            forward(bytes(pending[:cr]))
+            del pending[:cr]
+        if len(pending) > 1 << 16:  # a line this long is no warning
+            forward(bytes(pending))
+            pending.clear()
+    if pending:
+        try:
+            f.line(bytes(pending))
+        except Exception:
+            forward(bytes(pending))
+
+
+class _Tap:
+    """One per process: fd 2 through a pipe to the filter process. DecoderLogs share it (nested, or closed in
+    any order), the last one out gives fd 2 back."""
+
+    def __init__(self):
+        self.pid = os.getpid()
+        self.marker = b"\x00\x00DALI-PIPE-DECODER-LOG-" + uuid.uuid4().hex.encode() + b"\x00\x00"
+        sys.stderr.flush()
+        read, self._w = os.pipe()
+        self._answers, answers_w = os.pipe()
+        self._saved = os.dup(2)
+        try:
+            self.proc = subprocess.Popen([sys.executable, "-I", "-S", str(Path(__file__).resolve()), "--filter",
+                                          self.marker.hex()], stdin=read, stdout=answers_w, stderr=self._saved,
+                                         close_fds=True)
+        except BaseException:
+            for fd in (self._w, self._answers, self._saved):
+                os.close(fd)
+            raise
+        finally:
+            os.close(read)
+            os.close(answers_w)
+        os.dup2(self._w, 2)
+        self.users = 0
+
+    def counts(self, timeout: float = 30.0) -> Refusals:
+        """The filter's counts of all it has read up to now (a question through the pipe, its answer back)."""
+
+        try:
+            _write_all(self._w, self.marker)
+            answer = b""
+            while not answer.endswith(b"\n"):
+                if not select.select([self._answers], [], [], timeout)[0]:
+                    return Refusals()
+                chunk = os.read(self._answers, 1 << 16)
+                if not chunk:
+                    return Refusals()
+                answer += chunk
+            data = json.loads(answer.splitlines()[-1])
+            return Refusals(dict(data["decoders"]), dict(data["reasons"]))
+        except (OSError, ValueError):
+            return Refusals()
+
+    def close(self) -> None:
+        """fd 2 back where it was, if it is still this tap's pipe (else someone redirected it since: theirs)."""
+        try:
+            sys.stderr.flush()
+        except Exception:
+            pass
+        try:
+            try:
+                ours = os.path.samestat(os.fstat(2), os.fstat(self._w))
+            except OSError:
+                ours = False
+            if ours:
+                os.dup2(self._saved, 2)
+        finally:
+            for fd in (self._w, self._saved, self._answers):
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+            _CHILDREN.append(self.proc)  # it ends when the pipe's last writer closes; reaped later
+
+
+_TAP: _Tap | None = None
+_TAP_LOCK = threading.Lock()
+_CHILDREN: list = []
+
 
 class DecoderLog:
-    """Fold nvImageCodec's per-image warnings into counts: while open, file descriptor 2 goes through a pipe
-    read by a thread, which counts the `[WARNING] [decoder] reason` lines and passes everything else through to
-    the real stderr unchanged (a partial line, a progress bar's `\\r` update, as soon as it is read). The
-    first warning of each (decoder, reason) is still shown, with a note that the rest are counted.
+    """Fold nvImageCodec's per-image warnings into counts: while open, file descriptor 2 goes through a pipe to a
+    small filter process, which counts nvImageCodec's lines (`[WARNING] [decoder] reason`, in pieces that
+    DALI's threads interleave) and passes every other line on to the real stderr as it came (a partial line
+    after 50 ms without more). Each reason is shown once. A process, not a thread: it needs no lock of this
+    process to drain the pipe, and whatever is written before a crash, or by a child that outlives the log,
+    still reaches the terminal. Logs may nest and close in any order; `refusals` is what arrived while this one
+    was open.
 
         with DecoderLog() as log:
             ...  # run the pipeline
         print(log.refusals.lines(images))
-    """
 
-    def __init__(self, show_first: bool = True):
+    While open, stderr is a pipe (isatty(2) is False), and its lines may reach the terminal after stdout's."""
+
+    def __init__(self):
         self.refusals = Refusals()
-        self.show_first = show_first
-        self._shown: set[str] = set()  # the reasons seen (and shown, with show_first)
-        self._saved = self._thread = None
+        self._start: Refusals | None = None
 
     def __enter__(self) -> "DecoderLog":
-        sys.stderr.flush()
-        read, write = os.pipe()
-        self._saved = os.dup(2)
-        os.dup2(write, 2)
-        os.close(write)
-        self._thread = threading.Thread(target=self._pump, args=(read,), name="decoder-log", daemon=True)
-        self._thread.start()
+        global _TAP
+        with _TAP_LOCK:
+            if self._start is not None:
+                raise RuntimeError("this DecoderLog is open already")
+            if _TAP is None or _TAP.pid != os.getpid():
+                try:
+                    _TAP = _Tap()
+                except (OSError, ValueError, subprocess.SubprocessError):  # no filter process: nothing counted,
+                    _TAP = None  # and stderr stays as it is
+                    self._start = Refusals()
+                    return self
+            _TAP.users += 1
+            self._start = _TAP.counts()
         return self
 
     def __exit__(self, *exc) -> None:
-        try:
-            sys.stderr.flush()
-        except (OSError, ValueError):
-            pass
-        os.dup2(self._saved, 2)  # the pipe's last writer closes: the thread reads to its end and stops
-        self._thread.join(timeout=10)
-        os.close(self._saved)
-
-    def _forward(self, data: bytes) -> None:
-        while data:
-            try:
-                data = data[os.write(self._saved, data):]
-            except OSError:
+        global _TAP
+        with _TAP_LOCK:
+            if self._start is None or _TAP is None:
+                self._start = None
                 return
+            try:
+                self.refusals = _TAP.counts().minus(self._start)
+            finally:
+                self._start = None
+                _TAP.users -= 1
+                if _TAP.users == 0:
+                    tap, _TAP = _TAP, None
+                    tap.close()
+        for proc in list(_CHILDREN):
+            if proc.poll() is not None:
+                _CHILDREN.remove(proc)
 
-    def _line(self, line: bytes) -> None:
-        """A line of nvImageCodec's (it holds a severity, a decoder id, a reason seen before, or nothing but its
-        pieces) is counted and kept back; any other passes through."""
-        text = _ANSI.sub(b"", line.rstrip(b"\r\n"))  # a colour is a piece of its own: never inside another
-        if _ERROR.search(text):  # an error (an extension that failed to load, say) is shown as it is
-            self._forward(line)
-            return
-        ids = [m.decode() for m in _DECODER_ID.findall(text)]
-        rest = [f.strip() for f in _PIECES.split(text)]
-        reasons = [f.decode(errors="replace") for f in rest if len(f) >= 8]
-        ours = ids or _SEVERITY.search(text) or not any(rest) or any(k in r for r in reasons for k in self._shown)
-        if not ours:
-            self._forward(line)
-            return
-        for d in ids:
-            self.refusals.decoders[d] = self.refusals.decoders.get(d, 0) + 1
-        for r in reasons:
-            self.refusals.reasons[r] = self.refusals.reasons.get(r, 0) + 1
-            new = r
-            for shown in sorted(self._shown, key=len, reverse=True):
-                new = new.replace(shown, "")
-            if len(new.strip()) >= 8:  # each reason once (two run together: their parts)
-                self._shown.add(new.strip())
-            if self.show_first and len(new.strip()) >= 8:
-                self._forward(f"[nvImageCodec] {new.strip()} (this and the GPU decoder's other warnings are "
-                              "counted, not shown)\n".encode())
 
-    def _pump(self, fd: int) -> None:
-        pending = b""
-        try:
-            while True:
-                chunk = os.read(fd, 1 << 16)
-                if not chunk:
-                    break
-                pending += chunk
-                *lines, pending = pending.split(b"\n")
-                for line in lines:
-                    self._line(line + b"\n")
-                # a progress bar's in-place updates (up to its last `\r`) go on now; the rest waits for its line
-                cut = pending.rfind(b"\r") + 1
-                if cut:
-                    self._line(pending[:cut])
-                    pending = pending[cut:]
-            if pending:
-                self._line(pending)
-        except Exception:  # never block the process's stderr: whatever is left passes through raw
-            self._forward(pending)
-            while True:
-                try:
-                    chunk = os.read(fd, 1 << 16)
-                except OSError:
-                    break
-                if not chunk:
-                    break
-                self._forward(chunk)
-        finally:
-            os.close(fd)
+if __name__ == "__main__" and sys.argv[1:2] == ["--filter"]:
+    _filter_main(bytes.fromhex(sys.argv[2]))

@@ -28,7 +28,7 @@ import posixpath
 from pathlib import Path
 
 from .forms import IMG_EXTENSIONS, PAIR, PAIR_ALSO, find_classes, is_image_name, pair_folders
-from .manifest import MANIFEST_NAME, Manifest, ManifestError, Sample, absolute_path, sort_classes, stratified_split
+from .manifest import MANIFEST_NAME, Manifest, ManifestError, PathResolver, Sample, sort_classes, stratified_split
 from .sync import SyncError, atomic_write, sync_files
 
 LISTING_NAME = ".imagefolder-files.json"  # in the local copy of an s3:// ImageFolder: the keys its last sync listed
@@ -110,7 +110,8 @@ def read_image_folder(root: Path | str, *, val_fraction: float, seed: int,
                                    f"{root / pair['train']}; the classes are train/'s: add them there, or remove them")
         classes = list(train_tree)
         index = {c: i for i, c in enumerate(classes)}
-        split = {name: [Sample(absolute_path(root, posixpath.join(pair[name], rel)), index[c], 0)
+        paths = PathResolver(root)
+        split = {name: [Sample(paths.absolute(posixpath.join(pair[name], rel)), index[c], 0)
                         for c, files in t.items() for rel in files]
                  for name, t in (("train", train_tree), ("val", val_tree))}
         train, val, note, rule = split["train"], split["val"], PAIR_NOTE, "folders"
@@ -118,7 +119,8 @@ def read_image_folder(root: Path | str, *, val_fraction: float, seed: int,
         t = tree(root, listing)
         _refuse_empty(root, t)
         classes = list(t)
-        samples = {rel: Sample(absolute_path(root, rel), i, 0) for i, (c, files) in enumerate(t.items())
+        paths = PathResolver(root)
+        samples = {rel: Sample(paths.absolute(rel), i, 0) for i, (c, files) in enumerate(t.items())
                    for rel in files}
         train, val = stratified_split(samples, val_fraction, seed)
         note = (f"split: {val_fraction:g} of each class for validation by a hash of its path and --seed (no train/ "

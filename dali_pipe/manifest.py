@@ -16,6 +16,7 @@ import hashlib
 import io
 import os
 import posixpath
+import stat
 import warnings
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -208,6 +209,7 @@ def parse_rows(table: Table, root: Path, tsv) -> tuple[dict[str, tuple[int, str,
     duplicates = 0
     labelled = "label" in table.columns and any(table["label"])
     has_split = "split" in table.columns
+    paths = PathResolver(root)
     for rec in table.rows:
         line = rec["_line"]
         try:
@@ -215,7 +217,7 @@ def parse_rows(table: Table, root: Path, tsv) -> tuple[dict[str, tuple[int, str,
         except ValueError as e:
             problems.append(f"line {line}: {e}; refused. Paths must stay inside the dataset root.")
             continue
-        if os.path.isdir(root / rel):
+        if paths.is_dir(rel):
             problems.append(f"line {line}: {rel!r} is a directory; list the image files, one per row.")
             continue
         if labelled:
@@ -270,7 +272,15 @@ def read_manifest(root: Path | str, *, val_fraction: float, seed: int, skip_miss
         warnings.warn(f"{tsv}: dropped {duplicates} duplicate row(s) (same image_path, label and split).")
 
     # a broken symbolic link is not missing: the scan lists it as a bad image ("dangling symbolic link")
-    missing = [rel for rel in rows if not os.path.isfile(root / rel) and not os.path.islink(root / rel)]
+    paths = PathResolver(root)
+    found: dict[str, str] = {}  # rel -> absolute path, from one lstat each
+    missing = []
+    for rel in rows:
+        st = paths.lstat(rel)
+        if st is None or not (stat.S_ISREG(st.st_mode) or stat.S_ISLNK(st.st_mode)):
+            missing.append(rel)  # as os.path.isfile and os.path.islink both say no
+        else:
+            found[rel] = paths.absolute(rel, st)
     if missing and not skip_missing:
         raise ManifestError(f"{tsv}: {len(missing)} listed file(s) missing under {root}: "
                             f"{_preview(missing)}. Sync the data again, fix the paths, or pass "
@@ -283,7 +293,7 @@ def read_manifest(root: Path | str, *, val_fraction: float, seed: int, skip_miss
         raise ManifestError(f"{tsv}: found {len(classes)} class(es) {classes}; a classifier needs "
                             "at least two. Check the 'label' column or the class folders.")
     index = {c: i for i, c in enumerate(classes)}
-    samples = {rel: Sample(absolute_path(root, rel), index[label], line) for rel, (line, label, _) in rows.items()}
+    samples = {rel: Sample(found[rel], index[label], line) for rel, (line, label, _) in rows.items()}
 
     split_column = "split" in table.columns and any(split for _, _, split in rows.values())
     if split_column:
@@ -307,14 +317,52 @@ def read_manifest(root: Path | str, *, val_fraction: float, seed: int, skip_miss
     return Manifest(root, classes, train, val, missing, duplicates, split_rule=rule)
 
 
-def absolute_path(root: Path, rel: str) -> str:
-    """The file's absolute path, through its symbolic links; a broken link (dangling, or a loop)
-    stays the link itself, for the scan to name."""
-    path = root / rel
-    try:
-        return str(path.resolve(strict=True))
-    except (OSError, RuntimeError):
-        return str(root.resolve() / rel)
+class PathResolver:
+    """Paths under one root, with one lstat per file: its folders' real paths are resolved once each (a
+    million files in a thousand class folders: a thousand resolves, not a million, each of which stats every
+    component of the path), and only a file that is itself a symbolic link is followed on its own."""
+
+    def __init__(self, root: Path | str):
+        self.root = Path(root)
+        self._root_s = str(self.root).rstrip("/") or "/"
+        self._prefix = self._root_s.rstrip("/") + "/"
+        self._folders: dict[str, str | None] = {}
+
+    def _folder(self, rel_dir: str) -> str | None:
+        real = self._folders.get(rel_dir, False)
+        if real is False:
+            try:
+                real = str(Path(os.path.join(self._root_s, rel_dir)).resolve(strict=True))
+            except (OSError, RuntimeError):
+                real = None
+            self._folders[rel_dir] = real
+        return real
+
+    def lstat(self, rel: str) -> os.stat_result | None:
+        try:
+            return os.lstat(self._prefix + rel)
+        except (OSError, ValueError):
+            return None
+
+    def is_dir(self, rel: str) -> bool:
+        """os.path.isdir: a folder, or a link to one."""
+        st = self.lstat(rel)
+        return st is not None and (stat.S_ISDIR(st.st_mode) or (stat.S_ISLNK(st.st_mode) and
+                                                              os.path.isdir(os.path.join(self._root_s, rel))))
+
+    def absolute(self, rel: str, st: os.stat_result | None = None) -> str:
+        """The file's absolute path, through its symbolic links; a broken link (dangling, or a loop) stays the
+        link itself, for the scan to name. `st`: the file's lstat when the caller has it."""
+        st = self.lstat(rel) if st is None else st
+        if st is not None and not stat.S_ISLNK(st.st_mode):
+            head, name = posixpath.split(rel)
+            folder = self._folder(head)
+            if folder is not None:
+                return f"{folder.rstrip('/')}/{name}"
+        try:
+            return str(Path(self._root_s, rel).resolve(strict=True))
+        except (OSError, RuntimeError):
+            return str(self.root.resolve() / rel)
 
 
 def _unit_hash(rel: str, seed: int) -> float:

@@ -230,3 +230,38 @@ def test_escape_is_refused_without_opening(tmp_path):
     root = _write(tmp_path / "d", "image_path\ncat/a.jpg\ndog/a.jpg\n../secret.jpg\n", ["cat/a.jpg", "dog/a.jpg"])
     with pytest.raises(ManifestError, match="escapes the dataset root"):
         read_manifest(root)
+
+
+def test_paths_resolve_as_pathlib_does_with_one_lstat_a_file(tmp_path):
+    """PathResolver gives each row the path Path.resolve(strict=True) gives (the link itself where that fails):
+    plain files, files in a linked folder, a root reached through a link, a linked file, a dangling link and
+    a link loop; a link to a folder is a folder; and it resolves each folder once, not each file's path."""
+    from pathlib import Path as P
+
+    from dali_pipe.manifest import PathResolver
+
+    real = tmp_path / "real"
+    for rel in ("cat/a.jpg", "cat/b.jpg", "dog/c.jpg", "elsewhere/d.jpg"):
+        (real / rel).parent.mkdir(parents=True, exist_ok=True)
+        (real / rel).write_bytes(b"x")
+    (real / "linked").symlink_to(real / "elsewhere")
+    (real / "dog" / "e.jpg").symlink_to(real / "cat" / "a.jpg")
+    (real / "dog" / "gone.jpg").symlink_to(real / "nowhere.jpg")
+    (real / "dog" / "loop.jpg").symlink_to(real / "dog" / "loop.jpg")
+    (real / "folder-link").symlink_to(real / "cat")
+    root = tmp_path / "root-link"
+    root.symlink_to(real)
+
+    def reference(rel):
+        try:
+            return str((root / rel).resolve(strict=True))
+        except (OSError, RuntimeError):
+            return str(root.resolve() / rel)
+
+    rels = ["cat/a.jpg", "cat/b.jpg", "dog/c.jpg", "linked/d.jpg", "dog/e.jpg", "dog/gone.jpg", "dog/loop.jpg",
+            "cat/missing.jpg"]
+    paths = PathResolver(root)
+    assert [paths.absolute(r) for r in rels] == [reference(r) for r in rels]
+    assert paths.is_dir("folder-link") and paths.is_dir("cat") and not paths.is_dir("cat/a.jpg")
+    assert sorted(paths._folders) == ["cat", "dog", "linked"]  # one resolve a folder
+    assert P(paths.absolute("linked/d.jpg")) == real / "elsewhere" / "d.jpg"

@@ -18,7 +18,7 @@ from ..datamodule import DaliDataModule
 from ..errors import UserError
 from ..forms import IMG_EXTENSIONS
 from ..imagefolder import sync_image_folder
-from ..manifest import MANIFEST_NAME, Sample, absolute_path, read_table, safe_relpath
+from ..manifest import MANIFEST_NAME, PathResolver, Sample, read_table, safe_relpath
 from ..scan import scan, sniff, write_report
 from ..shards.source import SHARD_KINDS, source_kind
 from ..spec import ImageSpec
@@ -120,7 +120,8 @@ def run(s: Settings) -> dict:
         dm.labels = False  # shards without cls (img2dataset, LAION) are labelled too
         return _predict_shards(s, dm, model, out)
     root, rels = list_images(s.data.data, s.data.cache_dir)
-    paths = [absolute_path(root, r) for r in rels]
+    resolver = PathResolver(root)
+    paths = [resolver.absolute(r) for r in rels]
     result = scan(paths, s.data.scan if s.data.scan != "off" else "fast", max_pixels=s.data.max_pixels,
                   cache_path=Path(s.data.cache_dir) / "scan-cache.json")
     bad = {p: ("missing" if not os.path.lexists(p) else reason) for p, reason in result.bad.items()}

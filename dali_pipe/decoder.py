@@ -24,6 +24,7 @@ import json
 import os
 import re
 import select
+import signal
 import subprocess
 import sys
 import threading
@@ -339,6 +340,9 @@ def _filter_main(marker: bytes) -> None:
     pipe's last writer closes it (the parent, or a child that outlives it, or a parent that crashed: what they
     wrote still reaches the real stderr)."""
 
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # it ends with the pipe, after its writers
+        signal.signal(sig, signal.SIG_IGN)
+
     def forward(data: bytes) -> None:
         try:
             _write_all(2, data)
@@ -408,7 +412,7 @@ class _Tap:
         try:
             self.proc = subprocess.Popen([sys.executable, "-I", "-S", str(Path(__file__).resolve()), "--filter",
                                           self.marker.hex()], stdin=read, stdout=answers_w, stderr=self._saved,
-                                         close_fds=True)
+                                         close_fds=True, start_new_session=True)  # no Ctrl-C of the terminal's
         except BaseException:
             for fd in (self._w, self._answers, self._saved):
                 os.close(fd)

@@ -274,3 +274,15 @@ def test_a_log_opened_twice_or_closed_twice_is_refused_or_harmless(capfd):
     log.__exit__(None, None, None)
     os.write(2, b"still stderr\n")
     assert capfd.readouterr().err.endswith("still stderr\n")
+
+
+def test_ctrl_c_and_sigterm_to_the_process_group_leave_stderr_working():
+    """Ctrl-C in a terminal (SIGINT to the whole process group) and a SIGTERM to the group stop the run, not the
+    filter: what the run then writes to stderr ("stopped by Ctrl-C", a traceback) still arrives."""
+    rc, _, err = _run(
+        "import os, signal, time\nfrom dali_pipe.decoder import DecoderLog\nos.setpgid(0, 0)\n"
+        "signal.signal(signal.SIGTERM, lambda *a: None)\nlog = DecoderLog().__enter__()\n"
+        "try:\n    os.killpg(0, signal.SIGINT); time.sleep(1)\nexcept KeyboardInterrupt:\n"
+        "    os.killpg(0, signal.SIGTERM); time.sleep(0.5)\n    os.write(2, b'stopped by Ctrl-C\\n')\n"
+        "log.__exit__(None, None, None)\nos.write(2, b'after\\n')\n")
+    assert rc == 0 and "stopped by Ctrl-C\nafter\n" in err, (rc, err)

@@ -179,7 +179,7 @@ def training_roi_decode(device: str, fancy_upsampling: bool, found: Nvjpeg | Non
 # each other (never inside a piece: a pipe write is whole). So a decoder's id is counted wherever it stands, and
 # the reasons are what is left of a line once the other pieces are taken out.
 _ANSI = re.compile(rb"\x1b\[[0-9;]*m")
-_SEVERITY = re.compile(rb"\[(?:WARNING|ERROR|FATAL ERROR|INFO|DEBUG|TRACE)\] ")
+_PIECES = re.compile(rb"\[(?:WARNING|ERROR|FATAL ERROR|INFO|DEBUG|TRACE)\] |\[|\] ?")  # a severity, "[", "] "
 _ERROR = re.compile(rb"\[(?:ERROR|FATAL ERROR)\] ")
 # the plugin ids of nvImageCodec 0.9's extensions (their binaries' `plugin_id_` strings, opencv_decoder besides)
 # and of the extensions themselves (their load messages)
@@ -298,8 +298,7 @@ class _Filter:
             cut.append(text[last:start])
             last = end
         cut.append(text[last:])
-        fragments = [f.strip() for piece in cut for f in re.split(rb"\[(?:WARNING|ERROR|FATAL ERROR|INFO|DEBUG|"
-                                                                   rb"TRACE)\] |\[|\] ?", piece)]
+        fragments = [f.strip() for piece in cut for f in _PIECES.split(piece)]
         words = [f.decode(errors="replace") for f in fragments if f]
         known = [r for r in self.shown if any(r in w for w in words)]
         if not (ids or not words or known):

@@ -5,10 +5,11 @@ On the GPU, nvJPEG decodes (`device="mixed"`): the DALI CPU threads read the byt
 decoding (a GPU's hardware JPEG decoder, on A100 and H100, takes its share of the JPEGs whole), the GPU the
 rest of the decode; then the GPU resizes, augments and normalises, and images and labels come out on the GPU.
 Chroma is upsampled as libjpeg-turbo does (`decoder_args`), so both devices decode to the same pixels. The
-training crop is a random-crop ROI decode where nvImageCodec runs one on the GPU with that upsampling (nvJPEG
->= 13.2, and always on the CPU), else a whole-image decode and `fn.random_resized_crop` on the GPU (nvJPEG 12,
-the `[cuda120]` stack): dali_pipe/decoder.py has the rule, docs/training.md what each costs. On the CPU the
-same graph runs with CPU operators, which is how the tests and CPU-only machines use it.
+training crop is a random-crop ROI decode on the CPU, and wherever nvImageCodec runs one on the GPU with that
+upsampling; nvImageCodec 0.9 refuses it under every nvJPEG this project installs (12.4, 13.3.2), so on the GPU
+it is a whole-image decode and `fn.random_resized_crop`: dali_pipe/decoder.py has the rule, docs/training.md
+what each costs. On the CPU the same graph runs with CPU operators, which is how the tests and CPU-only
+machines use it.
 
 Training augmentation, all on the device that decodes: random-resized crop (`--crop-scale`),
 flip, an optional policy from `nvidia.dali.auto_aug` (`--auto-augment rand|trivial|auto`), and
@@ -205,7 +206,7 @@ def build_pipeline(source, spec: ImageSpec, opts: PipelineOptions, *, training: 
         source = Files([source.files[i] for i in order], [int(source.labels[i]) for i in order])
     elif isinstance(source, Files):  # plain ints, made here: a loop inside the pipeline's definition runs under
         # DALI's AutoGraph (on for the conditionals), which took 6 of 7.3 s for 900k labels
-        source = Files(list(source.files), [int(x) for x in source.labels])
+        source = Files(source.files, [int(x) for x in source.labels])
     res = opts.resources
     aug = opts.augment
     roi = opts.roi_decode if opts.roi_decode is not None else training_roi_decode(opts.device, opts.fancy_upsampling)
@@ -269,9 +270,9 @@ def _resumed_decode(checkpoint, roi: bool) -> bool:
     taken = True if b"ImageRandomCrop" in text else False if b"RandomResizedCrop" in text else roi
     if taken != roi and taken not in _NOTED:
         _NOTED.add(taken)
+        cost = "; where nvImageCodec refuses it on the GPU, the crops are decoded on the CPU until the run ends"
         print(f"resume: this run's data position was saved with the {'ROI' if taken else 'whole-image'} training "
-              f"decode, so it resumes with that decode (exactly, as it began){'; where nvImageCodec refuses it on the GPU, the crops are decoded on the CPU until the run ends' if taken else ''}",
-              file=sys.stderr)
+              f"decode, so it resumes with that decode (exactly, as it began){cost if taken else ''}", file=sys.stderr)
     return taken
 
 

@@ -29,8 +29,9 @@ from .config import DataSettings, PipelineSettings, named, recipe_names, resolve
 from .dataset import check_batch, data_line, differences, drop_note, fingerprint, prepare, read, scan_manifest
 from .errors import RunMismatchError, UserError
 from .loader import DaliLoader, ReaderChanged
-from .manifest import Manifest, Sample
+from .manifest import Manifest
 from .pipeline import Augment, Files, PipelineOptions, Shards, build_pipeline, resources_for_rank, shard_reader
+from .samples import Sample, Samples
 from .scan import ScanResult
 from .shards.cache import Remote, StreamCache, is_remote, stream_bound, stream_folder
 from .shards.source import ShardSet
@@ -196,7 +197,8 @@ class DaliDataModule(pl.LightningDataModule):
             if store is not None:
                 store.register(source, check=check_cache)  # refuses a --stream-cache too small for the plans
         else:
-            source = Files([s.path for s in samples], [s.label for s in samples])
+            samples = Samples.of(samples)
+            source = Files(samples.paths, samples.labels)
         return DaliLoader(lambda checkpoint: build_pipeline(source, self.spec, opts, training=training,
                                                             checkpoint=checkpoint), training=training)
 

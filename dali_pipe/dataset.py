@@ -15,7 +15,7 @@ from .config import DataSettings, PipelineSettings, SyncSettings, recipe, recipe
 from .errors import UserError
 from .imagefolder import read_image_folder, sync_image_folder
 from .manifest import Manifest, read_manifest
-from .scan import ScanResult, scan, write_report
+from .scan import CACHE_NAME, ScanResult, scan, write_report
 from .shards import source
 from .shards.cache import verify_local
 from .shards.source import SHARD_KINDS, ShardSet, open_shards, source_kind
@@ -57,8 +57,9 @@ def read(data: DataSettings, *, labels: bool = True) -> Manifest | ShardSet:
 
 def scan_manifest(manifest: Manifest, data: DataSettings, *, num_threads: int, progress: bool) -> ScanResult:
     """Scan every file of the manifest (verdicts cached under the cache dir)."""
-    return scan([s.path for s in manifest.train + manifest.val], data.scan, max_pixels=data.max_pixels,
-                num_threads=num_threads, cache_path=Path(data.cache_dir) / "scan-cache.json", progress=progress)
+    both = manifest.train + manifest.val
+    return scan(both.paths, data.scan, max_pixels=data.max_pixels, num_threads=num_threads,
+                cache_path=Path(data.cache_dir) / CACHE_NAME, progress=progress, stats=both.stats)
 
 
 def missing_reasons(manifest: Manifest) -> dict[str, str]:

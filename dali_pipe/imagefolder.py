@@ -27,8 +27,11 @@ import os
 import posixpath
 from pathlib import Path
 
+import numpy as np
+
 from .forms import IMG_EXTENSIONS, PAIR, PAIR_ALSO, find_classes, is_image_name, pair_folders
-from .manifest import MANIFEST_NAME, Manifest, ManifestError, PathResolver, Sample, sort_classes, stratified_split
+from .manifest import MANIFEST_NAME, Manifest, ManifestError, absolute_paths, sort_classes, stratified_split
+from .samples import Samples, member, strings
 from .sync import SyncError, atomic_write, sync_files
 
 LISTING_NAME = ".imagefolder-files.json"  # in the local copy of an s3:// ImageFolder: the keys its last sync listed
@@ -40,19 +43,49 @@ class ImageFolderError(ManifestError):
 
 
 # -- the listing, torchvision's ------------------------------------------------------------------
-def class_files(root: Path, cls: str) -> list[str]:
-    """torchvision's `make_dataset` for one class: the image files below root/cls, relative to root, in its order."""
+def class_files(root: Path, cls: str, links: set[str] | None = None) -> list[str]:
+    """torchvision's `make_dataset` for one class: the image files below root/cls, relative to root, in its order
+    (`sorted(os.walk(root/cls, followlinks=True))`, then the names sorted), walked with os.scandir, whose entries
+    say which are links without a stat each. `links`: gets the relative paths of files that are links."""
+    found: list[tuple[str, list[tuple[str, bool]]]] = []
+
+    def walk(folder: str, rel: str) -> None:
+        try:
+            with os.scandir(folder) as it:
+                entries = list(it)
+        except OSError:
+            return  # as os.walk: an unreadable folder yields nothing
+        files, below = [], []
+        for e in entries:
+            try:
+                is_dir = e.is_dir()
+            except OSError:
+                is_dir = False
+            if is_dir:
+                below.append(e.name)
+            elif is_image_name(e.name):
+                files.append((e.name, e.is_symlink()))
+        found.append((folder, sorted(files)))
+        for name in below:
+            walk(os.path.join(folder, name), f"{rel}/{name}")
+
+    walk(str(root / cls), cls)
     out = []
-    for dirpath, _, files in sorted(os.walk(root / cls, followlinks=True)):
-        out += [os.path.relpath(os.path.join(dirpath, f), root) for f in sorted(files) if is_image_name(f)]
+    top = str(root).rstrip("/") + "/"
+    for folder, files in sorted(found, key=lambda f: f[0]):
+        prefix = folder[len(top):] + "/" if folder.startswith(top) else os.path.relpath(folder, root) + "/"
+        for name, link in files:
+            out.append(prefix + name)
+            if link and links is not None:
+                links.add(prefix + name)
     return out
 
 
-def tree(root: Path, listing: list[str] | None = None) -> dict[str, list[str]]:
+def tree(root: Path, listing: list[str] | None = None, links: set[str] | None = None) -> dict[str, list[str]]:
     """{class: its image files relative to root}, classes in index order. `listing`: the object keys of an S3
-    copy (relative to root), read as the same folders would be on disk."""
+    copy (relative to root), read as the same folders would be on disk. `links`: gets the files that are links."""
     if listing is None:
-        return {c: class_files(root, c) for c in find_classes(root)}
+        return {c: class_files(root, c, links) for c in find_classes(root)}
     out: dict[str, list[tuple[str, str]]] = {}
     for key in listing:
         head, _, rest = key.partition("/")
@@ -100,8 +133,9 @@ def read_image_folder(root: Path | str, *, val_fraction: float, seed: int,
         listing = json.loads((root / LISTING_NAME).read_text())["files"]
     pair = _pair(root, listing)
     if pair:
-        train_tree = tree(root / pair["train"], _sub(listing, pair["train"]))
-        val_tree = tree(root / pair["val"], _sub(listing, pair["val"]))
+        links: dict[str, set[str]] = {"train": set(), "val": set()}
+        train_tree = tree(root / pair["train"], _sub(listing, pair["train"]), links["train"])
+        val_tree = tree(root / pair["val"], _sub(listing, pair["val"]), links["val"])
         _refuse_empty(root / pair["train"], train_tree)
         _refuse_empty(root / pair["val"], val_tree)
         extra = sorted(set(val_tree) - set(train_tree))
@@ -110,19 +144,18 @@ def read_image_folder(root: Path | str, *, val_fraction: float, seed: int,
                                    f"{root / pair['train']}; the classes are train/'s: add them there, or remove them")
         classes = list(train_tree)
         index = {c: i for i, c in enumerate(classes)}
-        paths = PathResolver(root)
-        split = {name: [Sample(paths.absolute(posixpath.join(pair[name], rel)), index[c], 0)
-                        for c, files in t.items() for rel in files]
+        split = {name: _samples(root, {index[c]: [posixpath.join(pair[name], r) for r in files]
+                                       for c, files in t.items()},
+                                {posixpath.join(pair[name], r) for r in links[name]})[1]
                  for name, t in (("train", train_tree), ("val", val_tree))}
         train, val, note, rule = split["train"], split["val"], PAIR_NOTE, "folders"
     else:
-        t = tree(root, listing)
+        linked: set[str] = set()
+        t = tree(root, listing, linked)
         _refuse_empty(root, t)
         classes = list(t)
-        paths = PathResolver(root)
-        samples = {rel: Sample(paths.absolute(rel), i, 0) for i, (c, files) in enumerate(t.items())
-                   for rel in files}
-        train, val = stratified_split(samples, val_fraction, seed)
+        rels, samples = _samples(root, dict(enumerate(t.values())), linked)
+        train, val = stratified_split(samples, val_fraction, seed, rels=rels)
         note = (f"split: {val_fraction:g} of each class for validation by a hash of its path and --seed (no train/ "
                 "and val/ folders)")
         rule = "hash"
@@ -132,6 +165,14 @@ def read_image_folder(root: Path | str, *, val_fraction: float, seed: int,
     if not train:
         raise ImageFolderError(f"{root} (an ImageFolder): no training images after the split; lower --val-fraction")
     return Manifest(root, classes, train, val, note=note, split_rule=rule)
+
+
+def _samples(root: Path, by_class: dict[int, list[str]], links: set[str]) -> tuple[np.ndarray, Samples]:
+    """(the relative paths, the Samples) of {class index: files relative to root}, as columns."""
+    rels = strings([r for files in by_class.values() for r in files])
+    labels = np.repeat(np.array(list(by_class), dtype=np.int32), [len(f) for f in by_class.values()])
+    linked = member(rels, links) if links else None
+    return rels, Samples(absolute_paths(root, rels, linked), labels)
 
 
 # -- S3 --------------------------------------------------------------------------------------------

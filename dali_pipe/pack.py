@@ -38,7 +38,6 @@ from pathlib import Path
 
 from .config import default_cache_dir
 from .errors import UserError
-from .manifest import MANIFEST_NAME, read_table
 from .scan import write_report
 from .shards.cache import Verdicts, verdict_key
 from .shards.format import (
@@ -61,6 +60,7 @@ from .shards.format import (
 )
 from .shards.source import write_member_report
 from .shards.tables import TABLE_KINDS, extract
+from .tsv import MANIFEST_NAME, read_table
 from .workdir import remove_dead_temps
 
 PROGRESS_NAME = ".pack-progress.json"

@@ -24,6 +24,8 @@ import sys
 import warnings
 from dataclasses import dataclass
 
+import numpy as np
+
 from .config import PipelineSettings, cores
 from .decoder import training_roi_decode
 from .errors import dali_missing
@@ -67,9 +69,9 @@ def resources_for_rank(settings: PipelineSettings, *, local_world_size: int = 1,
 
 @dataclass(frozen=True)
 class Files:
-    """Images as files: absolute paths and integer labels."""
-    files: list[str]
-    labels: list[int]
+    """Images as files: absolute paths and integer labels (lists, or columns: dali_pipe/samples.py)."""
+    files: list[str] | np.ndarray
+    labels: list[int] | np.ndarray
 
     def __len__(self) -> int:
         return len(self.files)
@@ -201,12 +203,13 @@ def build_pipeline(source, spec: ImageSpec, opts: PipelineOptions, *, training: 
 
     if isinstance(source, Shards):
         source = shard_reader(source, opts, training=training)
-    if training and isinstance(source, Files):
-        order = seeded_order(len(source.files), opts.seed)
-        source = Files([source.files[i] for i in order], [int(source.labels[i]) for i in order])
-    elif isinstance(source, Files):  # plain ints, made here: a loop inside the pipeline's definition runs under
-        # DALI's AutoGraph (on for the conditionals), which took 6 of 7.3 s for 900k labels
-        source = Files(source.files, [int(x) for x in source.labels])
+    if isinstance(source, Files):  # lists of str and int, made here (a loop inside the pipeline's definition runs
+        # under DALI's AutoGraph, on for the conditionals: 6 of 7.3 s for 900k labels), from columns where given
+        files, labels = np.asarray(source.files), np.asarray(source.labels, dtype=np.int64)
+        if training:
+            order = np.asarray(seeded_order(len(files), opts.seed), dtype=np.int64)
+            files, labels = files[order], labels[order]
+        source = Files(files.tolist(), labels.tolist())
     res = opts.resources
     aug = opts.augment
     roi = opts.roi_decode if opts.roi_decode is not None else training_roi_decode(opts.device, opts.fancy_upsampling)

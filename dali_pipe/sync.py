@@ -39,9 +39,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import UserError
-from .manifest import MANIFEST_NAME, ManifestError, check_columns, check_header, parse_rows, read_table, safe_relpath
 from .redact import redact
 from .transfer import NO_CREDENTIALS, Engine, TransferError, endpoint, endpoint_credentials, part_name
+from .tsv import MANIFEST_NAME, ManifestError, check_columns, check_header, read_table, safe_relpath
 from .workdir import human_bytes, is_disk_full, lock, pid_alive, remove, remove_dead_temps, unlock, write_failure
 
 STATE_NAME = ".sync-state.json"
@@ -258,6 +258,8 @@ def fetch_manifest(engine: Engine, bucket: str, base: str, dest: Path, rows: boo
             raise SyncError(f"s3://{bucket}/{key}: refused {len(refused)} row(s) that would land outside {dest}; "
                             "nothing was downloaded:\n  " + "\n  ".join(refused[:10]))
         if rows:
+            from .manifest import parse_rows  # lazy: its columns take numpy, which a pack's sync never needs
+
             check_columns(df, f"s3://{bucket}/{key}")
             parse_rows(df, dest, f"s3://{bucket}/{key}")
     except ManifestError as e:

@@ -265,3 +265,60 @@ def test_paths_resolve_as_pathlib_does_with_one_lstat_a_file(tmp_path):
     assert paths.is_dir("folder-link") and paths.is_dir("cat") and not paths.is_dir("cat/a.jpg")
     assert sorted(paths._folders) == ["cat", "dog", "linked"]  # one resolve a folder
     assert P(paths.absolute("linked/d.jpg")) == real / "elsewhere" / "d.jpg"
+
+
+def test_columns_give_the_split_order_and_digest_of_the_rule(tmp_path):
+    """The split and the digest, computed on columns, are those the rule states, written out one sample at a time:
+    val holds the files whose sha256("SEED:PATH") is lowest in each class (at least one, at most all but one), both
+    splits in class order then by hash; the digest hashes "path<TAB>class<TAB>split" lines sorted by path."""
+    import hashlib
+    import os
+
+    files = [f"k{c}/{i:03d}.jpg" for c in range(4) for i in range(3 + 7 * c)]
+    text = "image_path\n" + "\n".join(files) + "\n"
+    root = _write(tmp_path / "d", text, files)
+    for fraction, seed in ((0.25, 0), (0.01, 3), (0.9, 5)):
+        m = read_manifest(root, val_fraction=fraction, seed=seed)
+
+        def h(rel):
+            return int.from_bytes(hashlib.sha256(f"{seed}:{rel}".encode()).digest()[:8], "big") / 2**64
+
+        want_train, want_val = [], []
+        for c in range(4):
+            group = sorted((h(f), str((root / f).resolve())) for f in files if f.startswith(f"k{c}/"))
+            n_val = min(max(sum(x < fraction for x, _ in group), 1), len(group) - 1)
+            want_val += [p for _, p in group[:n_val]]
+            want_train += [p for _, p in group[n_val:]]
+        assert m.train.files == want_train and m.val.files == want_val
+        lines = "".join(f"{os.path.relpath(p, root.resolve())}\t{m.classes[label]}\t{split}\n"
+                        for split, part in (("train", m.train), ("val", m.val))
+                        for p, label in sorted(zip(part.files, part.labels.tolist())))
+        assert m.digest() == hashlib.sha256(lines.encode()).hexdigest()[:16]
+
+
+def test_unusual_paths_are_normalised_one_by_one(tmp_path):
+    """Rows that need normalising (./, //, backslashes, an absolute path under the root) take safe_relpath's way,
+    the plain rows the columns' way, and both end as the same files; a NUL or a way out of the root is refused."""
+    files = ["cat/a.jpg", "cat/b.jpg", "dog/a.jpg", "dog/b.jpg"]
+    root = _write(tmp_path / "d", "", files)
+    text = "image_path\n./cat/a.jpg\ncat//b.jpg\ndog\\a.jpg\n" + f"{root.resolve()}/dog/b.jpg\n"
+    m = read_manifest(_write(root, text), val_fraction=0.0)
+    assert sorted(m.train.files) == sorted(str((root / f).resolve()) for f in files)
+    for bad, why in (("cat/a\x00.jpg", "NUL"), ("../x/a.jpg", "escapes")):
+        with pytest.raises(ManifestError, match=why):
+            read_manifest(_write(root, text + bad + "\n"))
+
+
+def test_a_one_column_manifest_reads_as_the_csv_reader_reads_it(tmp_path):
+    """The one-column fast path (no list per row) gives the rows and line numbers the csv reader gives: blank
+    lines, padding, CRLF and lone CR line ends, a BOM, quotes kept as they are."""
+    from dali_pipe.manifest import read_table
+
+    text = '\ufeff Image_Path \r\n\r\ncat/a.jpg\r\n  dog/"b".jpg  \n\n   \ncat/c.jpg\rdog/d.jpg\n'
+    fast, slow = tmp_path / "fast.tsv", tmp_path / "slow.tsv"
+    fast.write_text(text, encoding="utf-8")
+    slow.write_text(text.replace("Image_Path", "Image_Path\t", 1), encoding="utf-8")  # a tab: the csv reader
+    a, b = read_table(fast), read_table(slow)
+    assert a.columns == ["image_path"] and a.header_line == b.header_line == 1
+    assert a["image_path"] == b["image_path"] == ['cat/a.jpg', 'dog/"b".jpg', "cat/c.jpg", "dog/d.jpg"]
+    assert a["_line"] == b["_line"] == [3, 4, 7, 8]

@@ -1,6 +1,8 @@
 """Pre-flight scan: bad files are excluded with a reason a person understands, odd ones train."""
 from __future__ import annotations
 
+import os
+
 import pytest
 
 import train
@@ -154,3 +156,43 @@ def test_skip_missing_trains_and_reports_the_missing_and_the_broken_links(photo_
     assert _report(out) == {"coffee/coffee_0003.jpg": "missing on disk (listed in dataset.tsv; --skip-missing)",
                             "coffee/dangling.jpg": "dangling symbolic link (-> /models/[redacted]/nowhere.jpg)",
                             "coffee/loop.jpg": "symbolic link loop (-> loop.jpg)"}
+
+
+def test_parallel_header_checks_agree_with_one_process(corpus, tmp_path):
+    """The header checks in a process per core name the same files, with the same reasons, as one process."""
+    root, expected = corpus
+    files = [str(root / p) for p in expected]
+    serial = scan(files, "fast", max_pixels=MAX_PIXELS, cache_path=None, progress=False, parallel_from=10**9)
+    parallel = scan(files, "fast", max_pixels=MAX_PIXELS, cache_path=None, progress=False, parallel_from=1)
+    assert parallel.bad == serial.bad and parallel.checked == serial.checked == len(files)
+    assert serial.bad  # the corpus has bad files
+
+
+def test_scan_cache_is_columns_and_survives_damage(corpus, tmp_path):
+    """The verdicts are saved as columns of numbers (no path in the file); a damaged or foreign cache file is only
+    a slower scan; a changed --max-pixels re-checks; the listing's stats stand in for a stat of each file."""
+    import numpy as np
+
+    from dali_pipe.scan import Verdicts
+
+    root, expected = corpus
+    files = [str(root / p) for p in expected]
+    cache = tmp_path / "scan-cache.npz"
+    first = scan(files, "fast", max_pixels=MAX_PIXELS, cache_path=cache, progress=False)
+    raw = cache.read_bytes()
+    assert not any(p.encode() in raw for p in files) and str(root).encode() not in raw
+    assert len(Verdicts.load(cache).c["hi"]) == len(files)
+    for junk in (b"", b"PK\x03\x04 not a zip", b'{"a": 1}'):
+        cache.write_bytes(junk)
+        again = scan(files, "fast", max_pixels=MAX_PIXELS, cache_path=cache, progress=False)
+        assert again.checked == len(files) and again.bad == first.bad
+    assert scan(files, "fast", max_pixels=MAX_PIXELS, cache_path=cache, progress=False).checked == 0
+    lower = scan(files, "fast", max_pixels=MAX_PIXELS - 1, cache_path=cache, progress=False)
+    assert lower.checked == len(files)
+    sizes = np.array([os.stat(f).st_size for f in files])
+    mtimes = np.array([os.stat(f).st_mtime_ns for f in files])
+    hit = scan(files, "fast", max_pixels=MAX_PIXELS - 1, cache_path=cache, progress=False, stats=(sizes, mtimes))
+    assert hit.checked == 0 and hit.bad == lower.bad
+    mtimes[0] += 1  # the listing saw another mtime: that file is checked again
+    assert scan(files, "fast", max_pixels=MAX_PIXELS - 1, cache_path=cache, progress=False,
+                stats=(sizes, mtimes)).checked == 1

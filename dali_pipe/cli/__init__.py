@@ -36,8 +36,8 @@ from ..config import (
 from ..demo import demo_dataset
 from ..errors import RunFailed, UserError, dali_missing
 from ..forms import forms_text
-from ..manifest import MANIFEST_NAME, Manifest, read_manifest
 from ..redact import RedactingStream, redact
+from ..tsv import MANIFEST_NAME
 from ..workdir import fix_for, is_disk_full, output_failure
 
 TRAIN_DOC = """Train an image classifier from a dataset.tsv of JPEGs (local or S3) with a DALI pipeline.
@@ -81,7 +81,7 @@ class NoDataError(UserError):
     """--data (or pack's SRC) names a path that does not exist."""
 
 
-def described(data: DataSettings, what: str = "--data") -> Manifest | None:
+def described(data: DataSettings, what: str = "--data") -> "Manifest | None":  # noqa: F821
     """The local dataset's manifest, read and checked before a command loads torch and Lightning (~10 s), so
     that a data mistake (a misspelt header, a CSV file, a split without train rows, a listed file that is
     missing) is told at once; the command's DataModule takes it and does not read it again. A path that does
@@ -99,6 +99,8 @@ def described(data: DataSettings, what: str = "--data") -> Manifest | None:
         raise NoDataError(f"{what} {data.data!r} does not exist; {what} may be:" + forms_text("\n    "))
     if kind != "files" or not (root / MANIFEST_NAME).is_file():
         return None
+    from ..manifest import read_manifest  # lazy: its columns take numpy, which sync and pack never need
+
     return read_manifest(root, val_fraction=data.val_fraction, seed=data.seed, skip_missing=data.skip_missing)
 
 

@@ -9,12 +9,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from ..config import add_subcommand, new_parser, parse, settings_from, validate
-from ..imagefolder import write_manifest
-from ..manifest import MANIFEST_NAME
 from ..shards.cache import fetch_to
 from ..shards.format import PACKED_NAME
 from ..sync import ManifestMissing, SyncStats, ask_listing, make_engine, read_object, sync
 from ..transfer import keep_freed_memory
+from ..tsv import MANIFEST_NAME
 from . import command_imports, described
 from . import main as train_main
 
@@ -140,6 +139,8 @@ def main(argv: list[str] | None = None) -> int:
         if s.sync.no_progress:
             print(stats.summary())
     elif command == "manifest":
+        from ..imagefolder import write_manifest  # lazy: the listing's columns take numpy, which sync never needs
+
         path, rows, notes = write_manifest(s.manifest.folder, force=s.manifest.force)
         for note in notes:
             print(f"manifest: {note}", file=sys.stderr)

@@ -19,7 +19,7 @@ from ..errors import UserError
 from ..forms import IMG_EXTENSIONS
 from ..imagefolder import sync_image_folder
 from ..manifest import MANIFEST_NAME, PathResolver, Sample, read_table, safe_relpath
-from ..scan import scan, sniff, write_report
+from ..scan import CACHE_NAME, scan, sniff, write_report
 from ..shards.source import SHARD_KINDS, source_kind
 from ..spec import ImageSpec
 from ..workdir import writing
@@ -123,7 +123,7 @@ def run(s: Settings) -> dict:
     resolver = PathResolver(root)
     paths = [resolver.absolute(r) for r in rels]
     result = scan(paths, s.data.scan if s.data.scan != "off" else "fast", max_pixels=s.data.max_pixels,
-                  cache_path=Path(s.data.cache_dir) / "scan-cache.json")
+                  cache_path=Path(s.data.cache_dir) / CACHE_NAME)
     bad = {p: ("missing" if not os.path.lexists(p) else reason) for p, reason in result.bad.items()}
     write_report(bad, root.resolve(), out)
     good = [(r, p) for r, p in zip(rels, paths) if p not in bad]

@@ -263,10 +263,11 @@ class Verdicts:
         c = self.c
         if not len(c["hi"]):
             return np.full(len(keys), -1, dtype=np.int64)
-        mine = np.empty(len(c["hi"]), dtype=keys.dtype)
-        mine["hi"], mine["lo"] = c["hi"], c["lo"]
-        at = np.minimum(np.searchsorted(mine, keys), len(mine) - 1)
-        return np.where(mine[at] == keys, at, -1)
+        # by the first half alone (numpy's searchsorted on the pair took 2.9 s for 1 M keys, on a uint64 0.1 s): two
+        # paths whose digests share it (one chance in 10**7 among a million) are told apart by the second half, and
+        # the one found second is checked again, which costs a check, never a wrong verdict
+        at = np.minimum(np.searchsorted(c["hi"], keys["hi"]), len(c["hi"]) - 1)
+        return np.where((c["hi"][at] == keys["hi"]) & (c["lo"][at] == keys["lo"]), at, -1)
 
     def add(self, keys: np.ndarray, sizes, mtimes, max_pixels: int, levels, reasons: list[str | None]) -> None:
         """Record these verdicts (a file's new verdict replaces its old one)."""
@@ -277,9 +278,10 @@ class Verdicts:
                "mtime": np.asarray(mtimes, np.int64), "max_pixels": np.full(len(keys), max_pixels, np.int64),
                "level": np.asarray(levels, np.int8), "reason": idx}
         both = {k: np.concatenate([new[k], self.c[k]]) for k in _FIELDS}
-        pairs = np.empty(len(both["hi"]), dtype=keys.dtype)
-        pairs["hi"], pairs["lo"] = both["hi"], both["lo"]
-        _, first = np.unique(pairs, return_index=True)  # sorted by key; the new verdict is the first of a pair
+        age = np.r_[np.zeros(len(keys), np.int8), np.ones(len(self.c["hi"]), np.int8)]
+        order = np.lexsort((age, both["lo"], both["hi"]))  # by key, the new verdict first (a sort of the pairs
+        hi, lo = both["hi"][order], both["lo"][order]  # as records, np.unique's, is ten times slower)
+        first = order[np.r_[True, (hi[1:] != hi[:-1]) | (lo[1:] != lo[:-1])]]
         self.c = {k: v[first] for k, v in both.items()}
 
     def save(self, path: Path | None) -> None:

@@ -196,3 +196,24 @@ def test_scan_cache_is_columns_and_survives_damage(corpus, tmp_path):
     mtimes[0] += 1  # the listing saw another mtime: that file is checked again
     assert scan(files, "fast", max_pixels=MAX_PIXELS - 1, cache_path=cache, progress=False,
                 stats=(sizes, mtimes)).checked == 1
+
+
+def test_verdicts_replace_old_ones_and_a_shared_first_half_costs_a_check_not_a_wrong_verdict():
+    import numpy as np
+
+    from dali_pipe.scan import Verdicts
+
+    keys = np.zeros(3, dtype=[("hi", np.uint64), ("lo", np.uint64)])
+    keys["hi"], keys["lo"] = [5, 5, 9], [1, 2, 3]  # the first two share their first half
+    v = Verdicts()
+    v.add(keys, [10, 20, 30], [1, 2, 3], 100, [1, 1, 1], [None, "bad", None])
+    v.add(keys[2:], [31], [4], 100, [2], ["worse"])  # a new verdict for the third
+    assert len(v.c["hi"]) == 3 and v.reasons[v.c["reason"][v.lookup(keys[2:])[0]]] == "worse"
+    rows = v.lookup(keys)
+    found = [r for r in rows[:2] if r >= 0]
+    assert len(found) >= 1 and all(v.c["lo"][r] in (1, 2) for r in found)  # never another file's verdict
+    for r, k in zip(rows, keys):
+        assert r < 0 or (v.c["hi"][r], v.c["lo"][r]) == (k["hi"], k["lo"])
+    other = np.zeros(1, dtype=keys.dtype)
+    other["hi"], other["lo"] = 7, 7
+    assert v.lookup(other)[0] == -1

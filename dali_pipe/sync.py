@@ -45,6 +45,7 @@ from .tsv import MANIFEST_NAME, ManifestError, check_columns, check_header, read
 from .workdir import human_bytes, is_disk_full, lock, pid_alive, remove, remove_dead_temps, unlock, write_failure
 
 STATE_NAME = ".sync-state.json"
+JOURNAL_NAME = ".sync-state.journal"  # the files fetched since the state was last written whole
 CONNECT_TIMEOUT, READ_TIMEOUT, MAX_ATTEMPTS = 5.0, 20.0, 3  # one request: at most ~5 + 3 x 20 s
 POLL = 0.05  # seconds between looks at the downloads that finished
 STALL_SECONDS = 40.0  # the whole sync stops after this long without a byte; in-flight reads end within READ_TIMEOUT
@@ -344,17 +345,32 @@ def listing(engine: Engine, bucket: str, base: str, asked: AskedListing | None =
         raise SyncError(explain(e, bucket, base)) from None
 
 
-class _State:
-    """`.sync-state.json`: size and ETag of each file fetched, saved every few seconds and at the end."""
+class SyncState:
+    """What was fetched, file by file (size and ETag): `.sync-state.json`, a snapshot written once at the end of a
+    sync, and `.sync-state.journal`, one JSON line per file fetched since, appended every few seconds. The whole
+    state was rewritten every 2 s before: 226 s of a 1 M-file sync's download phase, and a 65 MB file each time. A
+    killed sync keeps what its journal had written (a torn last line is skipped); the next save folds it in."""
 
-    def __init__(self, dest: Path):
-        self.path = dest / STATE_NAME
+    def __init__(self, dest: Path, every_s: float = 2.0):
+        self.path, self.journal, self.every_s = dest / STATE_NAME, dest / JOURNAL_NAME, every_s
         try:
             self.data = json.loads(self.path.read_text())
+            if not isinstance(self.data, dict):
+                self.data = {}
         except (OSError, ValueError):
             self.data = {}
-        self._lock, self._saved = threading.Lock(), time.monotonic()
-        self.error: OSError | None = None  # the last save failed (the previous state file is kept)
+        try:
+            with open(self.journal, "rb") as f:
+                for line in f:
+                    try:
+                        rel, size, etag = json.loads(line)
+                    except (ValueError, TypeError):
+                        continue  # a line a kill cut short
+                    self.data[rel] = [size, etag]
+        except OSError:
+            pass
+        self._lock, self._saved, self._lines = threading.Lock(), time.monotonic(), []
+        self.error: OSError | None = None  # the last write failed (what was written before is kept)
 
     def unchanged(self, rel: str, size: int, etag: str, local: Path) -> bool:
         return self.data.get(rel) == [size, etag] and local.is_file() and local.stat().st_size == size
@@ -362,21 +378,38 @@ class _State:
     def record(self, rel: str, size: int, etag: str) -> None:
         with self._lock:
             self.data[rel] = [size, etag]
-            if time.monotonic() - self._saved > 2.0:
-                self.save()
+            self._lines.append(json.dumps([rel, size, etag]) + "\n")
+            if time.monotonic() - self._saved > self.every_s:
+                self._append()
 
-    def save(self) -> None:
-        """Write the state (atomically: a failed save, a full disk, keeps the previous file)."""
+    def _append(self) -> None:
+        """The files recorded since the last write, appended to the journal."""
         try:
-            atomic_write(self.path, json.dumps(self.data).encode())
+            if self._lines:
+                with open(self.journal, "a", encoding="utf-8") as f:
+                    f.write("".join(self._lines))
+                self._lines = []
             self.error = None
         except OSError as e:
             self.error = e
         self._saved = time.monotonic()
 
+    def save(self) -> None:
+        """Write the whole state (atomically: a failed save, a full disk, keeps the previous file and the
+        journal, to which the files recorded since are appended if they can be), then drop the journal."""
+        try:
+            atomic_write(self.path, json.dumps(self.data).encode())
+            self._lines = []
+            self.journal.unlink(missing_ok=True)
+            self.error = None
+        except OSError as e:
+            self._append()
+            self.error = e
+        self._saved = time.monotonic()
+
 
 def fetch_files(engine: Engine, bucket: str, base: str, dest: Path, todo: list[tuple[str, int, str]],
-                state: _State, stats: SyncStats, *, progress: bool) -> list[str]:
+                state: SyncState, stats: SyncStats, *, progress: bool) -> list[str]:
     """Download `todo` (rel, size, ETag) through the engine, each file renamed into place as it lands;
     returns the failures. A BaseException in this thread (SIGTERM, Ctrl-C) cancels the rest: no request
     starts after it, running ones are dropped, their temporary files removed. A silent endpoint (no byte
@@ -517,7 +550,7 @@ def sync(uri: str, dest: Path | str, *, workers: int, skip_missing: bool = False
             raise
         try:
             remote = listing(engine, bucket, base, asked)
-            state = _State(dest)
+            state = SyncState(dest)
             stats = SyncStats(listed=len(wanted))
             todo, missing = [], []
             markers = set(folder_rows([r for r in wanted if remote.get(r, (1,))[0] == 0], remote))
@@ -584,7 +617,7 @@ def sync_objects(uri: str, dest: Path | str, names: list[str], *, workers: int, 
         if missing:
             raise SyncError(f"s3://{bucket}/{base} lacks {len(missing)} file(s) of the pack, e.g. {missing[:3]}; "
                             "upload the whole pack again")
-        state = _State(dest)
+        state = SyncState(dest)
         stats = SyncStats(listed=len(names))
         todo = [(n, *remote[n]) for n in names if not state.unchanged(n, *remote[n], dest / n)]
         stats.skipped = len(names) - len(todo)
@@ -625,7 +658,7 @@ def sync_files(uri: str, dest: Path | str, *, keep, workers: int, progress: bool
         if refused:
             raise SyncError(f"s3://{bucket}/{base}: {len(refused)} key(s) would land outside {dest} or under another "
                             f"name, e.g. {refused[0]!r}; rename them. Nothing was downloaded.")
-        state = _State(dest)
+        state = SyncState(dest)
         stats = SyncStats(listed=len(names))
         todo = [(rel, *remote[rel]) for rel in names if not state.unchanged(rel, *remote[rel], dest / rel)]
         stats.skipped = len(names) - len(todo)

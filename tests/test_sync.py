@@ -588,3 +588,28 @@ def test_a_sync_asks_for_the_listing_beside_the_manifest_and_drops_it_when_the_m
         assert made and made[0].future.cancelled()
     finally:
         engine.close()
+
+
+def test_the_state_is_a_snapshot_and_a_journal_that_a_kill_keeps(tmp_path):
+    """Each fetched file is appended to the journal (not the whole state rewritten); a sync killed before its end
+    leaves the journal, which the next one reads (a torn last line skipped); the end folds it into the snapshot."""
+    import json
+
+    from dali_pipe.sync import JOURNAL_NAME, STATE_NAME, SyncState
+
+    (tmp_path / "a.jpg").write_bytes(b"12345")
+    first = SyncState(tmp_path, every_s=0.0)
+    first.record("a.jpg", 5, "e1")
+    first.record("b\tc\nd.jpg", 7, "e2")  # any key: one JSON line each
+    assert not (tmp_path / STATE_NAME).exists()  # killed here: no snapshot, the journal holds both
+    with open(tmp_path / JOURNAL_NAME, "a") as f:
+        f.write('["half.jpg", 3, "e')  # the line a kill cut
+    again = SyncState(tmp_path)
+    assert again.data == {"a.jpg": [5, "e1"], "b\tc\nd.jpg": [7, "e2"]}
+    assert again.unchanged("a.jpg", 5, "e1", tmp_path / "a.jpg") and not again.unchanged("a.jpg", 5, "e9",
+                                                                                         tmp_path / "a.jpg")
+    again.record("e.jpg", 1, "e3")
+    again.save()
+    assert not (tmp_path / JOURNAL_NAME).exists()
+    assert json.loads((tmp_path / STATE_NAME).read_text()) == {**again.data, "e.jpg": [1, "e3"]}
+    assert SyncState(tmp_path).data == again.data

@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import os
 import posixpath
+import re
 import stat
 import sys
 import time
@@ -232,11 +233,15 @@ def parse_rows(table: Table, root: Path, tsv) -> tuple[Rows, int]:
 
 
 def sort_classes(labels) -> list[str]:
-    """Class names in order: numerically when every label is an integer ('2' before '10'), else as text."""
+    """Class names in order: numerically when every label is an integer in ASCII digits ('2' before '10'; '02' after
+    '2', as text breaks the tie, so the order never depends on string hashing), else as text."""
     labels = set(labels)
-    if all(x.lstrip("-").isdigit() for x in labels):
-        return sorted(labels, key=int)
+    if all(_INTEGER.fullmatch(x) for x in labels):
+        return sorted(labels, key=lambda x: (int(x), x))
     return sorted(labels)
+
+
+_INTEGER = re.compile(r"-?[0-9]+")  # str.isdigit also takes '²', which int() refuses
 
 
 def read_manifest(root: Path | str, *, val_fraction: float, seed: int, skip_missing: bool,
@@ -310,7 +315,8 @@ def absolute_paths(root: Path, rel: np.ndarray, links: np.ndarray | None = None)
     folders, inverse = np.unique(heads, return_inverse=True)
     real = [resolver.folder(f) for f in folders.tolist()]
     if all(r is not None for r in real):
-        out = _add(_add(strings([r.rstrip("/") for r in real])[inverse].astype(rel.dtype), "/"), tails)
+        out = _add(_add(strings([r.rstrip("/") for r in real])[inverse], "/"), tails)  # an object column if either
+        # side has a name that is not UTF-8 (a linked folder's real name, say)
     else:
         out = strings([resolver.absolute(r) for r in rel.tolist()])
     for i in np.flatnonzero(links) if links is not None else ():

@@ -251,7 +251,7 @@ class Verdicts:
                 columns = {k: z[k] for k in _FIELDS}
                 reasons = json.loads(z["reasons"].tobytes().decode())
             n = len(columns["hi"])
-            if any(len(v) != n for v in columns.values()) or not isinstance(reasons, list) or \
+            if any(v.ndim != 1 or len(v) != n for v in columns.values()) or not isinstance(reasons, list) or \
                     (n and int(columns["reason"].max()) >= len(reasons)):
                 return cls()
             return cls(columns, [str(r) for r in reasons])
@@ -333,14 +333,18 @@ def _headers(paths: list[str], max_pixels: int, bar, parallel_from: int) -> list
         feed = threading.Thread(target=_feed, args=(proc.stdin, parts[i]), daemon=True)
         feed.start()
         done = 0
-        for line in proc.stdout:
-            results[i].append(json.loads(line))
-            done += 1
-            if done % 1000 == 0:
-                with lock:
-                    bar.update(1000)
-        proc.wait()
-        feed.join()
+        try:
+            for line in proc.stdout:
+                results[i].append(json.loads(line))
+                done += 1
+                if done % 1000 == 0:
+                    with lock:
+                        bar.update(1000)
+        except ValueError:  # a line a dying worker cut short: the caller checks the rest itself
+            proc.kill()
+        finally:
+            proc.wait()
+            feed.join()
         with lock:
             bar.update(done % 1000)
 

@@ -118,3 +118,30 @@ def test_an_imagefolder_on_s3_reads_what_the_bucket_holds(photo_root, s3, tmp_pa
     client.delete_object(Bucket="pets-bucket", Key=f"pets/{gone}")
     again, _ = prepare(data, tmp_path / "out", num_threads=1)
     assert len(again.train) + len(again.val) == 47 and (m.root / gone).exists(), "the stale copy stays, unread"
+
+
+def test_a_linked_class_folder_whose_real_name_is_not_utf8(tmp_path):
+    """A class folder that is a link to a folder whose name is not UTF-8: its files are read through the link's
+    real path (as before the columns), not a crash."""
+    import os
+
+    from dali_pipe.imagefolder import read_image_folder
+    from dali_pipe.samples import Samples
+
+    root = tmp_path / "lk"
+    real = os.fsdecode(bytes(tmp_path) + b"/real\xff")
+    os.makedirs(real)
+    for c in ("a", "b"):
+        (root / c).mkdir(parents=True)
+        for i in range(2):
+            (root / c / f"{i}.jpg").write_bytes(b"x")
+    for i in range(2):
+        with open(os.path.join(real, f"{i}.jpg"), "wb") as f:
+            f.write(b"x")
+    os.symlink(real, root / "c")
+    m = read_image_folder(root, val_fraction=0.3, seed=0)
+    both = Samples.of(list(m.train) + list(m.val))
+    assert m.classes == ["a", "b", "c"]
+    assert sorted(p for p, label in zip(both.files, both.labels.tolist()) if label == 2) == \
+        [os.path.join(real, "0.jpg"), os.path.join(real, "1.jpg")]
+    assert len(m.digest()) == 16

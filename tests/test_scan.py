@@ -217,3 +217,16 @@ def test_verdicts_replace_old_ones_and_a_shared_first_half_costs_a_check_not_a_w
     other = np.zeros(1, dtype=keys.dtype)
     other["hi"], other["lo"] = 7, 7
     assert v.lookup(other)[0] == -1
+
+
+def test_a_cache_with_the_right_names_and_the_wrong_shapes_is_only_a_slower_scan(corpus, tmp_path):
+    import numpy as np
+
+    root, expected = corpus
+    files = [str(root / p) for p in expected]
+    cache = tmp_path / "scan-cache.npz"
+    with open(cache, "wb") as f:
+        np.savez(f, **{k: np.zeros((2, 2), dtype=np.int64) for k in ("hi", "lo", "size", "mtime", "max_pixels",
+                                                                      "level", "reason")},
+                 reasons=np.frombuffer(b'["x"]', dtype=np.uint8))
+    assert scan(files, "fast", max_pixels=MAX_PIXELS, cache_path=cache, progress=False).checked == len(files)

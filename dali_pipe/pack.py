@@ -20,7 +20,7 @@ own split):
 Deterministic: samples go into shards in an order set by --seed (so shards mix classes), tar
 headers carry no time or owner, and JPEG encoding is repeatable, so the same input and settings
 give byte-identical shards. Resumable: each shard is written under a temporary name and renamed;
-`.pack-progress.json` records finished shards, and a rerun continues after the last one (and is
+`.pack-progress.json` records finished shards (a line appended for each), and a rerun continues after the last one (and is
 removed when the pack is finished). A rerun over a finished pack of the same input and settings has
 nothing to do. Parallel: images are normalised in a process pool (`--workers`), shards written in order.
 """
@@ -417,11 +417,45 @@ def _atomic(path: Path, text: str) -> None:
         raise
 
 
+def read_progress(dst: Path) -> dict | None:
+    """An unfinished pack's progress, {"settings", "splits": {split: [shard records]}, "failed": {ident: reason}}, or
+    None without one. The file is JSON lines: the settings first, then one line a finished shard (with the images
+    that failed since the one before), appended as each is written: rewriting the whole progress at each shard, as
+    before, made a pack quadratic in its shards (each record lists its images). A line a kill cut short is skipped
+    (its shard is written again); a progress file of the earlier form (one JSON object) is read as it was."""
+    try:
+        text = (dst / PROGRESS_NAME).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
+        return None
+    try:
+        whole = json.loads(text)
+        if isinstance(whole, dict) and "settings" in whole:
+            return {"failed": {}, **whole, "splits": whole.get("splits") or {}}
+    except ValueError:
+        pass
+    prog = None
+    for line in text.splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if not isinstance(rec, dict):
+            continue
+        if prog is None:
+            if "settings" not in rec:
+                return None
+            prog = {"settings": rec["settings"], "splits": {}, "failed": {}}
+        else:
+            prog["failed"].update(rec.get("failed") or {})
+            if "shard" in rec:
+                prog["splits"].setdefault(rec["split"], []).append(rec["shard"])
+    return prog
+
+
 def _load_progress(dst: Path, settings: dict) -> dict:
-    path = dst / PROGRESS_NAME
-    if not path.is_file():
-        return {"settings": settings, "splits": {}}
-    prog = json.loads(path.read_text())
+    prog = read_progress(dst)
+    if prog is None:  # the file is written at the first shard (a pack stopped before one is not "unfinished")
+        return {"settings": settings, "splits": {}, "failed": {}, "logged": set()}
     if prog.get("settings") != settings:
         raise PackError(f"{dst} holds an unfinished pack of other data or settings ({prog.get('settings')}); pack "
                         "into another folder, or delete this one to start over")
@@ -432,13 +466,23 @@ def _load_progress(dst: Path, settings: dict) -> dict:
                 raise PackError(f"{tar} is missing or changed since it was packed; delete {dst} and pack again")
 
     remove_dead_temps(dst, ".*.tmp-*")
+    lines = [{"settings": prog["settings"]}, {"failed": prog["failed"]}] + [
+        {"split": split, "shard": shard} for split, shards in prog["splits"].items() for shard in shards]
+    _atomic(dst / PROGRESS_NAME, "".join(json.dumps(line) + "\n" for line in lines))  # (an earlier form's, as lines)
+    prog["logged"] = set(prog["failed"])  # failures written to the file already
     return prog
 
 
 def _finish(dst: Path, prog: dict, split: str, writers: dict) -> None:
-    prog["splits"].setdefault(split, []).append(writers[split].close())
+    shard = writers[split].close()
+    prog["splits"].setdefault(split, []).append(shard)
     writers[split] = None
-    _atomic(dst / PROGRESS_NAME, json.dumps(prog))
+    new = {k: v for k, v in prog["failed"].items() if k not in prog["logged"]}
+    if not (dst / PROGRESS_NAME).is_file():
+        _atomic(dst / PROGRESS_NAME, json.dumps({"settings": prog["settings"]}) + "\n")
+    with open(dst / PROGRESS_NAME, "a", encoding="utf-8") as f:
+        f.write(json.dumps({"split": split, "shard": shard, "failed": new}) + "\n")
+    prog["logged"].update(new)
 
 
 def _write_packed(dst: Path, classes: list[str], prog: dict, packed: dict, settings: dict, bad: int) -> None:

@@ -353,3 +353,22 @@ def test_a_full_disk_during_pack_is_one_message_and_loses_nothing(photo_root, tm
         assert {p.name for p in (disk / "p").iterdir()} == _pack_files(disk / "p")
     finally:
         subprocess.run(["umount", "-l", str(disk)], capture_output=True)
+
+
+def test_the_progress_file_is_appended_a_line_a_shard_and_a_cut_line_is_skipped(tmp_path):
+    """read_progress: the JSON-lines form (settings, then a line a finished shard with the failures since), a line a
+    kill cut short skipped (its shard is written again), the one-object form of earlier versions read as it was."""
+    from dali_pipe.pack import PROGRESS_NAME, read_progress
+
+    assert read_progress(tmp_path) is None
+    shard = {"name": "train-000000.tar", "size": 10, "samples": 2, "next": 2}
+    lines = [{"settings": {"seed": 1}}, {"split": "train", "shard": shard, "failed": {"a": "corrupt JPEG data"}},
+             {"split": "val", "shard": {**shard, "name": "val-000000.tar"}, "failed": {}}]
+    (tmp_path / PROGRESS_NAME).write_text("".join(json.dumps(x) + "\n" for x in lines) + '{"split": "train", "sh')
+    prog = read_progress(tmp_path)
+    assert prog["settings"] == {"seed": 1} and prog["failed"] == {"a": "corrupt JPEG data"}
+    assert [s["name"] for s in prog["splits"]["train"]] == ["train-000000.tar"] and len(prog["splits"]["val"]) == 1
+    (tmp_path / PROGRESS_NAME).write_text(json.dumps({"settings": {"seed": 1}, "splits": {"train": [shard]}}))
+    assert read_progress(tmp_path) == {"settings": {"seed": 1}, "splits": {"train": [shard]}, "failed": {}}
+    (tmp_path / PROGRESS_NAME).write_text(json.dumps({"split": "train", "shard": shard}) + "\n")
+    assert read_progress(tmp_path) is None  # no settings line: not a progress file of ours

@@ -21,7 +21,7 @@ from ..dataset import missing_reasons, prepare
 from ..forms import form_problem, forms_text
 from ..https import is_http
 from ..manifest import Manifest
-from ..pack import PROGRESS_NAME, PackError, finished, pack_manifest, pack_settings, pack_shards, same_pack
+from ..pack import PackError, finished, pack_manifest, pack_settings, pack_shards, read_progress, same_pack
 from ..shards.cache import Remote, http_copies, local_name, sync_shards
 from ..shards.format import PACKED_NAME
 from ..shards.source import ShardSet, source_kind
@@ -140,10 +140,8 @@ def _clear(staging: Path) -> None:
 
 
 def _finished_shards(staging: Path) -> int:
-    try:
-        return sum(len(v) for v in json.loads((staging / PROGRESS_NAME).read_text())["splits"].values())
-    except (OSError, ValueError, KeyError):
-        return 0
+    prog = read_progress(staging)
+    return sum(len(v) for v in prog["splits"].values()) if prog else 0
 
 
 def run(s: Settings, manifest: Manifest | None = None) -> dict:

@@ -49,7 +49,7 @@ def class_files(root: Path, cls: str, links: set[str] | None = None) -> list[str
     say which are links without a stat each. `links`: gets the relative paths of files that are links."""
     found: list[tuple[str, list[tuple[str, bool]]]] = []
 
-    def walk(folder: str, rel: str) -> None:
+    def walk(folder: str) -> None:
         try:
             with os.scandir(folder) as it:
                 entries = list(it)
@@ -67,9 +67,9 @@ def class_files(root: Path, cls: str, links: set[str] | None = None) -> list[str
                 files.append((e.name, e.is_symlink()))
         found.append((folder, sorted(files)))
         for name in below:
-            walk(os.path.join(folder, name), f"{rel}/{name}")
+            walk(os.path.join(folder, name))
 
-    walk(str(root / cls), cls)
+    walk(str(root / cls))
     out = []
     top = str(root).rstrip("/") + "/"
     for folder, files in sorted(found, key=lambda f: f[0]):

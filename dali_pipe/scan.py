@@ -215,7 +215,8 @@ class DaliDecoder:
 
 
 CACHE_NAME = "scan-cache.npz"  # in the cache dir: the verdicts, as columns
-_FIELDS = ("hi", "lo", "size", "mtime", "max_pixels", "level", "reason")
+_COLUMNS = {"hi": np.uint64, "lo": np.uint64, "size": np.int64, "mtime": np.int64, "max_pixels": np.int64,
+            "level": np.int8, "reason": np.int32}  # the scan cache's columns and their types
 PARALLEL_FROM = 20_000  # header checks of more files than this run in a process per core
 
 
@@ -237,9 +238,7 @@ class Verdicts:
     few bytes a file; the JSON it replaces took 112 MB at 1 M files and 13 s to check a warm scan)."""
 
     def __init__(self, columns: dict | None = None, reasons: list[str] | None = None):
-        empty = {"hi": np.uint64, "lo": np.uint64, "size": np.int64, "mtime": np.int64, "max_pixels": np.int64,
-                 "level": np.int8, "reason": np.int32}
-        self.c = columns or {k: np.empty(0, dtype=t) for k, t in empty.items()}
+        self.c = columns or {k: np.empty(0, dtype=t) for k, t in _COLUMNS.items()}
         self.reasons = reasons or []
 
     @classmethod
@@ -248,7 +247,7 @@ class Verdicts:
             return cls()
         try:
             with np.load(path, allow_pickle=False) as z:
-                columns = {k: z[k] for k in _FIELDS}
+                columns = {k: z[k] for k in _COLUMNS}
                 reasons = json.loads(z["reasons"].tobytes().decode())
             n = len(columns["hi"])
             if any(v.ndim != 1 or len(v) != n for v in columns.values()) or not isinstance(reasons, list) or \
@@ -277,7 +276,7 @@ class Verdicts:
         new = {"hi": keys["hi"], "lo": keys["lo"], "size": np.asarray(sizes, np.int64),
                "mtime": np.asarray(mtimes, np.int64), "max_pixels": np.full(len(keys), max_pixels, np.int64),
                "level": np.asarray(levels, np.int8), "reason": idx}
-        both = {k: np.concatenate([new[k], self.c[k]]) for k in _FIELDS}
+        both = {k: np.concatenate([new[k], self.c[k]]) for k in _COLUMNS}
         age = np.r_[np.zeros(len(keys), np.int8), np.ones(len(self.c["hi"]), np.int8)]
         order = np.lexsort((age, both["lo"], both["hi"]))  # by key, the new verdict first (a sort of the pairs
         hi, lo = both["hi"][order], both["lo"][order]  # as records, np.unique's, is ten times slower)

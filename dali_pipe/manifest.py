@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .samples import Sample, Samples, strings  # noqa: F401  (Sample: the commands' own few)
+from .samples import Sample, Samples, strings, unique_inverse  # noqa: F401  (Sample: the commands' own few)
 from .tsv import (  # noqa: F401  (the names the rest of the project takes from here)
     COLUMNS,
     MANIFEST_NAME,
@@ -216,7 +216,10 @@ def parse_rows(table: Table, root: Path, tsv) -> tuple[Rows, int]:
                                             "validation)."))
         ok &= (given == "") | (splits != "")
     rows = Rows(rel, lines, labels, splits, modes, sizes, mtimes).take(np.flatnonzero(ok))
-    _, first, inverse, counts = np.unique(rows.rel, return_index=True, return_inverse=True, return_counts=True)
+    _, inverse = unique_inverse(rows.rel)
+    counts = np.bincount(inverse)
+    first = np.full(len(counts), len(inverse), dtype=np.intp)
+    np.minimum.at(first, inverse, np.arange(len(inverse)))
     repeated = np.flatnonzero((counts[inverse] > 1) & (np.arange(len(rows.rel)) != first[inverse]))
     for i in repeated:
         j = first[inverse[i]]
@@ -271,7 +274,7 @@ def read_manifest(root: Path | str, *, val_fraction: float, seed: int, skip_miss
                             "--skip-missing to train without them.")
     rows = rows.take(np.flatnonzero(present))
 
-    names, inverse = np.unique(rows.labels, return_inverse=True)
+    names, inverse = unique_inverse(rows.labels)
     classes = sort_classes(names.tolist())
     if len(classes) < 2:
         raise ManifestError(f"{tsv}: found {len(classes)} class(es) {classes}; a classifier needs "
@@ -313,7 +316,7 @@ def absolute_paths(root: Path, rel: np.ndarray, links: np.ndarray | None = None)
     if not len(rel):
         return strings([])
     heads, tails = _rpart(rel)
-    folders, inverse = np.unique(heads, return_inverse=True)
+    folders, inverse = unique_inverse(heads)
     real = [resolver.folder(f) for f in folders.tolist()]
     if all(r is not None for r in real):
         out = _add(_add(strings([r.rstrip("/") for r in real])[inverse], "/"), tails)  # an object column if either

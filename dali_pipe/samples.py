@@ -49,6 +49,20 @@ def member(column: np.ndarray, values: set) -> np.ndarray:
     return np.fromiter((x in values for x in column.tolist()), dtype=bool, count=len(column))
 
 
+def unique_inverse(column: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """np.unique(column, return_inverse=True), on a stable sort. numpy 2.4's heapsort of StringDType crashes the
+    process (SIGSEGV: every order tried), and its default sort (introsort) falls back to heapsort on some
+    orders: 2000 paths in 1000 class folders listed in turn crashed np.unique on their labels. Never sort a text
+    column with numpy's default kind; `kind="stable"` (timsort) and np.lexsort hold."""
+    order = np.argsort(column, kind="stable")
+    ordered = column[order]
+    first = np.ones(len(ordered), dtype=bool)
+    first[1:] = ordered[1:] != ordered[:-1]
+    inverse = np.empty(len(column), dtype=np.intp)
+    inverse[order] = np.cumsum(first) - 1
+    return ordered[first], inverse
+
+
 def _column(values, dtype, n: int, fill: int) -> np.ndarray:
     if values is None:
         return np.full(n, fill, dtype=dtype)

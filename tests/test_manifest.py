@@ -34,6 +34,16 @@ def test_label_from_parent_folder_and_sorted_classes(tmp_path):
     assert m.val == []
 
 
+def test_a_thousand_classes_listed_in_turn_read(tmp_path):
+    """2000 files in 1000 class folders, listed in turn (c0000, c0001, ..., c0999, c0000, ...), as a script writes
+    them: numpy's default sort of the labels crashed the process here (SIGSEGV, no message)."""
+    files = [f"c{i % 1000:04d}/{i:05d}.jpg" for i in range(2000)]
+    m = read_manifest(_write(tmp_path / "d", "image_path\n" + "\n".join(files) + "\n", files))
+    assert m.classes == [f"c{i:04d}" for i in range(1000)]
+    assert sorted((s.path.rsplit("/", 2)[-2], s.label) for s in m.train + m.val) == sorted(
+        (f.split("/")[0], int(f[1:5])) for f in files)
+
+
 def test_label_column_overrides_folder(tmp_path):
     """An explicit label wins over the folder name."""
     text = "image_path\tlabel\n" + "".join(f"{f}\t{'x' if i % 2 else 'y'}\n" for i, f in enumerate(FILES))

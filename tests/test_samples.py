@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from dali_pipe.samples import STRINGS, Sample, Samples
+from dali_pipe.samples import STRINGS, Sample, Samples, strings, unique_inverse
 
 
 def _some(n=6):
@@ -32,3 +32,14 @@ def test_names_that_are_not_utf8_fall_back_to_an_object_column():
     joined = s + Samples.of(_some(2))
     assert joined.paths.dtype == object and joined[0].path == odd and len(joined) == 4
     assert s.without([odd]) == [Sample("/d/c1/b.jpg", 1, 0)]
+
+
+def test_unique_inverse_holds_where_numpys_default_sort_of_text_crashes():
+    """1000 class names repeated in turn (2000 paths in 1000 folders, listed in turn) sent np.unique's default
+    sort into numpy 2.4's StringDType heapsort, which crashed the process (SIGSEGV) before the first batch."""
+    names = [f"c{i % 1000:04d}" for i in range(2000)]
+    for column in (strings(names), strings(names[::-1]), np.array(names, dtype=object)):
+        got, inverse = unique_inverse(column)
+        want, want_inverse = np.unique(np.array(names if column[0] == "c0000" else names[::-1]), return_inverse=True)
+        assert got.tolist() == want.tolist() and inverse.tolist() == want_inverse.tolist()
+    assert [x.tolist() for x in unique_inverse(strings([]))] == [[], []]

@@ -392,3 +392,58 @@ def test_gpu_decodes_every_chroma_layout_itself_with_the_cpu_pixels(tmp_path):
             print(f"GPU {what} decode of a {name} JPEG vs PIL, normalised units: mean {got[0]:.4f}, "
                   f"p99 {got[1]:.4f}, max {got[2]:.4f}")
             assert all(g < t for g, t in zip(got, TOL["gpu"])), (what, name, got, TOL["gpu"])
+
+
+def _labels_of(pipe, batches: int) -> list[list[int]]:
+    return [np.asarray(pipe.run()[1].as_array()).reshape(-1).tolist() for _ in range(batches)]
+
+
+def test_a_file_list_reads_as_the_python_list_did_and_their_checkpoints_restore_into_each_other(photo_root):
+    """DALI reads the files from a file list (FileList: no Python list of a million paths); a name with spaces
+    reads, a name ending in whitespace falls back to `files=` (DALI's list parser would trim it); the stream over
+    several epochs is the one `files=` gives, and a checkpoint taken with either restores into the other."""
+    import gc
+    import os
+    import shutil
+
+    from dali_pipe.pipeline import FileList, file_list
+
+    files, labels = _files(photo_root)
+    spaced = photo_root / "with space" / "a b 7.jpg"
+    spaced.parent.mkdir()
+    shutil.copy(files[0], spaced)
+    files, labels = files + [str(spaced)], labels + [3]
+    as_list, as_objects = Files(np.array(files), np.array(labels)), Files(np.array(files, dtype=object), labels)
+    opts = dataclasses.replace(_options(8, "cpu"), seed=5)
+
+    def pipe(source, checkpoint=None):
+        p = build_pipeline(source, SPEC, opts, training=True, checkpoint=checkpoint)
+        p.build()
+        return p
+
+    a = pipe(as_list)
+    b = pipe(as_objects)
+    assert b"/proc/self/fd" in a.serialize() and b"/proc/self/fd" not in b.serialize()  # a list, and files=
+    first_a, first_b = _labels_of(a, 9), _labels_of(b, 9)  # 72 samples: over an epoch of 49
+    assert first_a == first_b and sorted(sum(first_a, [])[:49]) == sorted(labels)  # each file once an epoch
+    ck_a, ck_b = a.checkpoint(), b.checkpoint()
+    then = _labels_of(a, 9)
+    assert _labels_of(b, 9) == then
+    assert _labels_of(pipe(as_objects, ck_a), 9) == then and _labels_of(pipe(as_list, ck_b), 9) == then
+
+    listed = file_list(np.array(files), np.array(labels))
+    assert isinstance(listed, FileList) and os.readlink(listed.path).endswith("(deleted)")  # nothing left on disk
+    lines = open(listed.path, encoding="utf-8").read().splitlines()
+    assert lines[-1] == f"{spaced} 3" and len(lines) == len(files)
+    listed.close()
+    trailing = photo_root / "with space" / "ends in a space.jpg "
+    shutil.copy(files[0], trailing)
+    assert file_list(np.array(files + [str(trailing)]), np.array(labels + [0])) is None
+    assert file_list(np.array(files, dtype=object), np.array(labels)) is None
+    c = pipe(Files(np.array(files + [str(trailing)]), np.array(labels + [0])))
+    seen = sum(_labels_of(c, 7), [])  # 50 files in 7 batches of 8: each file once, the last batch padded
+    assert sorted(seen[:50]) == sorted(labels + [0])
+    fds = set(os.listdir("/proc/self/fd"))
+    del a, c
+    gc.collect()
+    assert len(set(os.listdir("/proc/self/fd"))) < len(fds)  # the pipelines' lists closed with them

@@ -52,7 +52,7 @@ def read(data: DataSettings, *, labels: bool = True) -> Manifest | ShardSet:
     if kind == "imagefolder":
         return read_image_folder(local_root(data), val_fraction=data.val_fraction, seed=data.seed)
     return read_manifest(local_root(data), val_fraction=data.val_fraction, seed=data.seed,
-                         skip_missing=data.skip_missing)
+                         skip_missing=data.skip_missing, cache_dir=data.cache_dir)
 
 
 def scan_manifest(manifest: Manifest, data: DataSettings, *, num_threads: int, progress: bool) -> ScanResult:

@@ -1,6 +1,7 @@
 """dataset.tsv parsing: labels, splits, and an error naming the row/column for each bad case."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from dali_pipe.manifest import ManifestError, stratified_split
@@ -82,6 +83,15 @@ def test_split_stays_put_as_images_are_added(tmp_path):
     after = read_manifest(root, val_fraction=0.2)
     val_after = {s.path for s in after.val}
     assert set(before) <= val_after and not set(before) & {s.path for s in after.train}
+
+
+def test_equal_split_hashes_in_a_class_are_ordered_by_path():
+    """The split orders a class by hash, then path: where two hashes are equal (given here), the path decides."""
+    from dali_pipe.samples import Samples
+
+    samples = Samples(["/d/b.jpg", "/d/a.jpg", "/d/c.jpg", "/d/d.jpg"], [0, 0, 0, 0])
+    train, val = stratified_split(samples, 0.3, 0, units=np.array([0.5, 0.5, 0.1, 0.9]))
+    assert val.paths.tolist() == ["/d/c.jpg"] and train.paths.tolist() == ["/d/a.jpg", "/d/b.jpg", "/d/d.jpg"]
 
 
 def test_stratified_split_keeps_small_classes_in_both_splits():

@@ -101,7 +101,8 @@ def described(data: DataSettings, what: str = "--data") -> "Manifest | None":  #
         return None
     from ..manifest import read_manifest  # lazy: its columns take numpy, which sync and pack never need
 
-    return read_manifest(root, val_fraction=data.val_fraction, seed=data.seed, skip_missing=data.skip_missing)
+    return read_manifest(root, val_fraction=data.val_fraction, seed=data.seed, skip_missing=data.skip_missing,
+                         cache_dir=data.cache_dir or default_cache_dir())
 
 
 _COMMAND = False  # set by as_a_command(): this process is one of our commands, not a library user's

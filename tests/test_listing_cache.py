@@ -1,0 +1,97 @@
+"""The checked text of dataset.tsv kept between starts: a start that uses it reads the same manifest as one that
+does not, the files are looked at again each time, and other bytes, another seed or a damaged cache are only a
+slower start."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from dali_pipe import listing_cache
+from dali_pipe.manifest import ManifestError, Text, read_manifest
+
+pytestmark = pytest.mark.filterwarnings("ignore:.*dropped 2 duplicate row")
+
+
+def _dataset(root, n=60, extra=""):
+    root.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for i in range(n):
+        f = root / f"c{i % 3}" / f"{i:03d}.jpg"
+        f.parent.mkdir(exist_ok=True)
+        f.write_bytes(b"x" * (i + 1))
+        rows.append(f"c{i % 3}/{i:03d}.jpg")
+    (root / "dataset.tsv").write_text("image_path\n" + "\n".join(rows + rows[:2]) + "\n" + extra)
+    return root
+
+
+def _read(root, cache, **kw):
+    return read_manifest(root, **{"val_fraction": 0.25, "seed": 1, "skip_missing": False, "cache_dir": cache,
+                                  "cache_from": 0, **kw})
+
+
+def _same(a, b):
+    for x, y in ((a.train, b.train), (a.val, b.val)):
+        assert x.paths.tolist() == y.paths.tolist() and x.labels.tolist() == y.labels.tolist()
+        assert x.lines.tolist() == y.lines.tolist() and x.sizes.tolist() == y.sizes.tolist()
+        assert x.mtimes.tolist() == y.mtimes.tolist()
+    assert (a.classes, a.missing, a.duplicates, a.split_rule, a.digest()) == \
+        (b.classes, b.missing, b.duplicates, b.split_rule, b.digest())
+
+
+def test_a_kept_manifest_reads_as_a_fresh_one_and_the_files_are_looked_at_again(tmp_path, monkeypatch):
+    import dali_pipe.manifest as manifest
+
+    root, cache = _dataset(tmp_path / "d"), tmp_path / "cache"
+    fresh = read_manifest(root, val_fraction=0.25, seed=1, skip_missing=False)
+    first = _read(root, cache)
+    assert len(list((cache / listing_cache.FOLDER).iterdir())) == 1
+    _same(first, fresh)
+    with monkeypatch.context() as m:  # from the cache: dataset.tsv is not parsed again
+        m.setattr(manifest, "read_table", lambda *a: pytest.fail("dataset.tsv parsed despite the cache"))
+        _same(_read(root, cache), fresh)
+    assert first.duplicates == 2
+    (root / "c1" / "004.jpg").write_bytes(b"longer than before")  # a changed file: its new size is seen
+    assert 18 in _read(root, cache).train.sizes.tolist() + _read(root, cache).val.sizes.tolist()
+    (root / "c0" / "000.jpg").unlink()
+    with pytest.raises(ManifestError, match="missing"):
+        _read(root, cache)
+    _same(_read(root, cache, skip_missing=True), read_manifest(root, val_fraction=0.25, seed=1, skip_missing=True))
+    (root / "c0" / "000.jpg").mkdir()  # a file become a folder
+    with pytest.raises(ManifestError, match="is a directory"):
+        _read(root, cache)
+
+
+def test_other_bytes_another_seed_or_a_damaged_cache_read_afresh(tmp_path):
+    root, cache = _dataset(tmp_path / "d"), tmp_path / "cache"
+    _read(root, cache)
+    (kept,) = (cache / listing_cache.FOLDER).iterdir()
+    for seed in (2, 1):
+        _same(_read(root, cache, seed=seed), read_manifest(root, val_fraction=0.25, seed=seed, skip_missing=False))
+    _dataset(root, n=90)  # more rows: other bytes
+    assert len(_read(root, cache).train) + len(_read(root, cache).val) == 90
+    for junk in (b"", b"not a zip", kept.read_bytes()[:500]):
+        kept.write_bytes(junk)
+        _same(_read(root, cache), read_manifest(root, val_fraction=0.25, seed=1, skip_missing=False))
+    text = listing_cache.load_text(kept, text_key(root).decode(), Text)
+    assert text is not None and len(text.rel) == 90 and text.units is not None
+    np.savez(kept, meta=np.frombuffer(b'{"format": 1, "key": "%s", "labels": 9, "folders": 1, "duplicates": 0}'
+                                      % text_key(root), dtype=np.uint8))
+    _same(_read(root, cache), read_manifest(root, val_fraction=0.25, seed=1, skip_missing=False))
+
+
+def text_key(root) -> bytes:
+    return listing_cache.cache_key((root / "dataset.tsv").read_bytes(), root).encode()
+
+
+def test_bad_rows_are_refused_every_time_and_nothing_is_kept_for_them(tmp_path):
+    root, cache = _dataset(tmp_path / "d", extra="../outside.jpg\n"), tmp_path / "cache"
+    for _ in range(2):
+        with pytest.raises(ManifestError, match="escapes the dataset root"):
+            _read(root, cache)
+    assert not (cache / listing_cache.FOLDER).exists()
+
+
+def test_small_manifests_are_not_kept(tmp_path):
+    root, cache = _dataset(tmp_path / "d"), tmp_path / "cache"
+    _read(root, cache, cache_from=1000)
+    assert not (cache / listing_cache.FOLDER).exists()

@@ -15,7 +15,6 @@ import os
 import posixpath
 import re
 import stat
-import subprocess
 import sys
 import time
 import warnings
@@ -25,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .config import cores
+from .fanout import fan_out
 from .listing_cache import CACHE_FROM, cache_key, cache_path, load_text, save_text
 from .samples import Sample, Samples, strings, unique_inverse  # noqa: F401  (Sample: the commands' own few)
 from .tsv import (  # noqa: F401  (the names the rest of the project takes from here)
@@ -143,7 +142,7 @@ def _is_plain(rel: np.ndarray) -> np.ndarray:
     return ~bad
 
 
-LSTAT_PARALLEL_FROM = 100_000  # files from which their lstats are shared with worker interpreters
+LSTAT_PARALLEL_FROM = 100_000  # files from which their lstats are shared with worker interpreters (fanout.py)
 _LSTAT_WORKER = r"""
 import os, sys
 from array import array
@@ -160,46 +159,23 @@ sys.stdout.buffer.write(out.tobytes())
 
 def _lstat_all(root: Path, rel: np.ndarray, parallel_from: int = LSTAT_PARALLEL_FROM
                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(mode, size, mtime_ns) of root/rel for each row, from one lstat each (mode 0 where there is none). From
-    `parallel_from` files, a worker interpreter per further core takes an equal share (1 M lstats took 3.2 s in
-    this process alone: Python's own work around each call, which threads would serialise on the GIL); a worker
-    that fails leaves its share to this process."""
+    """(mode, size, mtime_ns) of root/rel for each row, from one lstat each (mode 0 where there is none); from
+    `parallel_from` files with a worker interpreter per further core (1 M lstats: 3.2 s in one process)."""
     prefix = str(root).rstrip("/") + "/"
-    n = len(rel)
-    out = np.empty((n, 3), dtype=np.int64)
-    parts = max(1, min(cores(), 8)) if n >= parallel_from else 1
-    bounds = np.linspace(0, n, parts + 1).astype(np.int64)
-    workers = []
-    for a, b in zip(bounds[1:-1], bounds[2:]):
-        try:
-            w = subprocess.Popen([sys.executable, "-c", _LSTAT_WORKER, prefix], stdin=subprocess.PIPE,
-                                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
-            w.stdin.write("\0".join(rel[a:b].tolist()).encode(sys.getfilesystemencoding(), "surrogateescape"))
-            w.stdin.close()
-        except OSError:
-            w = None
-        workers.append((w, a, b))
-    _lstat_into(out[:bounds[1]], prefix, rel[:bounds[1]])
-    for w, a, b in workers:
-        got = w.stdout.read() if w is not None else b""
-        if w is not None and w.wait() == 0 and len(got) == (b - a) * 24:
-            out[a:b] = np.frombuffer(got, dtype=np.int64).reshape(-1, 3)
-        else:
-            _lstat_into(out[a:b], prefix, rel[a:b])
+
+    def here(names: list[str]) -> bytes:
+        values, lstat = array("q"), os.lstat
+        for r in names:
+            try:
+                st = lstat(prefix + r)
+                values.extend((st.st_mode, st.st_size, st.st_mtime_ns))
+            except (OSError, ValueError):
+                values.extend((0, -1, -1))
+        return values.tobytes()
+
+    out = np.frombuffer(fan_out(rel.tolist(), _LSTAT_WORKER, [prefix], 24, here, parallel_from=parallel_from),
+                        dtype=np.int64).reshape(-1, 3)
     return out[:, 0].astype(np.uint32), out[:, 1].copy(), out[:, 2].copy()
-
-
-def _lstat_into(out: np.ndarray, prefix: str, rel: np.ndarray) -> None:
-    values = array("q")
-    lstat = os.lstat
-    for r in rel.tolist():
-        try:
-            st = lstat(prefix + r)
-            values.extend((st.st_mode, st.st_size, st.st_mtime_ns))
-        except (OSError, ValueError):
-            values.extend((0, -1, -1))
-    if len(rel):
-        out[:] = np.frombuffer(values, dtype=np.int64).reshape(-1, 3)
 
 
 def _rpart(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -296,9 +272,10 @@ def read_text(table: Table, root: Path, tsv) -> tuple[Text, list[tuple[int, str]
                 folder_index.astype(np.int32), len(repeated)), problems
 
 
-def check_files(text: Text, root: Path, tsv, problems: list[tuple[int, str]] = ()) -> Rows:
-    """Each row's file, one lstat each: a row naming a folder is a problem; a ManifestError names the first 20
-    problems (these and the text's), in file order."""
+def check_files(text: Text, root: Path, tsv, problems: list[tuple[int, str]] = ()
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Each row's file, one lstat each: (mode, size, mtime_ns) per row (mode 0: none there); a row naming a
+    folder is a problem; a ManifestError names the first 20 problems (these and the text's), in file order."""
     problems = list(problems)
     modes, sizes, mtimes = _lstat_all(root, text.rel)
     folder = (modes & 0o170000) == stat.S_IFDIR
@@ -312,7 +289,7 @@ def check_files(text: Text, root: Path, tsv, problems: list[tuple[int, str]] = (
         problems = [m for _, m in sorted(problems, key=lambda p: p[0])]
         raise ManifestError(f"{tsv}: {len(problems)} bad row(s):\n  " + "\n  ".join(problems[:20])
                             + (f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""))
-    return Rows(text.rel, text.lines, text.label_names[text.label_index], text.splits, modes, sizes, mtimes)
+    return modes, sizes, mtimes
 
 
 def parse_rows(table: Table, root: Path, tsv) -> tuple[Rows, int]:
@@ -320,7 +297,9 @@ def parse_rows(table: Table, root: Path, tsv) -> tuple[Rows, int]:
     20 bad rows, in file order, each by the first check it fails: its path (no file is touched for a path that
     leaves the root), its label, its split, a repeat of another row with another label or split, a folder."""
     text, problems = read_text(table, root, tsv)
-    return check_files(text, root, tsv, problems), text.duplicates
+    modes, sizes, mtimes = check_files(text, root, tsv, problems)
+    return Rows(text.rel, text.lines, text.label_names[text.label_index], text.splits, modes, sizes, mtimes), \
+        text.duplicates
 
 
 def sort_classes(labels) -> list[str]:
@@ -368,22 +347,25 @@ def read_manifest(root: Path | str, *, val_fraction: float, seed: int, skip_miss
         if rows_read >= PROGRESS_FROM:
             print(f"{tsv}: {rows_read} rows (their text checked before: the same bytes); checking that each file "
                   "is there (one stat each)", file=sys.stderr, flush=True)
-    rows = check_files(text, root, tsv, problems)
+    modes, sizes, mtimes = check_files(text, root, tsv, problems)
     if text.duplicates:
         warnings.warn(f"{tsv}: dropped {text.duplicates} duplicate row(s) (same image_path, label and split).")
 
     # a broken symbolic link is not missing: the scan lists it as a bad image ("dangling symbolic link")
-    kind = rows.modes & 0o170000
+    kind = modes & 0o170000
     present = (kind == stat.S_IFREG) | (kind == stat.S_IFLNK)  # as os.path.isfile or os.path.islink says
-    missing = rows.rel[~present].tolist()
+    keep = np.flatnonzero(present)
+    missing = text.rel[~present].tolist() if len(keep) < len(present) else []
     if missing and not skip_missing:
         raise ManifestError(f"{tsv}: {len(missing)} listed file(s) missing under {root}: "
                             f"{preview(missing)}. Sync the data again, fix the paths, or pass "
                             "--skip-missing to train without them.")
-    keep = np.flatnonzero(present)
-    rows = rows.take(keep)
 
-    used = np.unique(text.label_index[keep])  # integers: numpy's default sort is safe here
+    def there(column: np.ndarray) -> np.ndarray:  # a million strings are not copied where every file is there
+        return column if not missing else column[keep]
+
+    rel, splits, label_index = there(text.rel), there(text.splits), there(text.label_index)
+    used = np.unique(label_index)  # integers: numpy's default sort is safe here
     classes = sort_classes(text.label_names[used].tolist())
     if len(classes) < 2:
         raise ManifestError(f"{tsv}: found {len(classes)} class(es) {classes}; a classifier needs "
@@ -391,22 +373,22 @@ def read_manifest(root: Path | str, *, val_fraction: float, seed: int, skip_miss
     index = {c: i for i, c in enumerate(classes)}
     to_class = np.full(len(text.label_names), -1, dtype=np.int32)
     to_class[used] = [index[c] for c in text.label_names[used].tolist()]
-    links = (rows.modes & 0o170000) == stat.S_IFLNK
-    samples = Samples(absolute_paths(root, rows.rel, links, folders=(text.folders, text.folder_index[keep])),
-                      to_class[text.label_index[keep]], rows.lines,
-                      np.where(links, -1, rows.sizes), np.where(links, -1, rows.mtimes))
+    links = (there(modes) & 0o170000) == stat.S_IFLNK
+    samples = Samples(absolute_paths(root, rel, links, folders=(text.folders, there(text.folder_index))),
+                      to_class[label_index], there(text.lines),
+                      np.where(links, -1, there(sizes)), np.where(links, -1, there(mtimes)))
 
-    split_column = bool(np.any(rows.splits != ""))
+    split_column = bool(np.any(splits != ""))
     hashed = text.units is not None and text.seed == seed
     if split_column:
-        unsplit = rows.rel[rows.splits == ""].tolist()
+        unsplit = rel[splits == ""].tolist()
         if unsplit:
             raise ManifestError(f"{tsv}: the 'split' column is empty for {preview(unsplit)}; "
                                 "give every row train or val, or drop the column.")
-        train, val = samples.take(rows.splits == "train"), samples.take(rows.splits == "val")
+        train, val = samples.take(splits == "train"), samples.take(splits == "val")
         rule = "column"
     else:
-        train, val = stratified_split(samples, val_fraction, seed, units=text.split_hashes(seed)[keep])
+        train, val = stratified_split(samples, val_fraction, seed, units=there(text.split_hashes(seed)))
         rule = "hash"
     if not train and split_column:
         raise ManifestError(f"{tsv}: the 'split' column marks no row train (all {len(val)} say val, lines "

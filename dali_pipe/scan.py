@@ -32,6 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from .config import SCAN_MODES
+from .fanout import fan_out
 from .redact import redact
 from .workdir import writing
 
@@ -220,11 +221,24 @@ _COLUMNS = {"hi": np.uint64, "lo": np.uint64, "size": np.int64, "mtime": np.int6
 PARALLEL_FROM = 20_000  # header checks of more files than this run in a process per core
 
 
-def _keys(paths: list[str]) -> np.ndarray:
+KEYS_PARALLEL_FROM = 100_000  # paths from which their digests are shared with worker interpreters (fanout.py)
+_KEYS_WORKER = r"""
+import hashlib, sys
+blake = hashlib.blake2b
+sys.stdout.buffer.write(b"".join(blake(p, digest_size=16).digest() for p in sys.stdin.buffer.read().split(b"\0")))
+"""
+
+
+def _keys(paths: list[str], parallel_from: int = KEYS_PARALLEL_FROM) -> np.ndarray:
     """The cache's key for each file: a 16-byte digest of its absolute path (the cache holds no path, so no
-    secret one carries), as a pair of integers (hi, lo) that sort."""
+    secret one carries), as a pair of integers (hi, lo) that sort; from `parallel_from` paths with a worker
+    interpreter per further core (1 M digests: 0.87 s in one process)."""
     blake = hashlib.blake2b
-    raw = b"".join(blake(p.encode("utf-8", "surrogateescape"), digest_size=16).digest() for p in paths)
+
+    def here(names: list[str]) -> bytes:
+        return b"".join(blake(p.encode("utf-8", "surrogateescape"), digest_size=16).digest() for p in names)
+
+    raw = fan_out(paths, _KEYS_WORKER, [], 16, here, parallel_from=parallel_from)
     pairs = np.frombuffer(raw, dtype=">u8").reshape(-1, 2).astype(np.uint64)
     out = np.empty(len(paths), dtype=[("hi", np.uint64), ("lo", np.uint64)])
     out["hi"], out["lo"] = pairs[:, 0], pairs[:, 1]

@@ -10,7 +10,9 @@ to one of a few hundred real photographs (dali_pipe.demo's, 64-160 px JPEGs): st
 of files, not on their pixels. Then, each in a fresh process (peak RSS from that process's rusage):
 
 - plain DALI: `fn.readers.file(file_root=...)` over the class folders, CPU decode, time to its first batch;
-- stages: read_manifest, the scan (cold, then warm), digest, the training pipeline built and its first batch;
+- plain DALI in Lightning: that reader through DALIGenericIterator into the same tiny ViT as `--model tiny`, time
+  to its first step: what a user writing plain DALI into Lightning pays (torch, Lightning, transformers, the model);
+- stages: read_manifest (cold, then warm), the scan (cold, then warm), digest, the training pipeline built and its first batch;
 - train.py (`--model tiny --device cpu --val-fraction 0 --max-steps 5`), time to its first step: a first run
   (cold caches, stopped by SIGTERM at its first step as a spot reclaim would), its resume, "nothing to do" (the
   finished run's rerun, time to exit), and a fresh run with warm caches.
@@ -99,6 +101,42 @@ pipe = p(); pipe.build(); pipe.run()
 print("SCALE " + json.dumps({"first_batch": round(time.time() - float(sys.argv[2]), 2)}))
 """
 
+PLAIN_LIGHTNING = r"""
+import json, os, sys, time
+import pytorch_lightning as pl
+import torch
+from nvidia.dali import fn, pipeline_def, types
+from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
+from transformers import ViTConfig, ViTForImageClassification
+# what a user writes with plain DALI into Lightning: the same reader as above, the same tiny ViT as --model tiny
+@pipeline_def(batch_size=32, num_threads=2, device_id=None)
+def p():
+    jpegs, labels = fn.readers.file(file_root=sys.argv[1], random_shuffle=True, name="Reader")
+    images = fn.decoders.image_random_crop(jpegs, device="cpu", output_type=types.RGB)
+    images = fn.crop_mirror_normalize(fn.resize(images, resize_x=64, resize_y=64), dtype=types.FLOAT,
+                                      output_layout="CHW", mean=[127.5] * 3, std=[127.5] * 3)
+    return images, labels
+class Model(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.vit = ViTForImageClassification(ViTConfig(image_size=64, patch_size=8, hidden_size=96, num_hidden_layers=3,
+                                                       num_attention_heads=3, intermediate_size=192, num_labels=1000))
+    def training_step(self, batch, i):
+        x, y = batch[0]["images"], batch[0]["labels"].squeeze(-1).long()
+        return self.vit(pixel_values=x, labels=y).loss
+    def on_train_batch_end(self, *args):
+        if not hasattr(self, "done"):
+            self.done = True
+            print("SCALE " + json.dumps({"first_step": round(time.time() - float(os.environ["SCALE_LAUNCHED"]), 2)}),
+                  flush=True)
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-4)
+pipe = p()
+loader = DALIGenericIterator(pipe, ["images", "labels"], reader_name="Reader", last_batch_policy=LastBatchPolicy.DROP)
+pl.Trainer(max_steps=5, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+           enable_model_summary=False).fit(Model(), loader)
+"""
+
 STAGES = r"""
 import json, os, resource, sys, time
 sys.path.insert(0, os.getcwd())
@@ -117,7 +155,10 @@ from dali_pipe.spec import ImageSpec
 root, cache = sys.argv[1], sys.argv[2]
 out["imports"] = {"s": round(time.time() - t0, 2), "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)}
 t = time.perf_counter()
-m = read_manifest(root, val_fraction=0.1, seed=0, skip_missing=False); t = mark("read_manifest", t)
+kept = (Path(cache) / "manifests").exists()
+m = read_manifest(root, val_fraction=0.1, seed=0, skip_missing=False, cache_dir=cache)
+t = mark(f"read_manifest ({'warm' if kept else 'cold'})", t)
+m = read_manifest(root, val_fraction=0.1, seed=0, skip_missing=False, cache_dir=cache); t = mark("read_manifest (warm)", t)
 data = DataSettings(data=root, cache_dir=cache)
 r = scan_manifest(m, data, num_threads=1, progress=False); t = mark(f"scan ({'cold' if r.checked else 'warm'})", t)
 r = scan_manifest(m, data, num_threads=1, progress=False); t = mark("scan (warm)", t)
@@ -154,9 +195,10 @@ def measure(n: int, work: Path, repeat: int) -> dict:
     root = make_dataset(work / f"data-{n}", n, photos(work))
     runs = work / f"runs-{n}"
     shutil.rmtree(runs, ignore_errors=True)
-    result: dict = {"files": n, "plain_dali": [], "stages": [], "train": {}}
+    result: dict = {"files": n, "plain_dali": [], "plain_lightning": [], "stages": [], "train": {}}
     for _ in range(repeat):
         result["plain_dali"].append(child(["-c", PLAIN_DALI, str(root), repr(time.time())]))
+        result["plain_lightning"].append(child(["-c", PLAIN_LIGHTNING, str(root)]))
     cache = runs / "cache-stages"
     for _ in range(repeat):
         result["stages"].append(child(["-c", STAGES, str(root), str(cache)]))
@@ -181,6 +223,9 @@ def show(r: dict) -> None:
     dali = [x.get("first_batch") for x in r["plain_dali"]]
     dali_rss = [x["peak_rss_mb"] for x in r["plain_dali"]]
     print(f"\n{n} files | plain DALI: first batch {dali} s, peak RSS {dali_rss} MB")
+    pl_ = [x.get("first_step") for x in r["plain_lightning"]]
+    pl_rss = [x["peak_rss_mb"] for x in r["plain_lightning"]]
+    print(f"  plain DALI in Lightning (tiny ViT): first step {pl_} s, peak RSS {pl_rss} MB")
     print("  stages (each run in a fresh process; seconds, peak RSS so far):")
     for name in r["stages"][0].get("stages", {}):
         vals = [f"{x['stages'][name]['s']} s / {x['stages'][name]['peak_rss_mb']} MB" for x in r["stages"]
@@ -189,8 +234,10 @@ def show(r: dict) -> None:
     print("  train.py:")
     for name, x in r["train"].items():
         when = (f"first step at {x['first_step']} s" if "first_step" in x else f"exit at {x['wall']} s")
-        extra = f" (+{x['first_step'] - min(dali):.1f} s over plain DALI)" if "first_step" in x and all(dali) else ""
-        print(f"    {name:40s} {when}{extra}, peak RSS {x['peak_rss_mb']} MB, status {x['status']}")
+        extra = (f" (+{x['first_step'] - min(pl_):.1f} s over plain DALI in Lightning)"
+                 if "first_step" in x and pl_ and all(pl_) else "")
+        more = f" (+{x['peak_rss_mb'] - min(pl_rss)} MB)" if pl_rss and "first_step" in x else ""
+        print(f"    {name:40s} {when}{extra}, peak RSS {x['peak_rss_mb']} MB{more}, status {x['status']}")
         if x["status"] != 0:
             print("      " + x.get("tail", "")[-800:].replace("\n", "\n      "))
 

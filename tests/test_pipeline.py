@@ -398,7 +398,7 @@ def _labels_of(pipe, batches: int) -> list[list[int]]:
     return [np.asarray(pipe.run()[1].as_array()).reshape(-1).tolist() for _ in range(batches)]
 
 
-def test_a_file_list_reads_as_the_python_list_did_and_their_checkpoints_restore_into_each_other(photo_root):
+def test_a_file_list_reads_as_the_python_list_did_and_their_checkpoints_restore_into_each_other(photo_root, tmp_path):
     """DALI reads the files from a file list (FileList: no Python list of a million paths); a name with spaces
     reads, a name ending in whitespace falls back to `files=` (DALI's list parser would trim it); the stream over
     several epochs is the one `files=` gives, and a checkpoint taken with either restores into the other."""
@@ -409,7 +409,7 @@ def test_a_file_list_reads_as_the_python_list_did_and_their_checkpoints_restore_
     from dali_pipe.pipeline import FileList, file_list
 
     files, labels = _files(photo_root)
-    spaced = photo_root / "with space" / "a b 7.jpg"
+    spaced = tmp_path / "with space" / "a b 7.jpg"  # (not in photo_root: other tests read that whole)
     spaced.parent.mkdir()
     shutil.copy(files[0], spaced)
     files, labels = files + [str(spaced)], labels + [3]
@@ -436,7 +436,7 @@ def test_a_file_list_reads_as_the_python_list_did_and_their_checkpoints_restore_
     lines = open(listed.path, encoding="utf-8").read().splitlines()
     assert lines[-1] == f"{spaced} 3" and len(lines) == len(files)
     listed.close()
-    trailing = photo_root / "with space" / "ends in a space.jpg "
+    trailing = tmp_path / "with space" / "ends in a space.jpg "
     shutil.copy(files[0], trailing)
     assert file_list(np.array(files + [str(trailing)]), np.array(labels + [0])) is None
     assert file_list(np.array(files, dtype=object), np.array(labels)) is None

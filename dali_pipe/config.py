@@ -768,8 +768,10 @@ def resolve_precision(precision: str, device: str) -> str:
     return "bf16-mixed" if torch.cuda.get_device_capability()[0] >= 8 else "16-mixed"
 
 
-def resolve(s: Settings) -> Settings:
-    """Fill, once, the defaults that depend on other settings or on the machine (not the data)."""
+def resolve(s: Settings, *, machine: bool = True) -> Settings:
+    """Fill, once, the defaults that depend on other settings or on the machine (not the data). machine=False
+    leaves the device and precision as given: a data command (pack) never reads them, and deciding them
+    imports torch (1.6 s)."""
     s = dataclasses.replace(s, data=dataclasses.replace(s.data), pipeline=dataclasses.replace(s.pipeline),
                             model=dataclasses.replace(s.model), run=dataclasses.replace(s.run))
     s.data.cache_dir = str(s.data.cache_dir or default_cache_dir())
@@ -777,8 +779,9 @@ def resolve(s: Settings) -> Settings:
         s.model.model = TINY if s.data.data is None else DEFAULT_MODEL
     if s.model.lr is None:
         s.model.lr = DEMO_LR if s.model.model in BUILTIN_MODELS else FINETUNE_LR
-    s.pipeline.device = resolve_device(s.pipeline.device)
-    s.model.precision = resolve_precision(s.model.precision, s.pipeline.device)
+    if machine:
+        s.pipeline.device = resolve_device(s.pipeline.device)
+        s.model.precision = resolve_precision(s.model.precision, s.pipeline.device)
     out = Path(s.run.output)
     s.run.log_dir = str(s.run.log_dir or out / "tensorboard")
     s.run.report_dir = str(s.run.report_dir or out)

@@ -24,6 +24,8 @@ from dali_pipe.shards.format import (
     parse_packed,
     read_index,
     sample_keys,
+    tar_end,
+    tar_member,
 )
 
 
@@ -170,3 +172,32 @@ def test_a_malformed_fast_checksum_in_packed_json_is_named(value):
         parse_packed(json.dumps(meta).encode(), "s3://b/p/packed.json")
     del meta["splits"]["train"]["shards"][0][FAST_SUM]  # a pack made before the fast checksum is read as it was
     assert parse_packed(json.dumps(meta).encode(), "x")["splits"]["train"]["shards"][0]["sha256"] == "0" * 64
+
+
+@pytest.mark.parametrize("sizes", [[0], [1, 511, 512, 513], [10_000, 3, 77] * 7, [10_240 - 3 * 512]])
+def test_tar_members_are_the_bytes_tarfile_writes(sizes):
+    """A shard written member by member with tar_member and closed with tar_end is, byte for byte, what tarfile
+    writes for the same members (ustar, mode 0o644, uid/gid/mtime 0): the pack's writer without tarfile's cost.
+    Names up to the 100-byte ustar field (KEY_MAX + '.json') and past it (tarfile's own prefix split)."""
+    names = ["a.jpg", "dir/sub/k-0123.cls", "x" * KEY_MAX + ".json", "p" * 60 + "/" + "q" * 70 + ".jpg"]
+    members = [(names[i % len(names)].replace(".", f"{i}.", 1), bytes([i % 251]) * n) for i, n in enumerate(sizes)]
+    ours = b"".join(tar_member(name, data) for name, data in members)
+    ours += tar_end(len(ours))
+    expected = io.BytesIO()
+    with tarfile.open(fileobj=expected, mode="w", format=tarfile.USTAR_FORMAT) as tar:
+        for name, data in members:
+            info = tarfile.TarInfo(name)
+            info.size, info.mtime, info.mode, info.uid, info.gid = len(data), 0, 0o644, 0, 0
+            tar.addfile(info, io.BytesIO(data))
+    assert ours == expected.getvalue()
+    with tarfile.open(fileobj=io.BytesIO(ours)) as tar:
+        assert [(m.name, tar.extractfile(m).read()) for m in tar] == members
+
+
+def test_index_tokens_escape_exactly_what_str_isspace_calls_space():
+    """The index's escape test (a regex) and str.isspace agree on every code point."""
+    from dali_pipe.shards.format import _NEEDS_ESCAPE
+
+    for code in range(0x110000):
+        c = chr(code)
+        assert bool(_NEEDS_ESCAPE.search(c)) == (c == "%" or c.isspace()), hex(code)

@@ -146,7 +146,7 @@ def _finished_shards(staging: Path) -> int:
 
 def run(s: Settings, manifest: Manifest | None = None) -> dict:
     """Pack SRC into DST; `manifest`: SRC's, read already (cli.described), so it is not read again."""
-    s = resolve(s)
+    s = resolve(s, machine=False)
     dst = s.pack.dst
     staging = (Path(s.data.cache_dir) / "pack-staging" / dst[5:].strip("/")) if dst.startswith("s3://") else Path(dst)
     try:

@@ -237,6 +237,33 @@ def meta_member(members) -> str | None:
     return pick_member(members, (META_EXT,), META_NAMES)[0]
 
 
+# -- tar members -----------------------------------------------------------------------------------
+_BLOCK = 512
+_RECORD = 20 * _BLOCK  # tarfile pads a closed archive to whole records of this size
+
+
+def tar_member(name: str, data: bytes) -> bytes:
+    """One regular file of a ustar tar, written as tarfile writes `TarInfo(name)` with mode 0o644, uid, gid and
+    mtime 0 (a test compares the bytes): its header block, the data, zeros to the next block. Built here rather
+    than through tarfile's addfile, which costs about 50 us a member in TarInfo copies, field encoders and small
+    writes: a pack writes three members a sample, and this was most of its main process's time."""
+    raw = name.encode("ascii")  # keys are ASCII by construction (sample_keys), extensions too
+    if len(raw) > 100 or len(data) >= 8 ** 11:  # a prefix field or a base-256 size: tarfile's own rules
+        info = tarfile.TarInfo(name)
+        info.size, info.mode = len(data), 0o644
+        head = info.tobuf(tarfile.USTAR_FORMAT, "utf-8", "surrogateescape")
+    else:
+        head = b"".join((raw.ljust(100, b"\0"), b"0000644\0", b"0000000\0", b"0000000\0", b"%011o\0" % len(data),
+                         b"00000000000\0", b"        ", tarfile.REGTYPE, bytes(100), tarfile.POSIX_MAGIC, bytes(247)))
+        head = head[:148] + b"%06o\0 " % sum(head) + head[156:]
+    return b"".join((head, data, bytes(-len(data) % _BLOCK)))
+
+
+def tar_end(size: int) -> bytes:
+    """What closes a tar of `size` bytes as tarfile closes one: two zero blocks, then zeros to a whole record."""
+    return bytes(2 * _BLOCK + (-(size + 2 * _BLOCK) % _RECORD))
+
+
 # -- index files -----------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class IndexEntry:
@@ -245,9 +272,12 @@ class IndexEntry:
     members: dict[str, tuple[int, int]]
 
 
+_NEEDS_ESCAPE = re.compile(r"[%\s]")  # re's \s is str.isspace's set (a test checks every code point)
+
+
 def _token(text: str) -> str:
     """A file name as one whitespace-free token: whitespace and `%` percent-encoded (UTF-8)."""
-    if not any(c == "%" or c.isspace() for c in text):
+    if not _NEEDS_ESCAPE.search(text):
         return text
     return "".join("".join(f"%{b:02X}" for b in c.encode()) if c == "%" or c.isspace() else c for c in text)
 

@@ -410,9 +410,11 @@ def _connect(addr: str, port: int, names: list[str], rank: int, timeout: float):
                     while thread.is_alive() and time.monotonic() <= until:
                         thread.join(POLL)  # a SIGTERM's handler runs between the slices
                     stuck = thread.is_alive()
-                    if stuck:  # on a silent peer: end its connection so the thread ends before we exit
-                        _shutdown_connections(port)
-                        thread.join(left + 2.0)  # its retries end within its own timeout (`left`)
+                    if stuck:  # on a silent peer: end its connections so the thread ends before we exit, and
+                        ends = time.monotonic() + left + 10.0  # keep fd 2 quiet until it has (its retries can
+                        while thread.is_alive() and time.monotonic() < ends:  # connect again: each is shut too)
+                            _shutdown_connections(port)
+                            thread.join(POLL)
                 if "store" in result:
                     return result["store"]
                 if stuck:

@@ -100,3 +100,39 @@ def save_text(path: Path, want: str, text) -> None:
         tmp.unlink(missing_ok=True)
         print(f"manifest: could not keep the checked manifest in {path} ({e.strerror}); the next start reads "
               "dataset.tsv again", file=sys.stderr)
+
+
+# -- the digest ------------------------------------------------------------------------------------
+def digest_key(text_key: str, val_fraction: float, seed: int, resolved_folders: list[str | None]) -> str:
+    """What a manifest's digest follows from, where no file is missing and none is itself a link: the text (its
+    key, which holds the resolved root), the split's settings and what each folder resolves to now (a class folder
+    that is a link may point elsewhere since)."""
+    h = hashlib.sha256(json.dumps([text_key, repr(float(val_fraction)), int(seed)]).encode())
+    h.update("\0".join(str(f) for f in resolved_folders).encode("utf-8", "surrogateescape"))
+    return h.hexdigest()
+
+
+def _digest_path(path: Path) -> Path:
+    return path.with_name(path.stem + ".digest.json")
+
+
+def load_digest(path: Path, key: str) -> str | None:
+    """The digest kept beside the text at `path` (cache_path) for `key`, or None. Computing it takes 1.0-1.2 s at
+    1 M files (a sort and a sha256 of every path), on every start and "nothing to do"."""
+    try:
+        kept = json.loads(_digest_path(path).read_text())
+        return kept["digest"] if kept.get("key") == key and isinstance(kept.get("digest"), str) else None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
+def save_digest(path: Path, key: str, digest: str) -> None:
+    """Keep `digest` for `key` (one per manifest: the last settings); a failure costs only the next start's time."""
+    target = _digest_path(path)
+    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps({"key": key, "digest": digest}))
+        os.replace(tmp, target)
+    except OSError:
+        tmp.unlink(missing_ok=True)

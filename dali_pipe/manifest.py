@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from .fanout import fan_out
-from .listing_cache import CACHE_FROM, cache_key, cache_path, load_text, save_text
+from .listing_cache import CACHE_FROM, cache_key, cache_path, digest_key, load_digest, load_text, save_digest, save_text
 from .samples import Sample, Samples, strings, unique_inverse  # noqa: F401  (Sample: the commands' own few)
 from .tsv import (  # noqa: F401  (the names the rest of the project takes from here)
     COLUMNS,
@@ -53,6 +53,7 @@ class Manifest:
     duplicates: int = 0  # duplicate rows dropped
     note: str = ""  # how the split was made, when the start-up summary should say it (an ImageFolder's)
     split_rule: str = "hash"  # how the split was made: "column" (split column), "folders" (train/ val/) or "hash"
+    known_digest: str | None = field(default=None, repr=False, compare=False)  # digest(), kept (read_manifest)
 
     def __post_init__(self):
         self.train, self.val = Samples.of(self.train), Samples.of(self.val)
@@ -63,7 +64,10 @@ class Manifest:
 
     def digest(self) -> str:
         """A hash of what a run reads: each sample's path (relative to the root), class and split, one line each,
-        sorted by path within each split (on whole columns: 1.0-1.3 s at 1 M samples)."""
+        sorted by path within each split (on whole columns: 1.0-1.3 s at 1 M samples; read_manifest keeps it in
+        the cache dir, listing_cache.load_digest)."""
+        if self.known_digest is not None:
+            return self.known_digest
         h = hashlib.sha256()
         root = str(self.root.resolve())
         names = strings(self.classes)
@@ -80,7 +84,7 @@ class Manifest:
         """The same manifest with the files in `bad` (absolute paths) left out."""
         bad = set(bad)
         return Manifest(self.root, self.classes, self.train.without(bad), self.val.without(bad), self.missing,
-                        self.duplicates, self.note, self.split_rule)
+                        self.duplicates, self.note, self.split_rule, None if bad else self.known_digest)
 
 
 def _add(a: np.ndarray, b) -> np.ndarray:
@@ -374,7 +378,9 @@ def read_manifest(root: Path | str, *, val_fraction: float, seed: int, skip_miss
     to_class = np.full(len(text.label_names), -1, dtype=np.int32)
     to_class[used] = [index[c] for c in text.label_names[used].tolist()]
     links = (there(modes) & 0o170000) == stat.S_IFLNK
-    samples = Samples(absolute_paths(root, rel, links, folders=(text.folders, there(text.folder_index))),
+    resolver = PathResolver(root)
+    samples = Samples(absolute_paths(root, rel, links, folders=(text.folders, there(text.folder_index)),
+                                     resolver=resolver),
                       to_class[label_index], there(text.lines),
                       np.where(links, -1, there(sizes)), np.where(links, -1, there(mtimes)))
 
@@ -399,17 +405,27 @@ def read_manifest(root: Path | str, *, val_fraction: float, seed: int, skip_miss
                             "or mark some rows split=train.")
     if kept is not None and (fresh or (not split_column and not hashed)):
         save_text(*kept, text)
+    manifest = Manifest(root, classes, train, val, missing, text.duplicates, split_rule=rule)
+    if kept is not None and not missing and not links.any():
+        # every path is the root's resolved folders and the text's names: the digest follows from these alone
+        key = digest_key(kept[1], val_fraction, seed, resolver.resolved(text.folders.tolist()))
+        manifest.known_digest = load_digest(kept[0], key)
+        if manifest.known_digest is None:
+            manifest.known_digest = manifest.digest()
+            save_digest(kept[0], key, manifest.known_digest)
     if rows_read >= PROGRESS_FROM:
         print(f"{tsv}: {len(train) + len(val)} files read and split in {time.perf_counter() - started:.1f} s",
               file=sys.stderr, flush=True)
-    return Manifest(root, classes, train, val, missing, text.duplicates, split_rule=rule)
+    return manifest
 
 
-def absolute_paths(root: Path, rel: np.ndarray, links: np.ndarray | None = None, folders=None) -> np.ndarray:
+def absolute_paths(root: Path, rel: np.ndarray, links: np.ndarray | None = None, folders=None,
+                   resolver: PathResolver | None = None) -> np.ndarray:
     """The absolute path of each file root/rel, through its folders' symbolic links (each folder resolved once)
     and, where `links` marks the file itself a link, through it (PathResolver.absolute, one by one). `folders`:
-    (the distinct folders, each path's index into them), where the caller has them."""
-    resolver = PathResolver(root)
+    (the distinct folders, each path's index into them), where the caller has them; `resolver`: the caller's,
+    to ask afterwards what each folder resolved to."""
+    resolver = resolver or PathResolver(root)
     if not len(rel):
         return strings([])
     if folders is None:
@@ -450,6 +466,10 @@ class PathResolver:
                 real = None
             self._folders[rel_dir] = real
         return real
+
+    def resolved(self, folders: list[str]) -> list[str | None]:
+        """What each of `folders` resolves to."""
+        return [self.folder(f) for f in folders]
 
     def lstat(self, rel: str) -> os.stat_result | None:
         try:

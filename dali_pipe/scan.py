@@ -21,6 +21,7 @@ import hashlib
 import io
 import json
 import os
+import stat
 import string
 import subprocess
 import sys
@@ -91,17 +92,31 @@ def check_header(path: str, max_pixels: int) -> str | None:
     """The fast checks. Returns the reason the file is bad, or None."""
     from PIL import Image
 
+    try:  # (non-blocking: a link to a FIFO must not hang the scan)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        return unreadable(path, e)
     try:
-        size = os.path.getsize(path)
-        if size == 0:
-            return "empty file"
-        with open(path, "rb") as f:
+        st = os.fstat(fd)
+    except OSError as e:
+        os.close(fd)
+        return unreadable(path, e)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        return "unreadable (Is a directory)" if stat.S_ISDIR(st.st_mode) else \
+            "not a regular file (a FIFO, socket or device)"
+    with open(fd, "rb") as f:  # one open for the size, the ends and PIL's header parse (by path twice: 15% slower)
+        try:
+            size = st.st_size
+            if size == 0:
+                return "empty file"
             head = f.read(64)
             f.seek(max(0, size - 64))
             tail = f.read()
-    except OSError as e:
-        return unreadable(path, e)
-    return _check(head, tail, lambda: Image.open(path), max_pixels)
+            f.seek(0)
+        except OSError as e:
+            return unreadable(path, e)
+        return _check(head, tail, lambda: Image.open(f), max_pixels)
 
 
 def check_bytes(data: bytes, max_pixels: int) -> str | None:
@@ -279,7 +294,11 @@ class Verdicts:
         # by the first half alone (numpy's searchsorted on the pair took 2.9 s for 1 M keys, on a uint64 0.1 s): two
         # paths whose digests share it (one chance in 10**7 among a million) are told apart by the second half, and
         # the one found second is checked again, which costs a check, never a wrong verdict
-        at = np.minimum(np.searchsorted(c["hi"], keys["hi"]), len(c["hi"]) - 1)
+        # the keys looked up in their sorted order (a million searches in random order: 0.51 s; sorted, with the sort:
+        # 0.12 s, as each search starts near the one before)
+        order = np.argsort(keys["hi"])
+        at = np.empty(len(keys), dtype=np.intp)
+        at[order] = np.minimum(np.searchsorted(c["hi"], keys["hi"][order]), len(c["hi"]) - 1)
         return np.where((c["hi"][at] == keys["hi"]) & (c["lo"][at] == keys["lo"]), at, -1)
 
     def add(self, keys: np.ndarray, sizes, mtimes, max_pixels: int, levels, reasons: list[str | None]) -> None:

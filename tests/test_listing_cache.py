@@ -44,7 +44,7 @@ def test_a_kept_manifest_reads_as_a_fresh_one_and_the_files_are_looked_at_again(
     root, cache = _dataset(tmp_path / "d"), tmp_path / "cache"
     fresh = read_manifest(root, val_fraction=0.25, seed=1, skip_missing=False)
     first = _read(root, cache)
-    assert len(list((cache / listing_cache.FOLDER).iterdir())) == 1
+    assert len(list((cache / listing_cache.FOLDER).glob("*.npz"))) == 1
     _same(first, fresh)
     with monkeypatch.context() as m:  # from the cache: dataset.tsv is not parsed again
         m.setattr(manifest, "read_table", lambda *a: pytest.fail("dataset.tsv parsed despite the cache"))
@@ -64,7 +64,12 @@ def test_a_kept_manifest_reads_as_a_fresh_one_and_the_files_are_looked_at_again(
 def test_other_bytes_another_seed_or_a_damaged_cache_read_afresh(tmp_path):
     root, cache = _dataset(tmp_path / "d"), tmp_path / "cache"
     _read(root, cache)
-    (kept,) = (cache / listing_cache.FOLDER).iterdir()
+    (kept,) = (cache / listing_cache.FOLDER).glob("*.npz")
+    (digest,) = (cache / listing_cache.FOLDER).glob("*.digest.json")
+    other_key = digest.read_text().replace('"key": "', '"key": "x').replace('"digest": "', '"digest": "0')
+    for junk in ("", "[]", '{"key": 1}', other_key):  # a damaged digest file, or one kept for other inputs
+        digest.write_text(junk)
+        _same(_read(root, cache), read_manifest(root, val_fraction=0.25, seed=1, skip_missing=False))
     for seed in (2, 1):
         _same(_read(root, cache, seed=seed), read_manifest(root, val_fraction=0.25, seed=seed, skip_missing=False))
     _dataset(root, n=90)  # more rows: other bytes
@@ -95,3 +100,46 @@ def test_small_manifests_are_not_kept(tmp_path):
     root, cache = _dataset(tmp_path / "d"), tmp_path / "cache"
     _read(root, cache, cache_from=1000)
     assert not (cache / listing_cache.FOLDER).exists()
+
+
+def _digest_now(m):
+    """The digest computed from the columns, not the kept one."""
+    import dataclasses
+
+    return dataclasses.replace(m, known_digest=None).digest()
+
+
+def test_the_kept_digest_is_the_computed_one_and_follows_a_relinked_folder_the_split_and_missing_files(tmp_path):
+    """A manifest read with the cache dir carries the digest kept for its text, split settings and resolved folders:
+    equal to the one computed from its columns; a class folder linked elsewhere (the same names, other files), other
+    split settings and a missing file each give the digest of what is read now, never the kept one."""
+    import os
+    import shutil
+
+    root, cache = _dataset(tmp_path / "d"), tmp_path / "cache"
+    first = _read(root, cache)
+    assert first.known_digest is not None and first.known_digest == _digest_now(first)
+    again = _read(root, cache)
+    assert again.known_digest == first.known_digest == _digest_now(again)
+    other = _read(root, cache, seed=2)  # other split settings: its own digest, kept in turn
+    assert other.digest() == _digest_now(other) != first.digest()
+    assert _read(root, cache).digest() == first.digest()
+
+    shutil.move(root / "c2", tmp_path / "real-c2")  # c2 becomes a link to a folder elsewhere: the paths change
+    os.symlink(tmp_path / "real-c2", root / "c2")
+    linked = _read(root, cache)
+    assert linked.digest() == _digest_now(linked) != first.digest()
+    (tmp_path / "real-c2b").mkdir()
+    for f in (tmp_path / "real-c2").iterdir():
+        shutil.copy(f, tmp_path / "real-c2b" / f.name)
+    os.unlink(root / "c2")
+    os.symlink(tmp_path / "real-c2b", root / "c2")  # the same link, pointing elsewhere
+    relinked = _read(root, cache)
+    assert relinked.digest() == _digest_now(relinked) != linked.digest()
+
+    (root / "c0" / "000.jpg").unlink()  # a missing file: nothing kept is used
+    short = _read(root, cache, skip_missing=True)
+    assert short.known_digest is None and short.digest() != relinked.digest()
+    assert short.without({str(short.train.paths[0])}).known_digest is None
+    assert relinked.without(set()).known_digest == relinked.known_digest  # (the scan found nothing bad)
+    assert relinked.without({str(relinked.train.paths[0])}).known_digest is None

@@ -87,6 +87,20 @@ def test_fast_scan_catches_header_problems(corpus):
     assert check_header(str(root / "odd/tiny1x1.jpg"), 10**8) is None
 
 
+def test_fast_scan_names_a_link_to_a_fifo_or_a_folder_and_does_not_hang(tmp_path):
+    """The header check opens each file once, without blocking: a link to a FIFO (an open would wait for a writer
+    forever) and a folder are named; a missing link target is named as before."""
+    import os
+
+    os.mkfifo(tmp_path / "pipe")
+    os.symlink(tmp_path / "pipe", tmp_path / "to-pipe.jpg")
+    (tmp_path / "folder.jpg").mkdir()
+    os.symlink(tmp_path / "gone.jpg", tmp_path / "dangling.jpg")
+    assert check_header(str(tmp_path / "to-pipe.jpg"), 10**8) == "not a regular file (a FIFO, socket or device)"
+    assert check_header(str(tmp_path / "folder.jpg"), 10**8) == "unreadable (Is a directory)"
+    assert check_header(str(tmp_path / "dangling.jpg"), 10**8).startswith("dangling symbolic link")
+
+
 def test_scan_cache_rescans_only_what_changed(corpus, tmp_path):
     """An unchanged rerun decodes nothing; a touched file is the only one re-checked."""
     import os

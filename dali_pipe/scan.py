@@ -335,10 +335,16 @@ def serve_checks() -> None:
     """A worker of the parallel scan (run as its own interpreter): NUL-separated paths on stdin, one JSON line per
     path on stdout, its reason or null, in order. argv[1]: --max-pixels."""
     max_pixels = int(sys.argv[1])
+    out, lines = sys.stdout.buffer, []
     for raw in sys.stdin.buffer.read().split(b"\0"):
         if raw:
-            sys.stdout.write(json.dumps(check_header(os.fsdecode(raw), max_pixels)) + "\n")
-    sys.stdout.flush()
+            lines.append(json.dumps(check_header(os.fsdecode(raw), max_pixels)).encode() + b"\n")
+            if len(lines) == 1000:  # a write of a thousand lines (a write a line, as PYTHONUNBUFFERED=1 makes
+                out.write(b"".join(lines))  # sys.stdout, made each check 60% dearer: a syscall, the reader woken)
+                out.flush()
+                lines = []
+    out.write(b"".join(lines))
+    out.flush()
 
 
 def _headers(paths: list[str], max_pixels: int, bar, parallel_from: int) -> list[str | None]:

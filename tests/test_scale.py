@@ -66,6 +66,10 @@ def test_a_hundred_thousand_files_keep_every_guarantee(big, tmp_path):
     assert len(kept.train) + len(kept.val) == N - len(bad)
     assert kept.digest() == read_manifest(root, val_fraction=0.05, seed=3, skip_missing=False).without(
         cold.bad).digest()
+    # with the cache dir (the checked text and the digest kept): the same split and digest, the second time from it
+    for _ in range(2):
+        cached = read_manifest(root, val_fraction=0.05, seed=3, skip_missing=False, cache_dir=tmp_path / "cache")
+        assert cached.known_digest == m.digest() and cached.val == m.val and cached.train == m.train
     # exact resume of the training order over the whole column
     spec = ImageSpec(32, 32, (0.5,) * 3, (0.5,) * 3)
     source = Files(kept.train.paths, kept.train.labels)

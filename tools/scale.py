@@ -12,7 +12,8 @@ of files, not on their pixels. Then, each in a fresh process (peak RSS from that
 - plain DALI: `fn.readers.file(file_root=...)` over the class folders, CPU decode, time to its first batch;
 - plain DALI in Lightning: that reader through DALIGenericIterator into the same tiny ViT as `--model tiny`, time
   to its first step: what a user writing plain DALI into Lightning pays (torch, Lightning, transformers, the model);
-- stages: read_manifest (cold, then warm), the scan (cold, then warm), digest, the training pipeline built and its first batch;
+- stages: read_manifest (cold, then warm), the scan (cold, then warm), digest (kept by read_manifest in the cache dir
+  where nothing is bad or missing: then ~0 s, its cost in the cold read), the training pipeline built and its first batch;
 - train.py (`--model tiny --device cpu --val-fraction 0 --max-steps 5`), time to its first step: a first run
   (cold caches, stopped by SIGTERM at its first step as a spot reclaim would), its resume, "nothing to do" (the
   finished run's rerun, time to exit), and a fresh run with warm caches.

@@ -35,6 +35,7 @@ import numpy as np
 from .config import SCAN_MODES
 from .fanout import fan_out
 from .redact import redact
+from .tsv import row as tsv_row
 from .workdir import writing
 
 _LEVEL = {"fast": 1, "full": 2}
@@ -498,10 +499,10 @@ def write_report(bad: dict[str, str], root: Path, out: Path) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     report = out / REPORT_NAME
     tmp = report.with_name(f".{REPORT_NAME}.tmp-{os.getpid()}")
-    with writing(report, tmp), open(tmp, "w", encoding="utf-8") as f:
+    with writing(report, tmp), open(tmp, "w", encoding="utf-8", errors="surrogateescape") as f:
         f.write(REPORT_HEADER)
         for p in sorted(bad):
             rel = os.path.relpath(p, root) if p.startswith(str(root)) else p
-            f.write(f"{rel}\t{redact(bad[p])}\n")
+            f.write(tsv_row((rel, redact(bad[p]))))
     os.replace(tmp, report)
     return report

@@ -21,6 +21,17 @@ class ManifestError(UserError):
     """The manifest cannot be used as it is; the message says which row or column and the fix."""
 
 
+_QUOTED = re.compile(r'[\t\n\r]|^"')  # what a cell must be quoted for (csv's and pandas' rule, "" for ")
+
+
+def row(cells) -> str:
+    """One line of a TSV we write (bad_images.tsv, predictions.tsv): a cell holding a tab or a line break, or
+    starting with a quote, is quoted as the csv module and pandas read it back; any other cell is written as it
+    is, so a dataset.tsv path (which holds none of these) comes out exactly as that file wrote it. A file name with
+    a tab and a newline once added a forged row to both reports."""
+    return "\t".join('"' + c.replace('"', '""') + '"' if _QUOTED.search(c) else c for c in map(str, cells)) + "\n"
+
+
 def preview(items: list[str], n: int = 5) -> str:
     shown = ", ".join(repr(i) for i in items[:n])
     return f"{shown}{f' ... and {len(items) - n} more' if len(items) > n else ''} ({len(items)} in all)"

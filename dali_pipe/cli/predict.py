@@ -22,6 +22,7 @@ from ..manifest import MANIFEST_NAME, PathResolver, Sample, read_table, safe_rel
 from ..scan import CACHE_NAME, scan, sniff, write_report
 from ..shards.source import SHARD_KINDS, source_kind
 from ..spec import ImageSpec
+from ..tsv import row as tsv_row
 from ..workdir import writing
 from .infer import prepared, run_model
 
@@ -162,15 +163,15 @@ def write_predictions(out: Path, names: list[str], logits, model, top_k: int) ->
     scores, ids = torch.softmax(logits, 1).topk(k, dim=1)
     id2label = {int(i): v for i, v in model.config.id2label.items()}
     head = ["image_path", "label", "score"] + [f"{c}_{j}" for j in range(2, k + 1) for c in ("label", "score")]
-    rows = ["\t".join(head)]
+    rows = [tsv_row(head)]
     for row, name in enumerate(names):
         cells = [name]
         for j in range(k):
             cells += [id2label.get(int(ids[row, j]), str(int(ids[row, j]))), f"{float(scores[row, j]):.6f}"]
-        rows.append("\t".join(cells))
+        rows.append(tsv_row(cells))
     out.mkdir(parents=True, exist_ok=True)
     tmp = out / f".predictions.tsv.tmp-{os.getpid()}"
 
     with writing(out / "predictions.tsv", tmp):
-        tmp.write_text("\n".join(rows) + "\n")
+        tmp.write_text("".join(rows), encoding="utf-8", errors="surrogateescape")
     os.replace(tmp, out / "predictions.tsv")

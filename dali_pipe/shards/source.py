@@ -71,6 +71,7 @@ from ..https import HttpError, head, is_http, open_stream, read_small, shown
 from ..pipeline import Shards
 from ..scan import DaliDecoder, ScanResult, check_bytes
 from ..sync import SyncError, explain, local_target, make_client, parse_s3_uri, read_object
+from ..tsv import row as tsv_row
 from ..workdir import human_bytes, remove_dead_temps
 from .cache import HEADROOM, Verdicts, check_file, fetch, is_remote, verdict_key
 from .format import (
@@ -340,7 +341,7 @@ class ShardSet:
         out = []
         for i, (path, idx) in enumerate(zip(shards.paths, shards.index_paths)):
             s = by_path[(path, idx)]
-            out += [tsv_cell(p) for e, p in enumerate(s.image_paths) if (i, e) not in shards.excluded]
+            out += [p for e, p in enumerate(s.image_paths) if (i, e) not in shards.excluded]
         return out
 
     def digest(self) -> str:
@@ -1148,22 +1149,14 @@ def _peer_split(shards: list[Shard], val_fraction: float, seed: int) -> tuple[st
 
 
 # -- reporting ------------------------------------------------------------------------------------
-def tsv_cell(text: str) -> str:
-    """A key or path as one TSV cell: tab and line breaks written as \\t, \\n, \\r (peer keys may hold them;
-    a manifest's paths cannot, so they come out exactly as dataset.tsv wrote them)."""
-    return text.replace("\t", "\\t").replace("\n", "\\n").replace("\r", "\\r")
-
-
 def write_member_report(shards: ShardSet, out: Path, extra: list = ()) -> Path:
     """OUT/bad_images.tsv for shards: image_path (the dataset.tsv path of a pack's sample, else its key),
     reason, shard, key; `extra`: more (Shard, entry, reason) rows (images that could not be packed)."""
-    cell = tsv_cell
-
     out.mkdir(parents=True, exist_ok=True)
     report = out / "bad_images.tsv"
-    rows = ["image_path\treason\tshard\tkey"] + [
-        "\t".join(cell(x) for x in (s.image_paths[e], reason, s.name, s.keys[e])) for s, e, reason in shards.bad + list(extra)]
-    write_atomic(report, "\n".join(rows) + "\n")
+    rows = [tsv_row(("image_path", "reason", "shard", "key"))] + [
+        tsv_row((s.image_paths[e], reason, s.name, s.keys[e])) for s, e, reason in shards.bad + list(extra)]
+    write_atomic(report, "".join(rows))
     return report
 
 

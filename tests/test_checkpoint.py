@@ -392,6 +392,28 @@ def test_second_run_on_the_same_output_stops_naming_the_holder(photo_root, tmp_p
         holder.kill()
 
 
+def test_second_run_on_the_same_checkpoint_dir_stops_naming_the_holder_and_lets_go_of_its_output(photo_root,
+                                                                                                 tmp_path):
+    """Two runs with their own --output and one --checkpoint-dir (outside both): the second stops at once naming
+    the first, and holds neither folder after (before: both exited 0, one's checkpoints written over)."""
+    from helpers import hold_lock
+
+    from dali_pipe.workdir import BusyError, lock, unlock
+
+    ckpt = tmp_path / "shared-ckpt"
+    holder = hold_lock(ckpt, "training run (its --checkpoint-dir)")
+    try:
+        with pytest.raises(BusyError, match=rf"{ckpt} is in use by another training run \(its --checkpoint-dir\) "
+                                            rf"\(PID {holder.pid}\); wait for it to finish, or pass another "
+                                            "--checkpoint-dir"):
+            train.main(["--data", str(photo_root), "--model", "tiny", "--device", "cpu", "--output",
+                        str(tmp_path / "out2"), "--checkpoint-dir", str(ckpt)])
+    finally:
+        holder.kill()
+    lock(tmp_path / "out2", "test", "")  # OUT was let go when the checkpoint dir was refused
+    unlock(tmp_path / "out2")
+
+
 def test_unusable_outputs_get_one_clear_error(photo_root, tmp_path, monkeypatch):
     from dali_pipe.cli import fit
     from dali_pipe.workdir import OutputError

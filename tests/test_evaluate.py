@@ -74,6 +74,26 @@ def test_unknown_labels_are_named(trained, tmp_path, cache_dir):
               "--output", str(tmp_path / "e")])
 
 
+@pytest.mark.parametrize("command", ["evaluate", "predict"])
+def test_the_models_own_folder_as_output_is_refused_and_its_records_are_kept(trained, photo_root, tmp_path, command):
+    """--output equal to --model (by another path too) is refused before anything is read or written: evaluate's
+    metrics.json and bad_images.tsv replaced training's there (its run record and split); a folder inside it
+    is fine."""
+    import hashlib
+
+    from dali_pipe.errors import UserError
+
+    model = copy_trained(trained, tmp_path / "m")
+    before = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in model.iterdir() if p.is_file()}
+    for output in (model, tmp_path / "m" / ".." / "m"):
+        with pytest.raises(UserError, match=rf"{command}: --output .* is the model's folder \(--model .*\), whose "
+                                            r"metrics.json and bad_images.tsv are training's records; pass another "
+                                            rf"--output, such as .*/{command}"):
+            main([command, "--model", str(model), "--data", str(photo_root), "--device", "cpu", "--output",
+                  str(output)])
+    assert {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in model.iterdir() if p.is_file()} == before
+
+
 def test_cli_errors_are_one_line(tmp_path):
     r = subprocess.run([sys.executable, "-m", "dali_pipe", "evaluate", "--data", str(tmp_path)], capture_output=True,
                        text=True, cwd=ROOT, timeout=60)

@@ -16,6 +16,7 @@ from ..transfer import keep_freed_memory
 from ..tsv import MANIFEST_NAME
 from . import command_imports, described
 from . import main as train_main
+from .infer import check_output
 
 SYNC_DOC = ("Download s3://bucket/prefix/dataset.tsv and every file it lists into LOCAL_DIR (or, for a pack, its "
             "packed.json, shards and index files, with parallel ranged GETs). Files already present and unchanged "
@@ -152,12 +153,14 @@ def main(argv: list[str] | None = None) -> int:
 
         run(s, manifest)
     elif command == "evaluate":
+        check_output("evaluate", s.eval.eval_output, s.model.model)
         manifest = described(s.data)  # before torch and Lightning load: a data mistake is told at once
         with command_imports():
             from .evaluate import run  # lazy: as above
 
         run(s, manifest)
     elif command == "predict":
+        check_output("predict", s.predict.predict_output, s.model.model)
         with command_imports():
             from .predict import run  # lazy: as above
 

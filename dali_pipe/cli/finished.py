@@ -76,10 +76,33 @@ def run_fingerprint(s: Settings, data_side: dict) -> dict:
     return {**data_side, **redact_tree(recipe(s.model))}
 
 
-def hold_out(out: Path) -> None:
-    """OUT a writable folder, held by this run: a second run on it stops at once, naming the PID."""
+def _own_folder(ckpt_dir: Path, out: Path) -> bool:
+    """--checkpoint-dir lies outside OUT (the default, OUT/checkpoints, is held with OUT)."""
+    c, o = ckpt_dir.resolve(), out.resolve()
+    return c != o and o not in c.parents
+
+
+def hold_out(out: Path, ckpt_dir: Path) -> None:
+    """OUT a writable folder, held by this run, and --checkpoint-dir with it where it lies outside OUT: a second
+    run on either stops at once, naming the PID (two runs sharing a --checkpoint-dir both exited 0, one's
+    checkpoints written over by the other's)."""
     check_writable(out, "--output")
     lock(out, "training run", "wait for it to finish, or pass another --output")
+    if _own_folder(ckpt_dir, out):
+        try:
+            check_writable(ckpt_dir, "--checkpoint-dir")
+            lock(ckpt_dir, "training run (its --checkpoint-dir)", "wait for it to finish, or pass another "
+                 "--checkpoint-dir")
+        except BaseException:
+            unlock(out)
+            raise
+
+
+def release(out: Path, ckpt_dir: Path) -> None:
+    """Let go of what hold_out held."""
+    if _own_folder(ckpt_dir, out):
+        unlock(ckpt_dir)
+    unlock(out)
 
 
 def check_reports(s: Settings, out: Path, *, logs: bool) -> None:
@@ -119,11 +142,11 @@ def nothing_to_do(s: Settings, manifest: Manifest | None = None) -> dict | None:
     folders = (out, ckpt_dir, Path(s.run.report_dir), Path(s.run.log_dir))  # resolved settings: all set
     if not all(f.is_dir() for f in folders) or any(ckpt_dir.glob(".best.*")):  # folders to make, a best model
         return None  # to put back after a kill: the full pre-flight does that
-    hold_out(out)
+    hold_out(out, ckpt_dir)
     try:
         return _decide(s, manifest, out, ckpt_dir, record, saved["image_size"])
     finally:
-        unlock(out)
+        release(out, ckpt_dir)
 
 
 def _decide(s: Settings, manifest: Manifest | None, out: Path, ckpt_dir: Path, record: dict,

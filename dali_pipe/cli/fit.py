@@ -46,12 +46,13 @@ from ..monitor import DaliMemoryLog, MonitorCallback
 from ..prescribe import prescription
 from ..scan import is_empty_report
 from ..spec import ImageSpec
-from ..workdir import OutputError, check_writable, fix_for, no_empty_folders_on_failure, output_failure, unlock
+from ..workdir import OutputError, check_writable, fix_for, no_empty_folders_on_failure, output_failure
 from .finished import (
     check_reports,
     hold_out,
     is_first_node,
     is_main_process,
+    release,
     run_fingerprint,
     say_nothing_to_do,
     selection,
@@ -129,7 +130,7 @@ def run(s: Settings, manifest: Manifest | None = None, style: str = "flag", star
     with no_empty_folders_on_failure(*ours, blank=is_empty_report):  # a failed run leaves no empty OUT/checkpoints/
         try:
             if writes_out:
-                hold_out(out)
+                hold_out(out, ckpt_dir)
             if main:
                 check_reports(s, out, logs=writes_out)  # TensorBoard's folder: written by global rank 0 only
             return _fit(s, out, ckpt_dir, main, meeting, started, manifest, style, imports)
@@ -139,7 +140,7 @@ def run(s: Settings, manifest: Manifest | None = None, style: str = "flag", star
             raise
         finally:
             if writes_out:
-                unlock(out)
+                release(out, ckpt_dir)
 
 
 @dataclass

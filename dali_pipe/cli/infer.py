@@ -2,9 +2,21 @@
 from __future__ import annotations
 
 from contextlib import nullcontext
+from pathlib import Path
 
 from ..config import Settings, resolve
+from ..errors import UserError
 from .noise import quiet_known_noise
+
+
+def check_output(command: str, output: str, model: str | None) -> None:
+    """--output may not be the model's own folder: evaluate's metrics.json and bad_images.tsv (predict's
+    bad_images.tsv) would replace training's there, the run's record, checksums and split among them, after which
+    evaluate silently used another split. A folder inside it is fine."""
+    if model and "://" not in model and Path(model).is_dir() and Path(output).resolve() == Path(model).resolve():
+        raise UserError(f"{command}: --output {output} is the model's folder (--model {model}), whose metrics.json "
+                        f"and bad_images.tsv are training's records; pass another --output, such as "
+                        f"{Path(model) / command}")
 
 
 def prepared(s: Settings, output: str) -> Settings:

@@ -22,8 +22,11 @@ import os
 import re
 from pathlib import Path
 
+from .errors import UserError
+
 MANIFEST_NAME = "dataset.tsv"
 PACKED_NAME = "packed.json"
+PROGRESS_NAME = ".pack-progress.json"  # an unfinished pack's (pack.py): its shards are not yet a pack
 # torchvision.datasets.folder.IMG_EXTENSIONS: what ImageFolder lists (matched case-insensitively). DALI decodes each
 # of these formats; a file that does not hold what its name says is left to the scan.
 IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
@@ -162,13 +165,30 @@ def is_save_to_disk(root: Path) -> bool:
                                                        (root / "dataset_info.json").is_file())
 
 
+class UnfinishedPackError(UserError):
+    """--data is a pack that was stopped before it finished."""
+
+
+def unfinished_pack(path: Path) -> str | None:
+    """Why the folder `path` is no data yet, where it is a stopped pack (its shards so far, no packed.json): read
+    as plain shards it trained and evaluated on part of the data, exit 0."""
+    if (path / PROGRESS_NAME).is_file() and not (path / PACKED_NAME).is_file():
+        return (f"{str(path)!r} is an unfinished pack (its {PROGRESS_NAME} is there, its {PACKED_NAME} is not: the "
+                "pack was stopped); rerun the pack command that wrote it, which continues where it stopped, or "
+                "delete the folder")
+    return None
+
+
 def local_form(path: Path) -> str | None:
     """The form of the local folder `path`: manifest, pack, shards, arrow, parquet or imagefolder; None
-    when it matches none (see forms_text)."""
+    when it matches none (see forms_text). A stopped pack raises UnfinishedPackError."""
     if (path / MANIFEST_NAME).is_file():
         return "manifest"
     if (path / PACKED_NAME).is_file():
         return "pack"
+    problem = unfinished_pack(path)
+    if problem:
+        raise UnfinishedPackError(problem)
     if shard_files(path)[0]:
         return "shards"
     if is_save_to_disk(path):
@@ -197,6 +217,8 @@ def form_problem(data: str) -> str | None:
     try:
         if local_form(p) is not None:
             return None
+    except UnfinishedPackError as e:
+        return str(e)
     except OSError as e:
         return f"{data!r} cannot be read ({e.strerror}); check its permissions"
     return (f"{data!r} holds none of the input forms: no dataset.tsv, packed.json, shards (.tar, .tar.gz, .tgz), "

@@ -38,6 +38,7 @@ from pathlib import Path
 
 from .config import default_cache_dir
 from .errors import UserError
+from .forms import PROGRESS_NAME
 from .manifest import relative_to
 from .scan import write_report
 from .shards.cache import Verdicts, verdict_key
@@ -65,8 +66,6 @@ from .shards.source import write_member_report
 from .shards.tables import TABLE_KINDS, extract
 from .tsv import MANIFEST_NAME, read_table
 from .workdir import remove_dead_temps
-
-PROGRESS_NAME = ".pack-progress.json"
 
 
 class PackError(UserError):

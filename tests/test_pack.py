@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+import train
 from dali_pipe.cli.commands import main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -104,6 +105,17 @@ def test_resume_after_kill_9_gives_the_same_pack(photo_root, tmp_path, cache_dir
     p.send_signal(signal.SIGKILL)
     p.wait()
     assert not (dst / "packed.json").exists() and list(dst.glob("train-*.tar"))
+    # the stopped pack is no data: refused by name, with the fix (before: trained on its shards so far, exit 0)
+    told = r"is an unfinished pack \(its .pack-progress.json is there, its packed.json is not: the pack was stopped\); " \
+           r"rerun the pack command that wrote it"
+    from dali_pipe.config import UsageError
+    from dali_pipe.forms import UnfinishedPackError
+    from dali_pipe.shards.source import source_kind
+
+    with pytest.raises(UnfinishedPackError, match=told):
+        source_kind(str(dst))
+    with pytest.raises(UsageError, match=told):
+        train.main(["--data", str(dst), "--model", "tiny", "--device", "cpu", "--output", str(tmp_path / "o")])
     main(["pack", str(photo_root), str(dst), "--max-side", "100", "--shard-size", "40kB"])
     clean = json.loads((tmp_path / "clean" / "packed.json").read_text())
     assert json.loads((dst / "packed.json").read_text()) == clean

@@ -124,15 +124,39 @@ def split_of(rel: str) -> str | None:
     return None
 
 
+class LayoutError(UserError):
+    """A folder that is almost one of the forms, where reading it as another would train on the wrong thing."""
+
+
+def pair_val(dirs: set[str], where: str) -> str | None:
+    """The name of the validation folder ("val" or "validation") where the folders `dirs` (the visible ones of
+    `where`) are ImageNet's layout, train/ and val/ with at most a test/ beside them; None without train/ and
+    val/. Any other folder beside them (holdout/, __MACOSX/ from a Mac zip) raises LayoutError: read as an
+    ImageFolder of classes, the split names trained as classes, exit 0."""
+    val = next((d for d in ("val", "validation") if d in dirs), None)
+    if "train" not in dirs or val is None:
+        return None
+    extra = sorted(dirs - set(PAIR) - PAIR_ALSO)
+    if {"val", "validation"} <= dirs:
+        raise LayoutError(f"{where!r} holds train/ and both val/ and validation/: keep one of them as the "
+                          "validation split, and move the other out")
+    if extra:
+        shown = ", ".join(f"{d}/" for d in extra[:5]) + (f" ... and {len(extra) - 5} more" if len(extra) > 5 else "")
+        raise LayoutError(f"{where!r} holds train/ and {val}/ (ImageNet's layout) and beside them {shown}, "
+                          f"which {'is' if len(extra) == 1 else 'are'} neither a split nor a class: move "
+                          f"{'it' if len(extra) == 1 else 'them'} out of that folder (a test/ there is left out)")
+    return val
+
+
 def pair_folders(root: Path) -> dict[str, Path] | None:
-    """{"train": root/train, "val": root/val} when root holds ImageNet's layout: folders train/ and val/ (or
-    validation/), and beside them at most a test/ (and hidden entries), each holding class folders; else None."""
+    """{"train": root/train, "val": root/val} when root holds ImageNet's layout (pair_val: it raises on a folder
+    beside them that is neither), each holding class folders; else None."""
     try:
         dirs = {e.name for e in os.scandir(root) if _is_dir(e) and not e.name.startswith(".")}
     except OSError:
         return None
-    val = next((d for d in ("val", "validation") if d in dirs), None)
-    if "train" not in dirs or val is None or dirs - set(PAIR) - PAIR_ALSO or {"val", "validation"} <= dirs:
+    val = pair_val(dirs, str(root))
+    if val is None:
         return None
     folders = {"train": root / "train", "val": root / val}
     return folders if all(find_classes(p) for p in folders.values()) else None
@@ -217,7 +241,7 @@ def form_problem(data: str) -> str | None:
     try:
         if local_form(p) is not None:
             return None
-    except UnfinishedPackError as e:
+    except (UnfinishedPackError, LayoutError) as e:
         return str(e)
     except OSError as e:
         return f"{data!r} cannot be read ({e.strerror}); check its permissions"

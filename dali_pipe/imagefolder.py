@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .forms import IMG_EXTENSIONS, PAIR, PAIR_ALSO, find_classes, is_image_name, pair_folders
+from .forms import IMG_EXTENSIONS, find_classes, is_image_name, pair_folders, pair_val
 from .manifest import MANIFEST_NAME, Manifest, ManifestError, absolute_paths, sort_classes, stratified_split
 from .samples import Samples, member, strings
 from .sync import SyncError, atomic_write, sync_files
@@ -43,18 +43,38 @@ class ImageFolderError(ManifestError):
 
 
 # -- the listing, torchvision's ------------------------------------------------------------------
-def class_files(root: Path, cls: str, links: set[str] | None = None) -> list[str]:
+def class_files(root: Path, cls: str, links: set[str] | None = None, seen: dict | None = None,
+                split: str = "") -> list[str]:
     """torchvision's `make_dataset` for one class: the image files below root/cls, relative to root, in its order
     (`sorted(os.walk(root/cls, followlinks=True))`, then the names sorted), walked with os.scandir, whose entries
-    say which are links without a stat each. `links`: gets the relative paths of files that are links."""
-    found: list[tuple[str, list[tuple[str, bool]]]] = []
+    say which are links without a stat each. `links`: gets the relative paths of files that are links.
 
-    def walk(folder: str) -> None:
+    Where torchvision's walk goes wrong, this raises ImageFolderError naming both paths: a folder that is its own
+    ancestor (a link to a parent: torchvision lists the same images again and again under longer names and other
+    labels until the path is too long; 29 files made 1184 samples), and, through `seen` ({(device, inode): (path,
+    split)} shared by the caller across the splits), a folder reached from both train/ and val/ (the same images
+    trained on and validated on). A folder reached twice within one split is listed twice, as torchvision does."""
+    found: list[tuple[str, list[tuple[str, bool]]]] = []
+    seen = {} if seen is None else seen
+
+    def walk(folder: str, ancestors: dict) -> None:
         try:
+            st = os.stat(folder)
             with os.scandir(folder) as it:
                 entries = list(it)
         except OSError:
             return  # as os.walk: an unreadable folder yields nothing
+        key = (st.st_dev, st.st_ino)
+        if key in ancestors:
+            raise ImageFolderError(f"{folder} is {ancestors[key]} again, one of its own parents (a symbolic link "
+                                   "loop): its images would be read again and again under other names and classes; "
+                                   "remove the link")
+        before, where = seen.setdefault(key, (folder, split))
+        if where != split:
+            raise ImageFolderError(f"{folder} is the folder {before} (through a symbolic link), which the {where} "
+                                   f"split holds too: its images would be both trained on and validated on; remove "
+                                   "the link, or copy the images you mean into one split")
+        ancestors = {**ancestors, key: folder}
         files, below = [], []
         for e in entries:
             try:
@@ -67,9 +87,9 @@ def class_files(root: Path, cls: str, links: set[str] | None = None) -> list[str
                 files.append((e.name, e.is_symlink()))
         found.append((folder, sorted(files)))
         for name in below:
-            walk(os.path.join(folder, name))
+            walk(os.path.join(folder, name), ancestors)
 
-    walk(str(root / cls))
+    walk(str(root / cls), {})
     out = []
     top = str(root).rstrip("/") + "/"
     for folder, files in sorted(found, key=lambda f: f[0]):
@@ -81,11 +101,15 @@ def class_files(root: Path, cls: str, links: set[str] | None = None) -> list[str
     return out
 
 
-def tree(root: Path, listing: list[str] | None = None, links: set[str] | None = None) -> dict[str, list[str]]:
+def tree(root: Path, listing: list[str] | None = None, links: set[str] | None = None,
+         seen: dict | None = None, split: str = "") -> dict[str, list[str]]:
     """{class: its image files relative to root}, classes in index order. `listing`: the object keys of an S3
-    copy (relative to root), read as the same folders would be on disk. `links`: gets the files that are links."""
+    copy (relative to root), read as the same folders would be on disk. `links`: gets the files that are links.
+    `seen`, `split`: the folders walked so far and this tree's split, shared by the caller across the splits of
+    one dataset (class_files)."""
     if listing is None:
-        return {c: class_files(root, c, links) for c in find_classes(root)}
+        seen = {} if seen is None else seen
+        return {c: class_files(root, c, links, seen, split) for c in find_classes(root)}
     out: dict[str, list[tuple[str, str]]] = {}
     for key in listing:
         head, _, rest = key.partition("/")
@@ -102,10 +126,8 @@ def _pair(root: Path, listing: list[str] | None) -> dict[str, str] | None:
         found = pair_folders(root)
         return None if found is None else {k: v.name for k, v in found.items()}
     tops = {k.split("/", 1)[0] for k in listing if k.count("/") >= 2 and not k.startswith(".")}
-    val = next((d for d in ("val", "validation") if d in tops), None)
-    if "train" not in tops or val is None or tops - set(PAIR) - PAIR_ALSO or {"val", "validation"} <= tops:
-        return None
-    return {"train": "train", "val": val}
+    val = pair_val(tops, str(root))
+    return None if val is None else {"train": "train", "val": val}
 
 
 def _sub(listing: list[str] | None, folder: str) -> list[str] | None:
@@ -134,8 +156,9 @@ def read_image_folder(root: Path | str, *, val_fraction: float, seed: int,
     pair = _pair(root, listing)
     if pair:
         links: dict[str, set[str]] = {"train": set(), "val": set()}
-        train_tree = tree(root / pair["train"], _sub(listing, pair["train"]), links["train"])
-        val_tree = tree(root / pair["val"], _sub(listing, pair["val"]), links["val"])
+        seen: dict = {}  # a folder reached from both splits is refused (class_files)
+        train_tree = tree(root / pair["train"], _sub(listing, pair["train"]), links["train"], seen, "train")
+        val_tree = tree(root / pair["val"], _sub(listing, pair["val"]), links["val"], seen, "val")
         _refuse_empty(root / pair["train"], train_tree)
         _refuse_empty(root / pair["val"], val_tree)
         extra = sorted(set(val_tree) - set(train_tree))
@@ -196,8 +219,9 @@ def implied_manifest(root: Path | str) -> tuple[str, list[str]]:
     pair = _pair(root, None)
     notes, rows = [], []
     parts = [(pair[name], name) for name in ("train", "val")] if pair else [("", None)]
+    seen: dict = {}
     for folder, split in parts:
-        t = tree(root / folder if folder else root)
+        t = tree(root / folder if folder else root, seen=seen, split=split or "")
         empty = [c for c, files in t.items() if not files]
         if empty:
             notes.append(f"left out {len(empty)} class folder(s) without images: {', '.join(empty[:5])}")

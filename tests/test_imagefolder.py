@@ -145,3 +145,40 @@ def test_a_linked_class_folder_whose_real_name_is_not_utf8(tmp_path):
     assert sorted(p for p, label in zip(both.files, both.labels.tolist()) if label == 2) == \
         [os.path.join(real, "0.jpg"), os.path.join(real, "1.jpg")]
     assert len(m.digest()) == 16
+
+
+def test_folders_that_are_not_data_are_refused_by_name(photo_root, tmp_path):
+    """A folder beside train/ and val/ that is neither (holdout/, __MACOSX/ from a Mac zip), both val/ and
+    validation/, a symbolic link loop and a folder linked into both splits: each refused naming the folder, where
+    they trained the split names as classes, or read the same images again and again, exit 0. A test/ beside
+    train/ and val/ is still left out, and a folder listed twice in one split is listed twice, as torchvision does."""
+    import train
+    from dali_pipe.config import UsageError
+    from dali_pipe.forms import LayoutError
+
+    root = _pair(photo_root, tmp_path / "imagenet")
+    (root / "test" / "astronaut").mkdir(parents=True)
+    assert read_image_folder(root, val_fraction=0.5, seed=0).split_rule == "folders"
+    for sibling, told in (("holdout", r"and beside them holdout/, which is neither a split nor a class: move it out"),
+                          ("__MACOSX", r"and beside them __MACOSX/, which is neither"),
+                          ("validation", r"holds train/ and both val/ and validation/")):
+        (root / sibling / "x").mkdir(parents=True)
+        with pytest.raises(LayoutError, match=told):
+            read_image_folder(root, val_fraction=0.5, seed=0)
+        with pytest.raises(UsageError, match=told):
+            train.main(["--data", str(root), "--model", "tiny", "--device", "cpu", "--output", str(tmp_path / "o")])
+        shutil.rmtree(root / sibling)
+
+    cls = next((root / "train").iterdir())
+    os.symlink("..", cls / "loop")  # train/CLASS/loop -> train/
+    with pytest.raises(ImageFolderError, match=rf"{cls}/loop/{cls.name} is {cls} again, one of its own parents"):
+        read_image_folder(root, val_fraction=0.5, seed=0)
+    (cls / "loop").unlink()
+    os.symlink(cls, root / "val" / cls.name / "leak")  # val/CLASS/leak -> train/CLASS
+    with pytest.raises(ImageFolderError, match=r"which the train split holds too: its images would be both trained "):
+        read_image_folder(root, val_fraction=0.5, seed=0)
+    (root / "val" / cls.name / "leak").unlink()
+    other = sorted((root / "train").iterdir())[1]
+    os.symlink(cls, other / "again")  # within train/: listed twice, as torchvision lists it
+    m = read_image_folder(root, val_fraction=0.5, seed=0)
+    assert len(m.train) == 36 + len(list(cls.glob("*.jpg")))

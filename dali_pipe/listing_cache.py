@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import sys
 import zipfile
 from pathlib import Path
@@ -121,7 +122,8 @@ def load_digest(path: Path, key: str) -> str | None:
     1 M files (a sort and a sha256 of every path), on every start and "nothing to do"."""
     try:
         kept = json.loads(_digest_path(path).read_text())
-        return kept["digest"] if kept.get("key") == key and isinstance(kept.get("digest"), str) else None
+        digest = kept["digest"] if kept.get("key") == key else None
+        return digest if isinstance(digest, str) and re.fullmatch(r"[0-9a-f]{16}", digest) else None
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
 

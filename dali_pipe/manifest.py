@@ -328,18 +328,18 @@ def read_manifest(root: Path | str, *, val_fraction: float, seed: int, skip_miss
     root = Path(root)
     tsv = Path(tsv) if tsv else root / MANIFEST_NAME
     started = time.perf_counter()
-    text, problems, kept, fresh = None, [], None, True
+    text, problems, kept, fresh, data = None, [], None, True, None
     if cache_dir is not None:
         try:
             data = tsv.read_bytes()
         except OSError:  # read_table names the problem
-            data = b""
-        if data.count(b"\n") >= cache_from:
+            data = None
+        if data is not None and data.count(b"\n") >= cache_from:
             kept = cache_path(cache_dir, tsv), cache_key(data, root)
             text = load_text(*kept, Text)
             fresh = text is None
     if text is None:
-        table = read_table(tsv)
+        table = read_table(tsv, data)  # the bytes the key was made of (a second read may see another file)
         check_columns(table, tsv)
         rows_read = len(table)
         if rows_read >= PROGRESS_FROM:

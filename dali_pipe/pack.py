@@ -465,6 +465,7 @@ def read_progress(dst: Path) -> dict | None:
 def _load_progress(dst: Path, settings: dict) -> dict:
     prog = read_progress(dst)
     if prog is None:  # the file is written at the first shard (a pack stopped before one is not "unfinished")
+        remove_dead_temps(dst, ".*.tmp-*")  # (but may have left that shard's temporary file)
         return {"settings": settings, "splits": {}, "failed": {}, "logged": set()}
     if prog.get("settings") != settings:
         raise PackError(f"{dst} holds an unfinished pack of other data or settings ({prog.get('settings')}); pack "

@@ -76,8 +76,14 @@ def sniff(head: bytes) -> str | None:
 _TEXT = set(string.printable.encode())
 
 
+NOT_REGULAR = "not a regular file (a FIFO, socket or device)"
+
+
 def unreadable(path: str, err: OSError) -> str:
-    """Why a file cannot be opened, naming a dangling symbolic link or a link loop as such."""
+    """Why a file cannot be opened, naming a dangling symbolic link (its target missing), a link loop and a link
+    to a socket or device as such."""
+    if err.errno == errno.ENXIO:  # (a socket, or a device without its driver: open() says "no such device")
+        return NOT_REGULAR
     if os.path.islink(path):
         try:
             target = os.readlink(path)
@@ -85,8 +91,18 @@ def unreadable(path: str, err: OSError) -> str:
             target = "?"
         if err.errno == errno.ELOOP:
             return f"symbolic link loop (-> {target})"
-        return f"dangling symbolic link (-> {target})"
+        if err.errno == errno.ENOENT:
+            return f"dangling symbolic link (-> {target})"
+        return f"unreadable ({err.strerror}; a symbolic link -> {target})"
     return f"unreadable ({err.strerror})"
+
+
+def environmental(reason: str | None) -> bool:
+    """A verdict about the file's place rather than its bytes (unreadable now, a missing or looping link target, not
+    a regular file): not kept in the scan cache, whose key (size, mtime) would not see it mended (a chmod, a file
+    back in place with its mtime kept)."""
+    return bool(reason) and reason.startswith(("unreadable (", "dangling symbolic link", "symbolic link loop",
+                                               NOT_REGULAR))
 
 
 def check_header(path: str, max_pixels: int) -> str | None:
@@ -104,8 +120,7 @@ def check_header(path: str, max_pixels: int) -> str | None:
         return unreadable(path, e)
     if not stat.S_ISREG(st.st_mode):
         os.close(fd)
-        return "unreadable (Is a directory)" if stat.S_ISDIR(st.st_mode) else \
-            "not a regular file (a FIFO, socket or device)"
+        return "unreadable (Is a directory)" if stat.S_ISDIR(st.st_mode) else NOT_REGULAR
     with open(fd, "rb") as f:  # one open for the size, the ends and PIL's header parse (by path twice: 15% slower)
         try:
             size = st.st_size
@@ -147,6 +162,8 @@ def _check(head: bytes, tail: bytes, open_image, max_pixels: int) -> str | None:
     try:
         with open_image() as im:
             w, h = im.size
+    except Image.UnidentifiedImageError:  # (its text names the file object: a descriptor number, an address)
+        return f"unreadable {fmt} header (UnidentifiedImageError: cannot identify image file)"
     except Exception as e:  # PIL raises many kinds for broken headers
         return f"unreadable {fmt} header ({type(e).__name__}: {str(e)[:80]})"
     finally:
@@ -304,6 +321,8 @@ class Verdicts:
 
     def add(self, keys: np.ndarray, sizes, mtimes, max_pixels: int, levels, reasons: list[str | None]) -> None:
         """Record these verdicts (a file's new verdict replaces its old one)."""
+        if not len(keys):
+            return
         table = {r: i for i, r in enumerate(self.reasons)}
         idx = np.array([-1 if r is None else table.setdefault(r, len(table)) for r in reasons], dtype=np.int32)
         self.reasons = list(table)
@@ -476,7 +495,9 @@ def scan(paths, mode: str, *, max_pixels: int, num_threads: int = 1, cache_path:
     for p, why in zip(todo_paths, reasons):
         if why:
             result.bad[p] = why
-    cache.add(keys[todo], sizes[todo], mtimes[todo], max_pixels, levels, reasons)
+    kept = np.array([not environmental(r) for r in reasons], dtype=bool)
+    cache.add(keys[todo][kept], sizes[todo][kept], mtimes[todo][kept], max_pixels, np.asarray(levels)[kept],
+              [r for r, k in zip(reasons, kept) if k])
     cache.save(cache_path)
     return result
 

@@ -79,15 +79,16 @@ class Table:
         return not len(self)
 
 
-def read_table(tsv: Path | str) -> Table:
-    """Load the TSV as strings, tolerating a BOM, CRLF, padding spaces, blank lines and trailing tabs.
+def read_table(tsv: Path | str, raw: bytes | None = None) -> Table:
+    """Load the TSV as strings, tolerating a BOM, CRLF, padding spaces, blank lines and trailing tabs. `raw`: the
+    file's bytes where the caller read them already (and keys a cache by them: the same bytes are parsed).
 
     The standard library's csv reader, not pandas: pandas costs over a second to import, which a data
     mistake should not wait for (the CLI reads the manifest before torch and Lightning load), and with
     one field more than the header on the first row it silently takes the first column as the index.
     """
     try:
-        raw = Path(tsv).read_bytes()
+        raw = Path(tsv).read_bytes() if raw is None else raw
     except FileNotFoundError:
         raise ManifestError(f"{tsv}: no such manifest. Put a {MANIFEST_NAME} with an 'image_path' "
                             "column at the dataset root, or pass the right --data.") from None

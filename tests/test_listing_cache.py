@@ -143,3 +143,34 @@ def test_the_kept_digest_is_the_computed_one_and_follows_a_relinked_folder_the_s
     assert short.without({str(short.train.paths[0])}).known_digest is None
     assert relinked.without(set()).known_digest == relinked.known_digest  # (the scan found nothing bad)
     assert relinked.without({str(relinked.train.paths[0])}).known_digest is None
+
+
+def test_the_text_kept_is_that_of_the_bytes_its_key_was_made_of_and_a_kept_digest_must_look_like_one(
+        tmp_path, monkeypatch):
+    """dataset.tsv rewritten between the read that makes the key and the parse: what is kept under the key is the
+    parse of those first bytes (before: of the new file's, so the old bytes later read as the new rows, with their
+    digest). A kept digest of the right key that is no 16 hex digits ('', a word) is computed again."""
+    import json
+
+    import dali_pipe.manifest as manifest
+
+    root, cache = _dataset(tmp_path / "d"), tmp_path / "cache"
+    old = (root / "dataset.tsv").read_bytes()
+    parse = manifest.read_table
+
+    def rewritten_meanwhile(tsv, raw=None):
+        _dataset(root, n=90)
+        return parse(tsv, raw)
+
+    monkeypatch.setattr(manifest, "read_table", rewritten_meanwhile)
+    _read(root, cache)
+    monkeypatch.setattr(manifest, "read_table", parse)
+    (root / "dataset.tsv").write_bytes(old)
+    _same(_read(root, cache), read_manifest(root, val_fraction=0.25, seed=1, skip_missing=False))
+
+    (digest,) = (cache / listing_cache.FOLDER).glob("*.digest.json")
+    kept = json.loads(digest.read_text())
+    for bad in ("", "not hex at all!", kept["digest"].upper()):
+        digest.write_text(json.dumps({**kept, "digest": bad}))
+        m = _read(root, cache)
+        assert m.digest() == _digest_now(m)

@@ -207,6 +207,16 @@ def test_nothing_to_do_only_over_a_pack_whose_bytes_match(odd_pack, odd_root, tm
     assert json.loads((dst / "packed.json").read_text()) == json.loads((odd_pack / "packed.json").read_text())
 
 
+def test_a_pack_killed_before_its_first_shard_leaves_no_temporary_file(photo_root, tmp_path, cache_dir):
+    """SIGKILL before the first shard is finished leaves its temporary file and no progress file; the rerun
+    removes it (a dead writer's), and DST holds the pack and nothing else."""
+    dst = tmp_path / "p"
+    dst.mkdir()
+    (dst / ".train-000000.tar.tmp-999999999").write_bytes(b"x" * 1000)
+    _pack(photo_root, dst)
+    assert {f.name for f in dst.iterdir()} == _pack_files(dst)
+
+
 def test_other_settings_on_an_unfinished_pack_are_refused(photo_root, tmp_path, cache_dir):
     from dali_pipe.pack import PROGRESS_NAME, PackError
 

@@ -125,6 +125,38 @@ def test_scan_cache_rescans_only_what_changed(corpus, tmp_path):
     assert scan(files, "full", max_pixels=MAX_PIXELS, cache_path=fast_cache, progress=False).decoded > 0
 
 
+def test_a_verdict_about_the_files_place_is_not_kept_and_reasons_name_no_descriptor(photo_root, tmp_path):
+    """A file gone between the listing and its check is unreadable now, not for good: back in place with the same
+    size and mtime (rsync -a, cp -p), the next scan checks it again (the cache kept the verdict before). A link
+    to a socket is named as such, not as a dangling link; PIL's 'cannot identify' names no file object (its
+    descriptor number made the serial and parallel scans' reasons differ)."""
+    import os
+    import shutil
+    import socket
+
+    src = next(photo_root.glob("*/*.jpg"))
+    f = tmp_path / "a.jpg"
+    shutil.copy2(src, f)
+    st = os.stat(f)
+    stats = ([st.st_size], [st.st_mtime_ns])
+    cache = tmp_path / "cache.npz"
+    f.rename(tmp_path / "away.jpg")
+    gone = scan([str(f)], "fast", max_pixels=MAX_PIXELS, cache_path=cache, progress=False, stats=stats)
+    assert gone.bad[str(f)] == "unreadable (No such file or directory)"
+    (tmp_path / "away.jpg").rename(f)  # back, the same size and mtime
+    back = scan([str(f)], "fast", max_pixels=MAX_PIXELS, cache_path=cache, progress=False, stats=stats)
+    assert back.bad == {} and back.checked == 1
+
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.bind(str(tmp_path / "sock"))
+        os.symlink(tmp_path / "sock", tmp_path / "to-sock.jpg")
+        assert check_header(str(tmp_path / "to-sock.jpg"), MAX_PIXELS) == "not a regular file (a FIFO, socket or device)"
+    odd = tmp_path / "odd.jpg"
+    odd.write_bytes(b"\xff\xd8\xff" + b"\x00" * 200 + b"\xff\xd9")
+    assert check_header(str(odd), MAX_PIXELS) == \
+        "unreadable JPEG header (UnidentifiedImageError: cannot identify image file)"
+
+
 def test_too_many_bad_files_abort_with_pointer_to_report(corpus, tmp_path, cache_dir):
     from dali_pipe.dataset import ScanError
 

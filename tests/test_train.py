@@ -332,7 +332,7 @@ def test_train_reads_the_manifest_once_and_hands_it_to_the_command(photo_root, t
 
     reads, seen = [], {}
     real = manifest_module.read_table
-    monkeypatch.setattr(manifest_module, "read_table", lambda tsv: reads.append(tsv) or real(tsv))
+    monkeypatch.setattr(manifest_module, "read_table", lambda tsv, raw=None: reads.append(tsv) or real(tsv, raw))
     monkeypatch.setattr(fit, "run", lambda s, manifest=None, style="flag", **kw: seen.update(manifest=manifest) or {})
     train.main(["--data", str(photo_root), "--model", "tiny", "--output", str(tmp_path / "o"), "--device", "cpu"])
     assert reads == [photo_root / "dataset.tsv"]

@@ -139,6 +139,8 @@ def check_bytes(data: bytes, max_pixels: int) -> str | None:
     """The fast checks on an image held in memory (a shard member). Returns the reason, or None."""
     from PIL import Image
 
+    if hasattr(data, "reason"):  # a member too large to read (shards.format.Oversized)
+        return data.reason()
     if not data:
         return "empty file"
     return _check(data[:64], data[-64:], lambda: Image.open(io.BytesIO(data)), max_pixels)

@@ -515,3 +515,92 @@ def test_https_shards_through_faults_each_sample_once(photo_root, http_root, tmp
         HttpFetcher().fetch(Remote(signed, s.shards[0].size, "0" * 64), tmp_path / "copy" / local_name(signed))
     shown = str(err.value) + capsys.readouterr().err + s.shards[0].name
     assert "secret" not in shown and not [p for p in tmp_path.rglob("*") if "secret" in p.name], shown
+
+
+def test_a_member_bomb_is_listed_bad_unread_in_bounded_memory(photo_root, tmp_path):
+    """A 3 MB .tar.gz holding a 600 MiB member: the member is
+    listed bad, never read into memory (peak RSS of the process well under the member), the other samples kept.
+    Before, the indexer read each member whole: 1.5 GiB took 5.2 GB of RAM before the scan said "not an image"."""
+    import gzip
+    import io
+    import subprocess
+    import sys
+    import tarfile
+
+    big = 600 << 20
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.USTAR_FORMAT) as tar:
+        for s in _photo_samples(photo_root, range(5)):
+            for ext in ("jpg", "cls"):
+                data = s[ext] if ext == "jpg" else str(s[ext]).encode()
+                info = tarfile.TarInfo(f"{s['__key__']}.{ext}")
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+        info = tarfile.TarInfo("bomb.jpg")
+        info.size = big
+        tar.addfile(info, io.BytesIO(bytes(big)))
+        info = tarfile.TarInfo("bomb.cls")
+        info.size = 1
+        tar.addfile(info, io.BytesIO(b"1"))
+    gz = tmp_path / "bomb.tar.gz"
+    with open(gz, "wb") as f:
+        f.write(gzip.compress(buf.getvalue(), compresslevel=1))
+    del buf
+    assert gz.stat().st_size < 4 << 20
+    code = ("import json, resource, sys; from dali_pipe.config import DataSettings; "
+            "from dali_pipe.shards.source import open_shards; "
+            f"s = open_shards(DataSettings(data={str(gz)!r}, cache_dir={str(tmp_path / 'cache')!r}, max_bad_fraction=0.5)); "
+            "print(json.dumps({'kept': len(s.train) + len(s.val), 'bad': [r for _, _, r in s.bad], "
+            "'rss': int(open('/proc/self/status').read().split('VmHWM:')[1].split()[0]) // 1024}))")  # (of this
+    # program alone: ru_maxrss would count the 600 MiB this test held when it started the child)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          cwd=Path(__file__).resolve().parents[1])
+    assert done.returncode == 0, done.stderr[-2000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert got["kept"] == 5 and got["bad"] == ["a member of 629145600 bytes, over the 256 MiB a member may hold "
+                                               "(not read)"], got
+    assert got["rss"] < 450, got  # MB: the member alone is 600
+
+
+def test_an_https_shard_whose_body_never_ends_stops_at_its_deadline(tmp_path):
+    """A server that sends a tar header claiming a 6 GiB member and then bytes forever, without a length: the
+    indexing stops at its deadline, once (no retry would end sooner), naming the shard and why, in bounded time
+    (before: it hung for good)."""
+    import tarfile
+    import threading
+    import time
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from dali_pipe.shards import source
+
+    class Endless(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"  # (chunked bodies are HTTP/1.1's)
+
+        def do_GET(self):
+            self.send_response(200)
+            self.send_header("Transfer-Encoding", "chunked")
+            self.end_headers()
+            info = tarfile.TarInfo("x.jpg")
+            info.size = 6 << 30
+            chunks = [info.tobuf(tarfile.USTAR_FORMAT)] + [b"\xff" * 65536] * 10**6
+            try:
+                for chunk in chunks:
+                    self.wfile.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+                    time.sleep(0.01)
+            except OSError:  # the client gave up
+                pass
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Endless)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}/shard.tar"
+    try:
+        start = time.monotonic()
+        with pytest.raises(ShardSourceError, match=r"indexing .*shard.tar.*no complete copy within its deadline \(2 s\)"):
+            source._read_source(source._Listed("shard.tar", url, "x", None), source._Collector("fast", 10**8, 1),
+                                deadline_s=2)
+        assert time.monotonic() - start < 10
+    finally:
+        server.shutdown()

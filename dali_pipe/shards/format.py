@@ -57,6 +57,28 @@ META_EXT = "json"
 CLS_MAX_BYTES = 9  # the widest .cls today's DALI reader parses (an int32 holds any 9-digit index)
 FAST_SUM = "xxh3_128"  # packed.json's key of a shard's fast checksum (xxHash's XXH3, 128 bits), beside its sha256
 KEY_MAX = 90  # longest key: KEY.json still fits a plain (ustar) tar name without a prefix field
+MEMBER_MAX = 256 << 20  # a member larger than this (bytes) is listed bad and never read into memory
+
+
+class Oversized(bytes):
+    """Stands for a member over MEMBER_MAX that was not read (empty bytes, with the member's size): a tar header
+    claiming 8 GiB, or a 1.5 GiB member of a 1.5 MB .tar.gz, took 5.2 GB of RAM and a minute before the scan
+    called it "not an image"."""
+
+    size: int
+
+    def __new__(cls, size: int):
+        self = super().__new__(cls)
+        self.size = size
+        return self
+
+    def reason(self) -> str:
+        return f"a member of {self.size} bytes, over the {MEMBER_MAX >> 20} MiB a member may hold (not read)"
+
+
+def member_bytes(read, size: int, max_member: int = MEMBER_MAX) -> bytes:
+    """`read(size)` of a member, or Oversized(size) unread where it is larger than `max_member`."""
+    return Oversized(size) if size > max_member else read(size)
 
 
 class IndexFormatError(ValueError):
@@ -147,6 +169,8 @@ def cls_problem(raw: bytes | None) -> str | None:
     (pipeline.py) reads at most CLS_MAX_BYTES and no leading whitespace."""
     if raw is None:
         return "no .cls member (the class index)"
+    if isinstance(raw, Oversized):
+        return f"cls: {raw.reason()}"
     try:
         parse_cls(raw)
     except LabelFormatError:
@@ -383,13 +407,14 @@ class IndexedTar:
     duplicates: dict[int, str]  # entry position -> the member extension that appeared twice in it
 
 
-def index_tar(stream, on_member=None, wanted=lambda ext: True, copy_to=None) -> IndexedTar:
+def index_tar(stream, on_member=None, wanted=lambda ext: True, copy_to=None, max_member: int = MEMBER_MAX) -> IndexedTar:
     """Index a tar read once from `stream` (a local file, an S3 or HTTP body, or a Gunzip of one), as
     DALI's `wds2idx` does: regular files only, consecutive members with the same key make one sample,
     names whose last segment has no dot or starts with one are skipped. `on_member(position, key, ext,
-    data)` sees every member: its bytes as they pass when its extension is `wanted`, else None (the bytes
-    skipped unread). Every byte of the stream is written to `copy_to` (a binary file) when given.
-    Returns the entries with the size, sha256 and fast checksum of the whole stream."""
+    data)` sees every member: its bytes as they pass when its extension is `wanted` (Oversized, unread, above
+    `max_member` bytes), else None (the bytes skipped unread). Memory stays bounded by `max_member` whatever the
+    stream holds: skipped bytes stream through in blocks. Every byte of the stream is written to `copy_to` (a
+    binary file) when given. Returns the entries with the size, sha256 and fast checksum of the whole stream."""
     src = _Hashing(stream, copy_to)
     entries: list[IndexEntry] = []
     duplicates: dict[int, str] = {}
@@ -409,7 +434,8 @@ def index_tar(stream, on_member=None, wanted=lambda ext: True, copy_to=None) -> 
                 else:
                     members[ext] = (m.offset_data, m.size)
                 if on_member is not None:
-                    on_member(len(entries) - 1, key, ext, tar.extractfile(m).read() if wanted(ext) else None)
+                    data = member_bytes(tar.extractfile(m).read, m.size, max_member) if wanted(ext) else None
+                    on_member(len(entries) - 1, key, ext, data)
         src.drain()
     except (tarfile.TarError, EOFError) as e:
         raise TarFormatError(f"not a readable tar ({type(e).__name__}: {str(e)[:100]})") from None

@@ -47,6 +47,7 @@ import re
 import shutil
 import sys
 import tarfile
+import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -67,13 +68,13 @@ from ..forms import (
     split_of,
     url_problem,
 )
-from ..https import HttpError, head, is_http, open_stream, read_small, shown
+from ..https import HttpError, Stopped, head, is_http, open_stream, read_small, shown
 from ..pipeline import Shards
 from ..scan import DaliDecoder, ScanResult, check_bytes
 from ..sync import SyncError, explain, local_target, make_client, parse_s3_uri, read_object
 from ..tsv import row as tsv_row
 from ..workdir import human_bytes, remove_dead_temps
-from .cache import HEADROOM, Verdicts, check_file, fetch, is_remote, verdict_key
+from .cache import ATTEMPT_DEADLINE, HEADROOM, MIN_RATE, Verdicts, check_file, fetch, is_remote, verdict_key
 from .format import (
     FAST_SUM,
     IMAGE_EXTS,
@@ -94,6 +95,7 @@ from .format import (
     json_image_path,
     json_label,
     label_member,
+    member_bytes,
     meta_member,
     parse_cls,
     parse_packed,
@@ -608,7 +610,7 @@ def _read_members(path: str, entries: list[IndexEntry], collector: _Collector, i
                                                f"{'not a tar member' if named is None else repr(named[0])}, the index "
                                                f"names {e.key}.{ext}")
                         continue
-                    collector.member(pos, e.key, ext, f.read(size) if images or ext != img else b"")
+                    collector.member(pos, e.key, ext, member_bytes(f.read, size) if images or ext != img else b"")
 
 
 def cache_file(cache_dir: Path, identity: str, suffix: str) -> Path:
@@ -929,18 +931,22 @@ def _index_peer(item: _Listed, cache_dir: Path, level: str, max_pixels: int, num
     return {**meta, "index": str(idx), "path": str(item.copy or item.path)}
 
 
-def _read_source(item: _Listed, collector: _Collector):
+def _read_source(item: _Listed, collector: _Collector, deadline_s: float | None = None):
     """(the index of the shard read once from its source, the bytes read from it), decompressed into its
     copy on the way for a gzipped one. An S3 or HTTP stream cut or short is read again from the start
-    (S3_ATTEMPTS in all); nothing of it is stored but the copy."""
+    (S3_ATTEMPTS in all); nothing of it is stored but the copy. An HTTP body is read within `deadline_s`
+    (default: an attempt's deadline, ATTEMPT_DEADLINE plus its size at MIN_RATE), once: a body that never ends
+    hung the indexing for good."""
     from botocore.exceptions import BotoCoreError, ClientError
 
     attempts = S3_ATTEMPTS if is_remote(item.path) else 1
+    if deadline_s is None:
+        deadline_s = ATTEMPT_DEADLINE + (item.size or 0) / MIN_RATE
     for attempt in range(attempts):
         last = attempt + 1 == attempts
         collector.reset()
         try:
-            with _open_source(item) as raw:
+            with _open_source(item, time.monotonic() + deadline_s) as raw:
                 counted = Counting(raw)
                 indexed = _index_stream(counted, item, collector)
             if item.size is None or counted.n == item.size or last:
@@ -952,6 +958,9 @@ def _read_source(item: _Listed, collector: _Collector):
             if last:
                 bucket, key = parse_s3_uri(item.path)
                 raise SyncError(f"indexing {item.name}: {explain(e, bucket, key)}") from None
+        except Stopped as e:  # past its deadline: another attempt would take as long
+            raise ShardSourceError(f"indexing {e} ({deadline_s:.0f} s); a shard's server must send it whole within "
+                                   "that, and end it") from None
         except HttpError as e:
             if e.status is not None or last:
                 raise ShardSourceError(f"indexing {e}") from None
@@ -961,7 +970,7 @@ def _read_source(item: _Listed, collector: _Collector):
 
 
 @contextmanager
-def _open_source(item: _Listed):
+def _open_source(item: _Listed, deadline: float | None = None):
     if item.path.startswith("s3://"):
         bucket, key = parse_s3_uri(item.path)
         body = make_client(1).get_object(Bucket=bucket, Key=key)["Body"]
@@ -970,7 +979,7 @@ def _open_source(item: _Listed):
         finally:
             body.close()
     elif is_http(item.path):
-        body, _, _ = open_stream(item.path)
+        body, _, _ = open_stream(item.path, deadline=deadline)
         with body:
             yield body
     else:

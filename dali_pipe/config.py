@@ -456,7 +456,12 @@ def _tolerant(conv, expected: str):
 
 class _Parser(argparse.ArgumentParser):
     """argparse that raises UsageError (one clear message; exit 2 in the CLI, output/failure under
-    SageMaker) instead of exiting from deep inside the parser."""
+    SageMaker) instead of exiting from deep inside the parser. Flags are named whole: argparse's abbreviations
+    took `--epoch 3` as `--epochs 3` without a word (its subcommands' parsers are of this class too)."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str):
         raise UsageError(f"{message} (see {self.prog} --help)")
@@ -478,19 +483,11 @@ class _Parser(argparse.ArgumentParser):
                 out.extend(args[i:])
                 break
             after = args[i + 1] if i + 1 < len(args) else None
-            full = tok if tok in longs else _unique_prefix(tok, longs) if self.allow_abbrev else None
+            full = tok if tok in longs else None
             if full in switches and after and not after.startswith("-") and not _is_bool_word(after):
                 tok = f"{full}=true"
             out.append(tok)
         return super().parse_known_args(out, namespace)
-
-
-def _unique_prefix(tok: str, longs: list[str]) -> str | None:
-    """The one long flag `tok` abbreviates (argparse's allow_abbrev), else None."""
-    if not tok.startswith("--") or "=" in tok:
-        return None
-    found = [s for s in longs if s.startswith(tok)]
-    return found[0] if len(found) == 1 else None
 
 
 def _is_bool_word(s: str) -> bool:

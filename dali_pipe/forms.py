@@ -135,6 +135,11 @@ def pair_val(dirs: set[str], where: str) -> str | None:
     ImageFolder of classes, the split names trained as classes, exit 0."""
     val = next((d for d in ("val", "validation") if d in dirs), None)
     if "train" not in dirs or val is None:
+        splits = sorted(d for d in dirs if d.lower() in SHARD_FOLDERS)
+        if len(splits) >= 2:  # train/ + test/, Train/ + Val/, train/ + valid/: split folders, never classes
+            raise LayoutError(f"{where!r} holds the split folders {', '.join(f'{d}/' for d in splits)}, but not "
+                              "ImageNet's layout, train/ and val/ (or validation/), lower case, of class folders; "
+                              "rename them so, or write a dataset.tsv with a split column")
         return None
     extra = sorted(dirs - set(PAIR) - PAIR_ALSO)
     if {"val", "validation"} <= dirs:
@@ -159,7 +164,11 @@ def pair_folders(root: Path) -> dict[str, Path] | None:
     if val is None:
         return None
     folders = {"train": root / "train", "val": root / val}
-    return folders if all(find_classes(p) for p in folders.values()) else None
+    flat = [name for name, p in folders.items() if not find_classes(p)]
+    if flat:
+        raise LayoutError(f"{str(root)!r} holds train/ and {val}/, but {', '.join(f'{folders[n].name}/' for n in flat)} "
+                          "holds no class folders: ImageNet's layout is train/CLASS/*.jpg and val/CLASS/*.jpg")
+    return folders
 
 
 def parquet_files(root: Path) -> list[str]:
@@ -225,11 +234,24 @@ def local_form(path: Path) -> str | None:
 
 
 def _has_class_with_image(root: Path) -> bool:
-    """Whether a class folder of root holds an image at any depth (a quick look: it stops at the first)."""
+    """Whether a class folder of root holds an image at any depth (a quick look: it stops at the first). Each
+    folder is looked into once: os.walk(followlinks=True) went round two links to "." about 2**40 times."""
+    seen: set[tuple[int, int]] = set()
     for c in find_classes(root):
-        for _, _, files in os.walk(root / c, followlinks=True):
-            if any(is_image_name(f) for f in files):
+        todo = [root / c]
+        while todo:
+            folder = todo.pop()
+            try:
+                st = os.stat(folder)
+                if (st.st_dev, st.st_ino) in seen:
+                    continue
+                seen.add((st.st_dev, st.st_ino))
+                entries = list(os.scandir(folder))
+            except OSError:
+                continue
+            if any(is_image_name(e.name) and not _is_dir(e) for e in entries):
                 return True
+            todo += [Path(e.path) for e in entries if _is_dir(e)]
     return False
 
 

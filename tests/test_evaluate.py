@@ -92,6 +92,9 @@ def test_the_models_own_folder_as_output_is_refused_and_its_records_are_kept(tra
             main([command, "--model", str(model), "--data", str(photo_root), "--device", "cpu", "--output",
                   str(output)])
     assert {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in model.iterdir() if p.is_file()} == before
+    other = copy_trained(trained, tmp_path / "other")  # another model's folder as --output: refused as well
+    with pytest.raises(UserError, match=rf"{command}: --output .*other holds a trained model"):
+        main([command, "--model", str(model), "--data", str(photo_root), "--device", "cpu", "--output", str(other)])
 
 
 def test_cli_errors_are_one_line(tmp_path):

@@ -169,6 +169,23 @@ def test_folders_that_are_not_data_are_refused_by_name(photo_root, tmp_path):
             train.main(["--data", str(root), "--model", "tiny", "--device", "cpu", "--output", str(tmp_path / "o")])
         shutil.rmtree(root / sibling)
 
+    shutil.rmtree(root / "test")
+    for rename, told in ((("val", "test"), r"holds the split folders test/, train/, but not ImageNet's layout"),
+                         (("val", "Val"), r"holds the split folders Val/, train/, but not"),
+                         (("val", "valid"), r"holds the split folders train/, valid/, but not")):
+        (root / rename[0]).rename(root / rename[1])
+        with pytest.raises(LayoutError, match=told):
+            read_image_folder(root, val_fraction=0.5, seed=0)
+        (root / rename[1]).rename(root / rename[0])
+    flat = tmp_path / "flat"  # train/CLASS/ beside a val/ of images without class folders
+    _pair(photo_root, flat)
+    for f in list((flat / "val").rglob("*.jpg")):
+        f.rename(flat / "val" / f.name)
+    for d in [d for d in (flat / "val").iterdir() if d.is_dir()]:
+        d.rmdir()
+    with pytest.raises(LayoutError, match=r"holds train/ and val/, but val/ holds no class folders"):
+        read_image_folder(flat, val_fraction=0.5, seed=0)
+
     cls = next((root / "train").iterdir())
     os.symlink("..", cls / "loop")  # train/CLASS/loop -> train/
     with pytest.raises(ImageFolderError, match=rf"{cls}/loop/{cls.name} is {cls} again, one of its own parents"):

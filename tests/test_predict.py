@@ -73,3 +73,16 @@ def test_predict_one_image_a_list_file_and_shards_without_labels(trained, photo_
     assert sorted(shards) == [x["__key__"] for x in wds.WebDataset(str(tmp_path / "laion-000000.tar"),
                                                                   shardshuffle=False)]
     assert one["a.jpg"] == listed["a.jpg"] == shards["000000000"]
+
+
+def test_predict_labels_every_image_of_a_folder_training_would_refuse(trained, photo_root, tmp_path, cache_dir):
+    """train/ and val/ with a holdout/ beside them is no dataset for training (it is refused, naming holdout/),
+    but predict never splits: it labels every image under the folder."""
+    photo = next(photo_root.glob("*/*.jpg"))
+    for rel in ("train/a/x.jpg", "val/a/y.jpg", "holdout/z.jpg"):
+        (tmp_path / "d" / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(photo, tmp_path / "d" / rel)
+    assert main(["predict", "--model", str(trained), "--data", str(tmp_path / "d"), "--device", "cpu", "--output",
+                 str(tmp_path / "p")]) == 0
+    rows = (tmp_path / "p" / "predictions.tsv").read_text().splitlines()[1:]
+    assert sorted(r.split("\t")[0] for r in rows) == ["holdout/z.jpg", "train/a/x.jpg", "val/a/y.jpg"]

@@ -77,9 +77,9 @@ def run_fingerprint(s: Settings, data_side: dict) -> dict:
 
 
 def _own_folder(ckpt_dir: Path, out: Path) -> bool:
-    """--checkpoint-dir lies outside OUT (the default, OUT/checkpoints, is held with OUT)."""
-    c, o = ckpt_dir.resolve(), out.resolve()
-    return c != o and o not in c.parents
+    """--checkpoint-dir is not OUT itself: it is held on its own, also where it lies inside OUT (the default,
+    OUT/checkpoints), so that another run whose --checkpoint-dir names this run's finds it held."""
+    return ckpt_dir.resolve() != out.resolve()
 
 
 def hold_out(out: Path, ckpt_dir: Path) -> None:

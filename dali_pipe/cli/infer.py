@@ -4,6 +4,8 @@ from __future__ import annotations
 from contextlib import nullcontext
 from pathlib import Path
 
+from model.files import read_record
+
 from ..config import Settings, resolve
 from ..errors import UserError
 from .noise import quiet_known_noise
@@ -17,6 +19,9 @@ def check_output(command: str, output: str, model: str | None) -> None:
         raise UserError(f"{command}: --output {output} is the model's folder (--model {model}), whose metrics.json "
                         f"and bad_images.tsv are training's records; pass another --output, such as "
                         f"{Path(model) / command}")
+    if read_record(Path(output)) is not None:  # another trained model's folder
+        raise UserError(f"{command}: --output {output} holds a trained model (its metrics.json is training's "
+                        f"record); pass another --output, such as {Path(output) / command}")
 
 
 def prepared(s: Settings, output: str) -> Settings:

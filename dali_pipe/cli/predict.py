@@ -16,7 +16,7 @@ from .. import sync as s3
 from ..config import Settings, SyncSettings
 from ..datamodule import DaliDataModule
 from ..errors import UserError
-from ..forms import IMG_EXTENSIONS
+from ..forms import IMG_EXTENSIONS, LayoutError
 from ..imagefolder import sync_image_folder
 from ..manifest import MANIFEST_NAME, PathResolver, Sample, read_table, safe_relpath
 from ..scan import CACHE_NAME, scan, sniff, write_report
@@ -117,7 +117,11 @@ def run(s: Settings) -> dict:
     model = load_trained(s.model.model)
     dm = DaliDataModule(s.data, s.pipeline, ImageSpec.from_processor(load_processor(s.model.model)), out)
 
-    if source_kind(s.data.data, s.data.cache_dir) in SHARD_KINDS:
+    try:
+        kind = source_kind(s.data.data, s.data.cache_dir)
+    except LayoutError:  # a folder whose split folders training would refuse: predict labels every image in it
+        kind = "files"
+    if kind in SHARD_KINDS:
         dm.labels = False  # shards without cls (img2dataset, LAION) are labelled too
         return _predict_shards(s, dm, model, out)
     root, rels = list_images(s.data.data, s.data.cache_dir)

@@ -414,6 +414,30 @@ def test_second_run_on_the_same_checkpoint_dir_stops_naming_the_holder_and_lets_
     unlock(tmp_path / "out2")
 
 
+def test_a_run_holds_its_default_checkpoint_dir_inside_out_too(tmp_path, cache_dir):
+    """OUT/checkpoints (the default) is held on its own as well as OUT: a run whose --checkpoint-dir names another
+    run's OUT/checkpoints finds it held (it exited 0 and wrote its last.ckpt there)."""
+    import fcntl
+    import os
+
+    from dali_pipe.cli.finished import hold_out, release
+    from dali_pipe.workdir import lock_path
+
+    out = tmp_path / "A"
+    hold_out(out, out / "checkpoints")
+    try:
+        for held in (out, out / "checkpoints"):
+            fd = os.open(lock_path(held), os.O_RDWR)
+            try:
+                with pytest.raises(BlockingIOError):
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            finally:
+                os.close(fd)
+    finally:
+        release(out, out / "checkpoints")
+    assert not lock_path(out / "checkpoints").exists() and not lock_path(out).exists()
+
+
 def test_unusable_outputs_get_one_clear_error(photo_root, tmp_path, monkeypatch):
     from dali_pipe.cli import fit
     from dali_pipe.workdir import OutputError

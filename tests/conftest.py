@@ -1,10 +1,18 @@
 """Shared fixtures: small real-photo datasets in the seed's layout, and the GPU marker."""
 from __future__ import annotations
 
+import signal
 import sys
 from pathlib import Path
 
 import pytest
+
+# Tests send SIGINT (Ctrl-C) to the commands they start. A suite started with SIGINT ignored (a background job of
+# a non-interactive shell: `cmd &` in a script, nohup in CI) would pass that on to every child, where Python then
+# never raises KeyboardInterrupt, as a command started so should; the suite's own children are started as from a
+# terminal.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 ROOT = Path(__file__).resolve().parents[1]
 for path in (ROOT, ROOT / "tests", ROOT / "tools"):

@@ -320,6 +320,11 @@ def test_an_s3_pack_killed_during_its_upload_finishes_on_rerun(photo_root, s3, t
             _pack(photo_root, "s3://data/packed", "--workers", "1", "--shard-size", "150kB")
     finally:
         pack_cli.make_client = real
+    from dali_pipe.forms import UnfinishedPackError
+    from dali_pipe.shards.source import source_kind
+
+    with pytest.raises(UnfinishedPackError, match=r"is a pack whose upload was stopped .*rerun the pack command"):
+        source_kind("s3://data/packed", str(tmp_path / "another-cache"))  # (before: its shards so far trained)
     _pack(photo_root, "s3://data/packed", "--workers", "1", "--shard-size", "150kB")
     meta = json.loads(client.get_object(Bucket="data", Key="packed/packed.json")["Body"].read())
     names = {n for sp in meta["splits"].values() for s in sp["shards"] for n in (s["name"], s["index"])}

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from ..config import Settings, SyncSettings, cores, resolve
 from ..dataset import missing_reasons, prepare
-from ..forms import form_problem, forms_text
+from ..forms import PROGRESS_NAME, form_problem, forms_text
 from ..https import is_http
 from ..manifest import Manifest
 from ..pack import PackError, finished, pack_manifest, pack_settings, pack_shards, read_progress, same_pack
@@ -59,6 +59,10 @@ def upload(local: Path, uri: str, *, workers: int, previous: dict | None = None)
             client.delete_object(Bucket=bucket, Key=base + PACKED_NAME)
     except (BotoCoreError, ClientError) as e:
         raise SyncError(f"replacing the pack at {uri}: {explain(e, bucket, base + PACKED_NAME)}") from None
+    try:  # until packed.json lands, the prefix says it is a pack being uploaded (forms.unfinished_pack's S3 twin)
+        client.put_object(Bucket=bucket, Key=base + PROGRESS_NAME, Body=b'{"uploading": true}\n')
+    except (BotoCoreError, ClientError) as e:
+        raise SyncError(f"uploading the pack to {uri}: {explain(e, bucket, base + PROGRESS_NAME)}") from None
     remote = list_objects(client, bucket, base)
     config = TransferConfig(multipart_threshold=8 << 20, multipart_chunksize=8 << 20, max_concurrency=workers)
     sent = 0
@@ -88,7 +92,18 @@ def upload(local: Path, uri: str, *, workers: int, previous: dict | None = None)
             except (BotoCoreError, ClientError) as e:
                 raise SyncError(f"removing {name} of the replaced pack: {explain(e, bucket, base + name)}") from None
         (local / REPLACED).unlink(missing_ok=True)
+    unmark(client, bucket, base)
     return sent
+
+
+def unmark(client, bucket: str, base: str) -> None:
+    """Remove the upload's marker (packed.json is there: the pack is whole)."""
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    try:
+        client.delete_object(Bucket=bucket, Key=base + PROGRESS_NAME)
+    except (BotoCoreError, ClientError) as e:
+        raise SyncError(f"finishing the upload: {explain(e, bucket, base + PROGRESS_NAME)} (rerun to finish)") from None
 
 
 def remote_pack(uri: str) -> dict | None:
@@ -191,6 +206,8 @@ def _run(s: Settings, staging: Path, manifest: Manifest | None = None) -> dict:
                 staged = None
             if staged is None and previous is not None and same_pack(previous, settings) and remote_complete(
                     dst, previous):
+                bucket, prefix = parse_s3_uri(dst)
+                unmark(make_client(1), bucket, f"{prefix}/" if prefix else "")  # (a kill just after packed.json)
                 _clear(staging)
                 print(f"pack: {dst} already holds this pack ({_counts(previous)}); nothing to do", file=sys.stderr)
                 return {"done_before": True}

@@ -59,8 +59,10 @@ from braceexpand import UnbalancedBracesError, braceexpand
 from ..config import DataSettings
 from ..errors import UserError
 from ..forms import (
+    PROGRESS_NAME,
     SHARD_FOLDERS,
     SHARD_SUFFIXES,
+    UnfinishedPackError,
     is_image_name,
     is_shard_name,
     local_form,
@@ -204,6 +206,10 @@ def _s3_kind(data: str, cache_dir: str | None) -> str:
     client = make_client(4)
     folders: list[str] = []
     names = _list_top(client, bucket, base, pages=1, folders=folders)  # one page: enough to tell
+    if PROGRESS_NAME in names:  # (sorted first: a dot)
+        raise UnfinishedPackError(f"{data!r} is a pack whose upload was stopped (its {PROGRESS_NAME} is there, its "
+                                  f"{PACKED_NAME} is not); rerun the pack command that wrote it, which finishes the "
+                                  "upload, or delete the prefix")
     if MANIFEST_NAME in names:
         return "files"
     if any(is_shard_name(n) for n in names):

@@ -99,13 +99,23 @@ class FileList:
 def file_list(files: np.ndarray, labels: np.ndarray, chunk: int = 100_000):
     """The open file list of `files` and `labels` (FileList's), or None where DALI's parser would misread a path:
     it splits each line at its last whitespace and trims what precedes it, so a name that ends in whitespace or
-    holds a line break cannot be listed; a name that is not UTF-8 (an object column) is not either. Those go to
-    `files=` as before. None also where /proc/self/fd does not exist (not Linux)."""
-    if files.dtype == object or not len(files) or not os.path.isdir("/proc/self/fd"):
+    holds a line break cannot be listed (those go to `files=`). A name that is not UTF-8 (an object column) is
+    written as its bytes, which DALI opens as they are (`files=` refuses such a name: "Unsupported argument type").
+    None also where /proc/self/fd does not exist (not Linux)."""
+    if not len(files) or not os.path.isdir("/proc/self/fd"):
         return None
+    handle = tempfile.TemporaryFile("w+", encoding="utf-8", errors="surrogateescape", prefix="dali-pipe-files-")
+    if files.dtype == object:
+        names = files.tolist()
+        if any(n != n.rstrip() or "\n" in n for n in names):
+            handle.close()
+            return None
+        handle.write("".join(f"{n} {int(label)}\n" for n, label in zip(names, labels.tolist())))
+        handle.flush()
+        return FileList(handle)
     if np.any(np.strings.rstrip(files) != files) or np.any(np.strings.find(files, "\n") >= 0):
+        handle.close()
         return None
-    handle = tempfile.TemporaryFile("w+", encoding="utf-8", prefix="dali-pipe-files-")
     text = labels.astype(np.int64).astype(str).astype(files.dtype)
     for i in range(0, len(files), chunk):  # in chunks: the lines of a million files at once are 0.1 GB more
         handle.write("".join(np.strings.add(np.strings.add(np.strings.add(files[i:i + chunk], " "),

@@ -398,7 +398,8 @@ def _labels_of(pipe, batches: int) -> list[list[int]]:
     return [np.asarray(pipe.run()[1].as_array()).reshape(-1).tolist() for _ in range(batches)]
 
 
-def test_a_file_list_reads_as_the_python_list_did_and_their_checkpoints_restore_into_each_other(photo_root, tmp_path):
+def test_a_file_list_reads_as_the_python_list_did_and_their_checkpoints_restore_into_each_other(photo_root, tmp_path,
+                                                                                                   monkeypatch):
     """DALI reads the files from a file list (FileList: no Python list of a million paths); a name with spaces
     reads, a name ending in whitespace falls back to `files=` (DALI's list parser would trim it); the stream over
     several epochs is the one `files=` gives, and a checkpoint taken with either restores into the other."""
@@ -406,6 +407,7 @@ def test_a_file_list_reads_as_the_python_list_did_and_their_checkpoints_restore_
     import os
     import shutil
 
+    import dali_pipe.pipeline as pipeline
     from dali_pipe.pipeline import FileList, file_list
 
     files, labels = _files(photo_root)
@@ -422,14 +424,19 @@ def test_a_file_list_reads_as_the_python_list_did_and_their_checkpoints_restore_
         return p
 
     a = pipe(as_list)
-    b = pipe(as_objects)
+    with monkeypatch.context() as m:  # the same files through `files=`, as before file lists
+        m.setattr(pipeline, "file_list", lambda *args: None)
+        b = pipe(as_objects)
     assert b"/proc/self/fd" in a.serialize() and b"/proc/self/fd" not in b.serialize()  # a list, and files=
     first_a, first_b = _labels_of(a, 9), _labels_of(b, 9)  # 72 samples: over an epoch of 49
     assert first_a == first_b and sorted(sum(first_a, [])[:49]) == sorted(labels)  # each file once an epoch
     ck_a, ck_b = a.checkpoint(), b.checkpoint()
     then = _labels_of(a, 9)
     assert _labels_of(b, 9) == then
-    assert _labels_of(pipe(as_objects, ck_a), 9) == then and _labels_of(pipe(as_list, ck_b), 9) == then
+    with monkeypatch.context() as m:
+        m.setattr(pipeline, "file_list", lambda *args: None)
+        from_b = pipe(as_objects, ck_a)
+    assert _labels_of(from_b, 9) == then and _labels_of(pipe(as_list, ck_b), 9) == then
 
     listed = file_list(np.array(files), np.array(labels))
     assert isinstance(listed, FileList) and os.readlink(listed.path).endswith("(deleted)")  # nothing left on disk
@@ -439,7 +446,7 @@ def test_a_file_list_reads_as_the_python_list_did_and_their_checkpoints_restore_
     trailing = tmp_path / "with space" / "ends in a space.jpg "
     shutil.copy(files[0], trailing)
     assert file_list(np.array(files + [str(trailing)]), np.array(labels + [0])) is None
-    assert file_list(np.array(files, dtype=object), np.array(labels)) is None
+    assert isinstance(file_list(np.array(files, dtype=object), np.array(labels)), FileList)  # (a name not UTF-8 too)
     c = pipe(Files(np.array(files + [str(trailing)]), np.array(labels + [0])))
     seen = sum(_labels_of(c, 7), [])  # 50 files in 7 batches of 8: each file once, the last batch padded
     assert sorted(seen[:50]) == sorted(labels + [0])
@@ -447,3 +454,19 @@ def test_a_file_list_reads_as_the_python_list_did_and_their_checkpoints_restore_
     del a, c
     gc.collect()
     assert len(set(os.listdir("/proc/self/fd"))) < len(fds)  # the pipelines' lists closed with them
+
+
+def test_a_name_that_is_not_utf8_is_read_through_the_file_list(photo_root, tmp_path):
+    """A file whose name's bytes are not UTF-8 (Python holds it with surrogate escapes, an object column) is read
+    through the file list as its bytes: `files=` refused it (DALI: "Unsupported argument type"), so training and
+    predict on such a folder stopped with a traceback."""
+    import os
+    import shutil
+
+    files, labels = _files(photo_root)
+    odd = os.fsdecode(os.fsencode(str(tmp_path)) + b"/caf\xe9.jpg")
+    shutil.copy(files[0], os.fsencode(odd))
+    source = Files(np.array(files[:7] + [odd], dtype=object), np.array(labels[:7] + [2]))
+    p = build_pipeline(source, SPEC, dataclasses.replace(_options(8, "cpu"), seed=1), training=False)
+    p.build()
+    assert sorted(np.asarray(p.run()[1].as_array()).reshape(-1).tolist()) == sorted(labels[:7] + [2])

@@ -114,6 +114,12 @@ def test_resume_after_kill_9_gives_the_same_pack(photo_root, tmp_path, cache_dir
 
     with pytest.raises(UnfinishedPackError, match=told):
         source_kind(str(dst))
+    from dali_pipe.config import DataSettings
+    from dali_pipe.shards.source import open_shards
+
+    for part in (dst / "train-000000.tar", str(dst / "train-{000000..000000}.tar")):  # one of its shards, a pattern
+        with pytest.raises(UnfinishedPackError, match=told):
+            open_shards(DataSettings(data=str(part), cache_dir=str(tmp_path / "c")))
     with pytest.raises(UsageError, match=told):
         train.main(["--data", str(dst), "--model", "tiny", "--device", "cpu", "--output", str(tmp_path / "o")])
     main(["pack", str(photo_root), str(dst), "--max-side", "100", "--shard-size", "40kB"])

@@ -68,6 +68,7 @@ from ..forms import (
     local_form,
     shard_files,
     split_of,
+    unfinished_pack,
     url_problem,
 )
 from ..https import HttpError, Stopped, head, is_http, open_stream, read_small, shown
@@ -726,6 +727,9 @@ def _list_local(data: str) -> _Found:
     else:
         folder = Path(data)
         paths, folders = shard_files(folder)
+    stopped = unfinished_pack(folder)  # (a shard or a pattern inside a stopped pack's folder names part of it)
+    if stopped:
+        raise UnfinishedPackError(stopped)
     dangling = [p for p in paths if p.is_symlink() and not p.exists()]
     if dangling:
         raise ShardSourceError(f"{dangling[0]} is a dangling symbolic link (-> {os.readlink(dangling[0])}); "

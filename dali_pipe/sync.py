@@ -85,8 +85,14 @@ def parse_s3_uri(uri: str) -> tuple[str, str]:
 
 
 def local_target(uri: str, cache_dir: Path) -> Path:
-    """Where `uri` is synced under the cache dir: CACHE/s3/BUCKET/PREFIX."""
+    """Where `uri` is synced under the cache dir: CACHE/s3/BUCKET/PREFIX. A bucket or prefix segment that is no
+    folder name ("..", ".", an empty one from "//") is refused: S3 takes it as part of a key, but here it made
+    the copy land outside CACHE/s3/BUCKET (`s3://b/../../x` at CACHE/x) or share another prefix's folder."""
     bucket, prefix = parse_s3_uri(uri)
+    odd = [seg for seg in [bucket] + (prefix.split("/") if prefix else []) if seg in ("", ".", "..")]
+    if odd:
+        raise SyncError(f"{redact(uri)!r}: its bucket or prefix holds a {odd[0]!r} segment, which no local folder "
+                        "can stand for; name the prefix without '.', '..' and '//' segments")
     return Path(cache_dir) / "s3" / bucket / prefix
 
 

@@ -100,6 +100,24 @@ def test_hostile_row_refused_and_nothing_written_outside(s3, photo_root, tmp_pat
     assert not list(dest.rglob("*.jpg"))
 
 
+@pytest.mark.parametrize("uri, seg", [("s3://data/../../escape", ".."), ("s3://data/ds//x", ""), ("s3://data/./ds", "."),
+                                      ("s3://../ds", "..")])
+def test_a_prefix_that_no_folder_can_stand_for_is_refused_before_anything_is_written(tmp_path, uri, seg):
+    """The cache dir's copy of s3://BUCKET/PREFIX is CACHE/s3/BUCKET/PREFIX: a '..' segment made it land outside
+    (s3://b/../../x at CACHE/x), '//' and '.' share another prefix's folder. Refused, naming the URI, with nothing
+    written."""
+    import train
+    from dali_pipe.config import UsageError
+    from dali_pipe.sync import local_target
+
+    with pytest.raises(SyncError, match=rf"holds a {seg!r} segment, which no local folder can stand for"):
+        local_target(uri, tmp_path / "cache")
+    with pytest.raises((SyncError, UsageError)):
+        train.main(["--data", uri, "--model", "tiny", "--device", "cpu", "--cache-dir", str(tmp_path / "cache"),
+                    "--output", str(tmp_path / "o")])
+    assert not (tmp_path / "escape").exists() and not (tmp_path / "cache").exists()
+
+
 def test_error_messages(s3, photo_root, tmp_path, monkeypatch):
     _upload(photo_root)
     with pytest.raises(SyncError, match="bucket 'nope' does not exist"):

@@ -517,3 +517,32 @@ def test_a_command_exits_without_the_shutdown_collection_and_keeps_its_finalizer
     r = _python(code)
     assert r.returncode == 3, r.stderr
     assert r.stdout.splitlines() == ["imports frozen", "other handler", "finalized", "frozen"], r.stdout
+
+
+def test_a_sigterm_that_lands_in_a_finaliser_still_stops_the_command(tmp_path):
+    """The CLI's SIGTERM handler raises to unwind; raised inside a __del__, Python prints and drops it, and the
+    command ran to its end, exit 0. It is sent again just after the finaliser, and the command stops: 143."""
+    import signal
+    import time
+
+    script = tmp_path / "slow_del.py"
+    script.write_text(
+        "import sys, time\n"
+        f"sys.path.insert(0, {str(Path(__file__).resolve().parents[1])!r})\n"
+        "from dali_pipe.cli import cli\n"
+        "class Slow:\n"
+        "    def __del__(self):\n"
+        "        print('in __del__', flush=True)\n"
+        "        time.sleep(1.0)\n"
+        "def entry():\n"
+        "    Slow()\n"
+        "    time.sleep(5)\n"
+        "    print('ran to the end', flush=True)\n"
+        "    return {}\n"
+        "sys.exit(cli(entry))\n")
+    p = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip() == "in __del__"
+    time.sleep(0.2)
+    p.send_signal(signal.SIGTERM)
+    out, err = p.communicate(timeout=60)
+    assert (p.returncode, out, err) == (143, "", "stopped by SIGTERM\n")

@@ -215,7 +215,22 @@ class Terminated(SystemExit):
 
 
 def _terminate(signum, frame):
+    """Raise Terminated where the code running can pass it on. Inside a finaliser (a __del__, a weakref callback:
+    Python prints and drops what they raise) the signal is sent again 50 ms later instead: a SIGTERM that fired in
+    one was lost, and the run trained to its end, exit 0."""
+    if _in_finaliser(frame):
+        threading.Timer(0.05, os.kill, (os.getpid(), signum)).start()
+        return
     raise Terminated()
+
+
+def _in_finaliser(frame) -> bool:
+    while frame is not None:
+        if frame.f_code.co_name in ("__del__", "_exitfunc") or (
+                frame.f_code.co_name == "__call__" and frame.f_globals.get("__name__") == "weakref"):
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _interrupt(signum, frame):

@@ -45,6 +45,7 @@ from .datamodule import DaliDataModule as _SettingsDataModule
 from .datamodule import check_before_restore
 from .demo import demo_dataset
 from .errors import RunMismatchError, UserError
+from .inputs import data_problem
 from .spec import ImageSpec
 
 _KEYWORDS = [f.name for cls in (DataSettings, PipelineSettings) for f in dataclasses.fields(cls)]
@@ -172,7 +173,7 @@ class DaliDataModule(_SettingsDataModule):
                 spec, more = timm_spec(data_config)
                 problems += more
             s.model.model = model
-            validate(s, ("data", "pipeline", "--model"), problems)
+            validate(s, ("data", "pipeline", "--model"), problems, data_check=data_problem)
             device = s.pipeline.device
             s = resolve(s)
             s.pipeline.device = device  # "auto" follows the Trainer's accelerator once one is attached

@@ -33,7 +33,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import UserError
-from .forms import URL_SCHEMES, form_problem, forms_text, is_shard_name, url_problem
 
 # -- choices and built-in names (each defined here once) -------------------------------------
 PRECISIONS = ("auto", "32-true", "16-mixed", "bf16-mixed")
@@ -691,9 +690,10 @@ def field_problems(s: Settings, names) -> list[str]:
     return problems
 
 
-def validate(s: Settings, groups=TRAIN_GROUPS, problems: list[str] = ()) -> None:
+def validate(s: Settings, groups=TRAIN_GROUPS, problems: list[str] = (), data_check=None) -> None:
     """Check every setting of `groups`; raise one UsageError listing every problem (with `problems`
-    found earlier, such as unknown flags)."""
+    found earlier, such as unknown flags). `data_check(data)`: what is wrong with --data, from the registry of
+    input forms (inputs.data_problem), which sits above the settings."""
     problems = list(problems) + field_problems(s, selected(groups))
     if "bench" in groups and isinstance(s.bench.loaders, str) and "packed" in s.bench.loaders.split(","):
         if not s.bench.packed:
@@ -706,25 +706,10 @@ def validate(s: Settings, groups=TRAIN_GROUPS, problems: list[str] = ()) -> None
     if "model" in groups:
         if s.model.model == "none" and not s.bench.benchmark:
             problems.append("--model: 'none' only makes sense with --benchmark (it times the loaders without a model)")
-    if "data" in groups:
-        data = s.data.data
-        shards_pattern = isinstance(data, str) and "{" in data and is_shard_name(data)
-        if isinstance(data, str) and not data.strip():
-            problems.append(f"--data: {data!r} is empty; pass a dataset folder or s3://bucket/prefix, or leave "
-                            "--data out for the demo set")
-        problem = url_problem(data) if isinstance(data, str) else None
+    if "data" in groups and isinstance(s.data.data, str) and data_check is not None:
+        problem = data_check(s.data.data)
         if problem:
             problems.append(problem)
-        elif isinstance(data, str) and data and not data.startswith(URL_SCHEMES) and not shards_pattern:
-            if Path(data).is_file() and is_shard_name(data):
-                pass  # one shard
-            elif not Path(data).is_dir():
-                what = "is not a directory" if os.path.lexists(data) else "does not exist"
-                problems.append(f"--data: {data!r} {what}; --data may be:" + forms_text("\n    "))
-            else:
-                problem = form_problem(data)
-                if problem:
-                    problems.append(f"--data: {problem}")
     if "pipeline" in groups and s.pipeline.device == "gpu" and not _cuda_available():
         problems.append("--device: 'gpu' but no CUDA GPU is visible; use --device cpu (or auto)")
     if problems:

@@ -13,14 +13,13 @@ from pathlib import Path
 
 from .config import DataSettings, PipelineSettings, SyncSettings, recipe, recipe_names
 from .errors import UserError
-from .imagefolder import read_image_folder, sync_image_folder
-from .manifest import Manifest, read_manifest
+from .inputs import detect
+from .inputs import manifest as manifest_form
+from .manifest import Manifest
 from .scan import CACHE_NAME, ScanResult, scan, write_report
 from .shards import source
 from .shards.cache import verify_local
-from .shards.source import SHARD_KINDS, ShardSet, open_shards, source_kind
-from .shards.tables import TABLE_KINDS, open_tables, prepare_tables
-from .sync import local_target, sync
+from .shards.source import ShardSet
 from .workdir import OutputError
 
 
@@ -32,27 +31,18 @@ class BatchTooLargeError(UserError):
     """The batch is larger than one rank's share of the training data."""
 
 
-def local_root(data: DataSettings) -> Path:
-    """The local dataset root: the directory itself, or the sync target of an s3:// URI."""
-    if data.data.startswith("s3://"):
-        return local_target(data.data, Path(data.cache_dir))
-    return Path(data.data)
-
-
 def read(data: DataSettings, *, labels: bool = True) -> Manifest | ShardSet:
     """The manifest of the (local) dataset (dataset.tsv, or an ImageFolder's class folders), split as the
     settings say; or the shards at --data (a pack, shards written by others, a Hugging Face dataset's
     tables), checked (shards/source.py, shards/tables.py; cached verdicts). `labels` False: shards without
     cls are read too (predict)."""
-    kind = source_kind(data.data, data.cache_dir)
-    if kind in TABLE_KINDS:
-        return open_tables(data)
-    if kind in SHARD_KINDS:
-        return open_shards(data, labels=labels)
-    if kind == "imagefolder":
-        return read_image_folder(local_root(data), val_fraction=data.val_fraction, seed=data.seed)
-    return read_manifest(local_root(data), val_fraction=data.val_fraction, seed=data.seed,
-                         skip_missing=data.skip_missing, cache_dir=data.cache_dir)
+    return form_of(data).read(data, labels=labels)
+
+
+def form_of(data: DataSettings):
+    """The input form at --data (inputs.detect); a dataset.tsv folder when it is none of them, whose reader
+    then names what is missing."""
+    return detect(data.data, data.cache_dir) or manifest_form.FORM
 
 
 def scan_manifest(manifest: Manifest, data: DataSettings, *, num_threads: int, progress: bool) -> ScanResult:
@@ -112,24 +102,16 @@ def prepare(data: DataSettings, output: Path, *, num_threads: int, report_empty:
     """Once per node: sync s3:// data, scan, write the report, enforce --max-bad-fraction.
     Returns the manifest without the bad files, and the scan's result (`labels`: as for read). `manifest`: the
     local dataset's, already read (the CLI reads it before the heavy imports), so it is not read again."""
-    kind = source_kind(data.data, data.cache_dir)
-    if kind in SHARD_KINDS:  # shards: fetch a pack, index others', sync and check a Hugging Face dataset
-        if kind in TABLE_KINDS:
-            shards = prepare_tables(data, num_threads=num_threads, workers=SyncSettings.workers)
-        else:
-            shards = source.prepare_shards(data, num_threads=num_threads, workers=SyncSettings.workers,
-                                           labels=labels)
-
+    form = form_of(data)
+    if form.reader == "shards":  # fetch a pack, index others' shards, sync and check a Hugging Face dataset
+        shards = form.prepare(data, num_threads=num_threads, workers=SyncSettings.workers, labels=labels)
         verify_local(shards.everything, data.cache_dir)  # size and checksum of every local shard, once
         source.report(shards, data.scan, output)
         result = shards.scan_result()
         check_bad_fraction(result, data, output)
         return shards, result
-    if data.data.startswith("s3://") and kind == "imagefolder":
-        sync_image_folder(data.data, local_root(data), workers=SyncSettings.workers)
-    elif data.data.startswith("s3://"):
-        sync(data.data, local_root(data), workers=SyncSettings.workers, skip_missing=data.skip_missing, rows=True)
-    manifest = manifest or read(data)
+    if manifest is None:  # (a local dataset.tsv the CLI read before the heavy imports is not read again)
+        manifest = form.prepare(data, num_threads=num_threads, workers=SyncSettings.workers, labels=labels)
     result = scan_manifest(manifest, data, num_threads=num_threads, progress=True)
     report(manifest, result, data, output, empty=report_empty)
     check_bad_fraction(result, data, output)

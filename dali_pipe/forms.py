@@ -1,15 +1,7 @@
-"""What `--data` is: the input form a local folder holds, told from names alone (no image opened, no heavy
-library imported, so a data mistake is reported at once), and the ecosystem's own rules that the forms follow.
-
-    manifest     dataset.tsv at the root (image_path, optional label and split columns)
-    pack         packed.json (python -m dali_pipe pack)
-    shards       .tar, .tar.gz or .tgz files written by WebDataset tools: in the folder, or (none there) in its
-                 train/, val/ and test/ subfolders; one such file; a brace pattern of them; https:// URLs
-    parquet      .parquet files of a Hugging Face dataset (`Dataset.to_parquet`, the Hub's
-                 data/train-00000-of-00004.parquet), in the folder, its data/ or its split folders
-    arrow        a `save_to_disk` folder (state.json + data-*.arrow; or dataset_dict.json + one folder per split)
-    imagefolder  class subfolders of images, as torchvision's ImageFolder reads them; or train/ + val/ of those
-                 (ImageNet's layout)
+"""The names and rules the input forms are told apart by, from names alone (no image opened, no heavy library
+imported, so a data mistake is reported at once): the file names that mark a form, and the ecosystem's own
+rules that the forms follow. Which forms there are, in which order they are tried and how each is read is
+the registry's (dali_pipe/inputs/).
 
 The rules are the peers' own: torchvision's `find_classes` (class folders sorted as strings), its
 IMG_EXTENSIONS (case-insensitive) and its recursive walk; and the split keywords of Hugging Face
@@ -39,25 +31,6 @@ SHARD_SUFFIXES = (".tar", ".tar.gz", ".tgz")  # a shard file or object, as webda
 SHARD_FOLDERS = ("train", "training", "val", "valid", "validation", "test", "testing")  # looked into for shards
 PAIR = {"train": "train", "val": "val", "validation": "val"}  # an ImageFolder pair: train/ and val/ (or validation/)
 PAIR_ALSO = {"test"}  # a test/ beside them is left out (training reads train/ and val/)
-
-FORMS = (
-    ("dataset.tsv folder", "DIR/dataset.tsv with an image_path column (label, split optional)"),
-    ("ImageFolder", "DIR/CLASS/*.jpg (torchvision's layout; train/ + val/ of them is ImageNet's)"),
-    ("pack", "DIR/packed.json and its shards (python -m dali_pipe pack)"),
-    ("WebDataset shards", "DIR/*.tar (.tar.gz, .tgz; or DIR/train/ + DIR/val/ of them), one shard file, a pattern "
-                          "such as DIR/train-{000000..000099}.tar, or https:// shard URLs"),
-    ("Parquet (Hugging Face)", "DIR/*.parquet or DIR/data/train-00000-of-00001.parquet (Dataset.to_parquet)"),
-    ("save_to_disk (Hugging Face)", "DIR/state.json + data-*.arrow, or DIR/dataset_dict.json (Dataset.save_to_disk)"),
-)
-NAMES = {"manifest": "a dataset.tsv folder", "pack": "a pack", "shards": "WebDataset shards",
-         "parquet": "a Parquet dataset (Hugging Face)", "arrow": "a save_to_disk dataset (Hugging Face)",
-         "imagefolder": "an ImageFolder (class subfolders)"}
-
-
-def forms_text(indent: str = "\n  ") -> str:
-    """Every input form, one per line: what --data may be."""
-    return "".join(f"{indent}{name}: {example}" for name, example in FORMS) + f"{indent}or s3://bucket/prefix of any"
-
 
 def is_shard_name(name: str) -> bool:
     """A shard file or object: `.tar`, `.tar.gz` or `.tgz` (any case)."""
@@ -212,25 +185,10 @@ def unfinished_pack(path: Path) -> str | None:
     return None
 
 
-def local_form(path: Path) -> str | None:
-    """The form of the local folder `path`: manifest, pack, shards, arrow, parquet or imagefolder; None
-    when it matches none (see forms_text). A stopped pack raises UnfinishedPackError."""
-    if (path / MANIFEST_NAME).is_file():
-        return "manifest"
-    if (path / PACKED_NAME).is_file():
-        return "pack"
-    problem = unfinished_pack(path)
-    if problem:
-        raise UnfinishedPackError(problem)
-    if shard_files(path)[0]:
-        return "shards"
-    if is_save_to_disk(path):
-        return "arrow"
-    if parquet_files(path):
-        return "parquet"
-    if pair_folders(path) or _has_class_with_image(path):
-        return "imagefolder"
-    return None
+def local_image_folder(path: Path) -> bool:
+    """Whether the local folder `path` is an ImageFolder: ImageNet's train/ + val/ pair (pair_folders: it raises
+    on a folder beside them that is neither), or a class folder holding an image at any depth."""
+    return bool(pair_folders(path)) or _has_class_with_image(path)
 
 
 def _has_class_with_image(root: Path) -> bool:
@@ -253,19 +211,3 @@ def _has_class_with_image(root: Path) -> bool:
                 return True
             todo += [Path(e.path) for e in entries if _is_dir(e)]
     return False
-
-
-def form_problem(data: str) -> str | None:
-    """What is wrong with a local --data folder (None when it holds a form), for `config.validate`."""
-    p = Path(data)
-    if not p.is_dir():
-        return None
-    try:
-        if local_form(p) is not None:
-            return None
-    except (UnfinishedPackError, LayoutError) as e:
-        return str(e)
-    except OSError as e:
-        return f"{data!r} cannot be read ({e.strerror}); check its permissions"
-    return (f"{data!r} holds none of the input forms: no dataset.tsv, packed.json, shards (.tar, .tar.gz, .tgz), "
-            ".parquet files, save_to_disk files, nor class folders of images. --data may be:" + forms_text("\n    "))

@@ -63,7 +63,6 @@ from .shards.format import (
     tar_member,
 )
 from .shards.source import write_member_report
-from .shards.tables import TABLE_KINDS, extract
 from .tsv import MANIFEST_NAME, read_table
 from .workdir import remove_dead_temps
 
@@ -150,11 +149,11 @@ def _written_paths(root: Path) -> dict[int, str]:
         return {}
 
 
-def shard_items(shards, cache_dir: str | Path | None = None) -> list[Item]:
-    """The usable samples of a ShardSet (local tars; or a Hugging Face dataset's tables, whose images are first
-    unpacked into the cache dir, tables.extract), labelled by class position."""
+def shard_items(shards, cache_dir: str | Path | None = None, extract=None) -> list[Item]:
+    """The usable samples of a ShardSet (local tars; or, where its form has an `extract`, a Hugging Face
+    dataset's tables, whose images are first unpacked into the cache dir), labelled by class position."""
     items = []
-    if shards.kind in TABLE_KINDS:
+    if extract is not None:
         spans = extract(shards, cache_dir or default_cache_dir())
         return [Item(f"{s.name}\n{s.keys[e]}", s.keys[e], s.image_paths[e], s.cls[e], s.split[e], spans[(i, e)])
                 for i, s in enumerate(shards.shards) for e in range(len(s.keys)) if e not in s.bad]
@@ -342,8 +341,9 @@ def pack_manifest(manifest, dst: Path, *, max_side: int, quality: int, shard_siz
 
 
 def pack_shards(shards, dst: Path, *, max_side: int, quality: int, shard_size: int, workers: int, seed: int,
-                progress: bool = True, cache_dir: str | Path | None = None) -> PackStats:
-    """Pack the usable samples of a ShardSet (a pack, or shards written by others) into shards under `dst`."""
+                progress: bool = True, cache_dir: str | Path | None = None, extract=None) -> PackStats:
+    """Pack the usable samples of a ShardSet (a pack, shards written by others, a Hugging Face dataset's tables)
+    into shards under `dst`; `extract`: its form's (inputs.Form.extract), where the images are not tar members."""
     where = {f"{s.name}\n{k}": (s, e) for s in shards.shards for e, k in enumerate(s.keys)}
 
     def report(failed: dict[str, str]) -> int:
@@ -353,7 +353,7 @@ def pack_shards(shards, dst: Path, *, max_side: int, quality: int, shard_size: i
 
     settings = pack_settings(digest=shards.digest(), max_side=max_side, quality=quality, shard_size=shard_size,
                              seed=seed)
-    return pack_items(shard_items(shards, cache_dir), shards.classes, dst, settings=settings, workers=workers, report=report,
+    return pack_items(shard_items(shards, cache_dir, extract), shards.classes, dst, settings=settings, workers=workers, report=report,
                       progress=progress, cache_dir=cache_dir)
 
 

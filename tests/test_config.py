@@ -11,6 +11,7 @@ import pytest
 
 from dali_pipe import config
 from dali_pipe.config import FIELDS, Settings, UsageError, build_parser, parse, settings_from, validate
+from dali_pipe.inputs import data_problem
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -18,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def _parse(argv, groups=config.TRAIN_GROUPS) -> Settings:
     ns, problems = parse(argv, build_parser("prog", "doc", groups))
     s = settings_from(ns)
-    validate(s, groups, problems)
+    validate(s, groups, problems, data_check=data_problem)
     return s
 
 

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from dali_pipe.config import UsageError
-from dali_pipe.forms import FORMS, local_form, split_of
+from dali_pipe.forms import split_of
+from dali_pipe.inputs import FORMS, detect
 
 ROOT = Path(__file__).resolve().parents[1]
 NAMES = ["train-00000-of-00004.parquet", "validation-00000-of-00001.parquet", "test-00000-of-00001.parquet",
@@ -37,17 +38,17 @@ def test_a_folder_of_no_form_gets_one_message_listing_every_form(tmp_path):
 
     (tmp_path / "notes").mkdir()
     (tmp_path / "notes" / "readme.txt").write_text("hello")
-    assert local_form(tmp_path) is None
+    assert detect(str(tmp_path)) is None
     with pytest.raises(UsageError) as e:
         parse_train(["--data", str(tmp_path)])
-    assert "holds none of the input forms" in str(e.value) and all(name in str(e.value) for name, _ in FORMS)
+    assert "holds none of the input forms" in str(e.value) and all(f.title in str(e.value) for f in FORMS)
 
 
 def test_telling_the_form_imports_nothing_heavy(tmp_path):
     (tmp_path / "cat").mkdir()
     (tmp_path / "cat" / "a.JPG").write_bytes(b"")
-    code = (f"import sys; sys.path.insert(0, {str(ROOT)!r}); from dali_pipe.forms import local_form; "
-            f"print(local_form(__import__('pathlib').Path({str(tmp_path)!r}))); "
+    code = (f"import sys; sys.path.insert(0, {str(ROOT)!r}); from dali_pipe.inputs import detect; "
+            f"print(detect({str(tmp_path)!r}).name); "
             "print(sorted(m for m in ('torch', 'pyarrow', 'pandas', 'nvidia.dali', 'pytorch_lightning', 'PIL') "
             "if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split("\n")

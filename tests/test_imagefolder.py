@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from dali_pipe.forms import IMG_EXTENSIONS, local_form
+from dali_pipe.forms import IMG_EXTENSIONS
 from dali_pipe.imagefolder import ImageFolderError, read_image_folder, tree, write_manifest
+from dali_pipe.inputs import detect
 from dali_pipe.manifest import read_manifest
 
 FIXTURE = Path(__file__).parent / "torchvision_imagefolder"
@@ -39,7 +40,7 @@ def test_classes_indices_and_files_are_torchvisions(tmp_path):
     assert m.classes == expected["classes"]
     got = sorted((os.path.relpath(s.path, data), s.label) for s in m.train + m.val)
     resolved = sorted((os.path.relpath(os.path.realpath(data / rel), data), i) for rel, i in expected["samples"])
-    assert got == resolved and local_form(data) == "imagefolder"
+    assert got == resolved and detect(str(data)).name == "imagefolder"
     assert "hash of its path" in m.note and m.val
     empty = make.build_tree(tmp_path / "b", empty_class=True)
     assert expected["empty_class_error"].startswith("Found no valid file for the classes empty")

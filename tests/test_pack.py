@@ -110,16 +110,16 @@ def test_resume_after_kill_9_gives_the_same_pack(photo_root, tmp_path, cache_dir
            r"rerun the pack command that wrote it"
     from dali_pipe.config import UsageError
     from dali_pipe.forms import UnfinishedPackError
-    from dali_pipe.shards.source import source_kind
+    from dali_pipe.inputs import detect
 
     with pytest.raises(UnfinishedPackError, match=told):
-        source_kind(str(dst))
+        detect(str(dst))
     from dali_pipe.config import DataSettings
-    from dali_pipe.shards.source import open_shards
+    from dali_pipe.inputs import read
 
     for part in (dst / "train-000000.tar", str(dst / "train-{000000..000000}.tar")):  # one of its shards, a pattern
         with pytest.raises(UnfinishedPackError, match=told):
-            open_shards(DataSettings(data=str(part), cache_dir=str(tmp_path / "c")))
+            read(DataSettings(data=str(part), cache_dir=str(tmp_path / "c")))
     with pytest.raises(UsageError, match=told):
         train.main(["--data", str(dst), "--model", "tiny", "--device", "cpu", "--output", str(tmp_path / "o")])
     main(["pack", str(photo_root), str(dst), "--max-side", "100", "--shard-size", "40kB"])
@@ -327,10 +327,10 @@ def test_an_s3_pack_killed_during_its_upload_finishes_on_rerun(photo_root, s3, t
     finally:
         pack_cli.make_client = real
     from dali_pipe.forms import UnfinishedPackError
-    from dali_pipe.shards.source import source_kind
+    from dali_pipe.inputs import detect
 
     with pytest.raises(UnfinishedPackError, match=r"is a pack whose upload was stopped .*rerun the pack command"):
-        source_kind("s3://data/packed", str(tmp_path / "another-cache"))  # (before: its shards so far trained)
+        detect("s3://data/packed", str(tmp_path / "another-cache"))  # (before: its shards so far trained)
     _pack(photo_root, "s3://data/packed", "--workers", "1", "--shard-size", "150kB")
     meta = json.loads(client.get_object(Bucket="data", Key="packed/packed.json")["Body"].read())
     names = {n for sp in meta["splits"].values() for s in sp["shards"] for n in (s["name"], s["index"])}

@@ -186,9 +186,9 @@ def test_a_pack_of_the_first_format_reads_its_six_digit_labels(photo_root, tmp_p
                                                       range(11)], "splits": {"train": {"samples": 12,
                                                                                        "shards": [shard]}}}))
     from dali_pipe.config import DataSettings
-    from dali_pipe.shards.source import open_shards
+    from dali_pipe.inputs import read
 
-    p = open_shards(DataSettings(data=str(tmp_path), cache_dir=str(tmp_path / "cache")))
+    p = read(DataSettings(data=str(tmp_path), cache_dir=str(tmp_path / "cache")))
     assert [s.cls for s in p.shards] == [[i % 11 for i in range(12)]]
     assert _labels(_loader(p.train, 12, False)) == [i % 11 for i in range(12)]
 

@@ -317,10 +317,10 @@ def test_a_failed_host_stops_the_others_naming_it(tmp_path, photo_root):
     root, jobs = sdk_job("v2-estimator-2host", tmp_path, photo_root, data_for={1: empty})
     first, second = sorted(jobs)
     results = _finish(_start_hosts(tmp_path, jobs), timeout=120)
-    assert results[second][0] == 1 and "no dataset.tsv" in (jobs[second][0] / "output" / "failure").read_text()
+    assert results[second][0] == 1 and "holds none of the input forms" in (jobs[second][0] / "output" / "failure").read_text()
     failure = (jobs[first][0] / "output" / "failure").read_text()
     assert results[first][0] == 1, results[first][1][-2000:]
-    assert f'host {second} failed: invalid arguments: "data":' in failure and "no dataset.tsv" in failure
+    assert f'host {second} failed: invalid arguments: "data":' in failure and "holds none of the input forms" in failure
     assert not list((root / "model").iterdir()) and not [p for p in root.rglob("*") if OURS.search(p.name)]
 
 

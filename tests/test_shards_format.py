@@ -133,14 +133,15 @@ def test_brace_patterns_expand_as_webdataset_does():
     import pytest
     from braceexpand import braceexpand
 
-    from dali_pipe.shards.source import ShardSourceError, expand_braces, is_brace_pattern, source_kind
+    from dali_pipe.inputs import detect
+    from dali_pipe.shards.source import ShardSourceError, expand_braces, is_brace_pattern
 
     for p in ["s/train-{000000..000012}.tar", "x{1..10}y", "a{01..3}", "{a,b}-{0..2}.tar", "plain.tar", "x{5..1}",
               "s3://b/p/shard-{0000..0003}.tar", "{train/shard-{000000..000002},val/shard-000000}.tar"]:
         assert expand_braces(p) == list(braceexpand(p)), p
     assert is_brace_pattern("{train/shard-{000000..000002},val/shard-000000}.tar") and not is_brace_pattern("x{a}.tar")
     with pytest.raises(ShardSourceError, match=r"'s/x-\{0..3.tar': its braces do not balance"):
-        source_kind("s/x-{0..3.tar") == "shards" and expand_braces("s/x-{0..3.tar")
+        detect("s/x-{0..3.tar").name == "shards" and expand_braces("s/x-{0..3.tar")
 
 
 def test_index_tar_and_file_sums_give_the_sha256_and_the_xxh3_128_of_the_bytes(tmp_path):

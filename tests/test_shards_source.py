@@ -10,11 +10,12 @@ import pytest
 from conftest import BAD_MEMBERS
 
 from dali_pipe.config import DataSettings
-from dali_pipe.shards.source import ShardSourceError, open_shards
+from dali_pipe.inputs import read
+from dali_pipe.shards.source import ShardSourceError
 
 
 def _open(data, cache_dir, **kw):
-    return open_shards(DataSettings(data=str(data), cache_dir=str(cache_dir), **kw))
+    return read(DataSettings(data=str(data), cache_dir=str(cache_dir), **kw))
 
 
 def _listing(folder):
@@ -548,8 +549,8 @@ def test_a_member_bomb_is_listed_bad_unread_in_bounded_memory(photo_root, tmp_pa
     del buf
     assert gz.stat().st_size < 4 << 20
     code = ("import json, resource, sys; from dali_pipe.config import DataSettings; "
-            "from dali_pipe.shards.source import open_shards; "
-            f"s = open_shards(DataSettings(data={str(gz)!r}, cache_dir={str(tmp_path / 'cache')!r}, max_bad_fraction=0.5)); "
+            "from dali_pipe.inputs import read; "
+            f"s = read(DataSettings(data={str(gz)!r}, cache_dir={str(tmp_path / 'cache')!r}, max_bad_fraction=0.5)); "
             "print(json.dumps({'kept': len(s.train) + len(s.val), 'bad': [r for _, _, r in s.bad], "
             "'rss': int(open('/proc/self/status').read().split('VmHWM:')[1].split()[0]) // 1024}))")  # (of this
     # program alone: ru_maxrss would count the 600 MiB this test held when it started the child)

@@ -90,9 +90,9 @@ def test_parquet_each_sample_once_per_epoch_and_an_exact_resume(hf, tmp_path):
 
 def test_save_to_disk_dataset_dict_holds_out_its_test_split(hf, tmp_path):
     """A DatasetDict saved to disk: its split folders give train, validation and test (held out of training)."""
-    from dali_pipe.shards.source import source_kind
+    from dali_pipe.inputs import detect
 
-    assert source_kind(str(hf / "dict")) == "arrow"
+    assert detect(str(hf / "dict")).name == "arrow"
     s = _open(hf / "dict", tmp_path)
     assert (len(s.train), len(s.val), len(s.test), len(s.everything)) == (30, 10, 8, 48)
     assert sorted(_labels(_loader(s.test, 4, False))) == list(range(40, 48))

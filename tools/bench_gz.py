@@ -28,8 +28,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from dali_pipe.config import DataSettings  # noqa: E402
 from dali_pipe.demo import make_photo_dataset  # noqa: E402
+from dali_pipe.inputs import read  # noqa: E402
 from dali_pipe.shards.reader import ShardReader  # noqa: E402
-from dali_pipe.shards.source import open_shards  # noqa: E402
 
 
 class _Info:
@@ -53,9 +53,9 @@ def _size(folder: Path) -> int:
 def _round(folder: Path, cache: Path) -> dict:
     data = DataSettings(data=str(folder), cache_dir=str(cache), scan="fast", val_fraction=0.0)
     t0 = time.perf_counter()
-    s = open_shards(data)
+    s = read(data)
     t1 = time.perf_counter()
-    open_shards(data)
+    read(data)
     t2 = time.perf_counter()
     reader = ShardReader(s.train, batch=32, seed=0, rank=0, world=1, training=True)
     n = 0

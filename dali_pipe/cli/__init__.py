@@ -35,9 +35,7 @@ from ..config import (
 )
 from ..demo import demo_dataset
 from ..errors import RunFailed, UserError, dali_missing
-from ..forms import forms_text
 from ..redact import RedactingStream, redact
-from ..tsv import MANIFEST_NAME
 from ..workdir import fix_for, is_disk_full, output_failure
 
 TRAIN_DOC = """Train an image classifier from a dataset.tsv of JPEGs (local or S3) with a DALI pipeline.
@@ -63,8 +61,15 @@ def parse_train(argv: list[str]) -> Settings:
     """train.py's flags -> checked Settings (every problem listed in one UsageError)."""
     ns, problems = parse(argv, train_parser())
     s = settings_from(ns)
-    validate(s, TRAIN_GROUPS, problems)
+    validate(s, TRAIN_GROUPS, problems, data_check=data_check)
     return s
+
+
+def data_check(data: str) -> str | None:
+    """What is wrong with --data (inputs.data_problem), asked once the flags have parsed."""
+    with command_imports():
+        from ..inputs import data_problem  # lazy: the registry loads numpy (0.3 s); --help answers at once
+    return data_problem(data)
 
 
 def prepared(s: Settings) -> Settings:
@@ -89,15 +94,15 @@ def described(data: DataSettings, what: str = "--data") -> "Manifest | None":  #
     (its manifest is checked as it is synced, before the first GET), the other forms (checked as they are
     opened), the demo."""
     with command_imports():
-        from ..shards.source import source_kind  # lazy: it loads numpy (0.3 s); --help must answer at once
+        from ..inputs import detect, forms_text  # lazy: the registry loads numpy (0.3 s); --help answers at once
 
     if data.data is None or "://" in data.data:  # s3:// and https:// data: read as it is fetched
         return None
-    kind = source_kind(data.data, data.cache_dir or str(default_cache_dir()))
+    form = detect(data.data, data.cache_dir or str(default_cache_dir()))
     root = Path(data.data)
-    if kind == "files" and not os.path.lexists(root):
+    if form is None and not os.path.lexists(root):
         raise NoDataError(f"{what} {data.data!r} does not exist; {what} may be:" + forms_text("\n    "))
-    if kind != "files" or not (root / MANIFEST_NAME).is_file():
+    if form is None or form.name != "manifest":
         return None
     from ..manifest import read_manifest  # lazy: its columns take numpy, which sync and pack never need
 

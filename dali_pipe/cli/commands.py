@@ -14,7 +14,7 @@ from ..shards.format import PACKED_NAME
 from ..sync import ManifestMissing, SyncStats, ask_listing, make_engine, read_object, sync
 from ..transfer import keep_freed_memory
 from ..tsv import MANIFEST_NAME
-from . import command_imports, described
+from . import command_imports, data_check, described
 from . import main as train_main
 from .infer import check_output
 
@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     if command in ("evaluate", "predict") and not s.data.data:
         problems.append(f"--data: required: {'the labelled images' if command == 'evaluate' else 'what to label'} "
                         "(see --help)")
-    validate(s, COMMANDS[command], problems)
+    validate(s, COMMANDS[command], problems, data_check=data_check)
     if command == "sync":
         keep_freed_memory(one_arena=True)  # this process only moves bytes: glibc keeps what it frees for them
         engine = make_engine(s.sync.workers)  # one for the manifest or packed.json and the small files

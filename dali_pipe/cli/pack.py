@@ -18,13 +18,13 @@ from pathlib import Path
 
 from ..config import Settings, SyncSettings, cores, resolve
 from ..dataset import missing_reasons, prepare
-from ..forms import PROGRESS_NAME, form_problem, forms_text
+from ..forms import PROGRESS_NAME
 from ..https import is_http
+from ..inputs import detect, form_problem, forms_text
 from ..manifest import Manifest
 from ..pack import PackError, finished, pack_manifest, pack_settings, pack_shards, read_progress, same_pack
 from ..shards.cache import Remote, http_copies, local_name, sync_shards
 from ..shards.format import PACKED_NAME
-from ..shards.source import ShardSet, source_kind
 from ..sync import (
     SyncError,
     atomic_write,
@@ -177,8 +177,8 @@ def run(s: Settings, manifest: Manifest | None = None) -> dict:
 def _run(s: Settings, staging: Path, manifest: Manifest | None = None) -> dict:
     src, dst = s.pack.src, s.pack.dst
     data = dataclasses.replace(s.data, data=src, packed_s3="sync")  # packing reads every shard from local disk
-    kind = source_kind(src, data.cache_dir)
-    if kind == "files" and not src.startswith("s3://") and not (Path(src) / "dataset.tsv").is_file():
+    form = detect(src, data.cache_dir)
+    if form is None and not src.startswith("s3://"):
         raise PackError(f"SRC {src!r} " + (form_problem(src) or "is not a folder").split(" ", 1)[1]
                         if Path(src).is_dir() else f"SRC {src!r} is not a folder; SRC may be:" + forms_text("\n    "))
     if not dst.startswith("s3://") and not src.startswith("s3://") and Path(dst).resolve() == Path(src).resolve():
@@ -190,7 +190,7 @@ def _run(s: Settings, staging: Path, manifest: Manifest | None = None) -> dict:
     try:
         source, result = prepare(data, staging, num_threads=max(1, workers - 1),  # sync, scan, report, bound
                                  manifest=manifest)
-        if isinstance(source, ShardSet):
+        if form is not None and form.reader == "shards":
             _local_tars(source, data)
         digest = source.digest()
         previous = None
@@ -211,8 +211,8 @@ def _run(s: Settings, staging: Path, manifest: Manifest | None = None) -> dict:
                 _clear(staging)
                 print(f"pack: {dst} already holds this pack ({_counts(previous)}); nothing to do", file=sys.stderr)
                 return {"done_before": True}
-        if isinstance(source, ShardSet):
-            stats = pack_shards(source, staging, **opts, cache_dir=data.cache_dir)
+        if form is not None and form.reader == "shards":
+            stats = pack_shards(source, staging, **opts, cache_dir=data.cache_dir, extract=form.extract)
         else:
             stats = pack_manifest(source, staging, **opts, bad={**result.bad, **missing_reasons(source)},
                                   cache_dir=data.cache_dir)

@@ -18,9 +18,9 @@ from ..datamodule import DaliDataModule
 from ..errors import UserError
 from ..forms import IMG_EXTENSIONS, LayoutError
 from ..imagefolder import sync_image_folder
+from ..inputs import detect
 from ..manifest import MANIFEST_NAME, PathResolver, Sample, read_table, safe_relpath
 from ..scan import CACHE_NAME, scan, sniff, write_report
-from ..shards.source import SHARD_KINDS, source_kind
 from ..spec import ImageSpec
 from ..tsv import row as tsv_row
 from ..workdir import writing
@@ -74,7 +74,7 @@ def list_images(data: str, cache_dir: str) -> tuple[Path, list[str]]:
     file or s3://bucket/prefix), one image file, a list file's lines, or every image file under a folder."""
     if data.startswith("s3://"):
         root = s3.local_target(data, Path(cache_dir))
-        if source_kind(data, cache_dir) == "imagefolder":  # class folders of images, no dataset.tsv
+        if getattr(detect(data, cache_dir), "name", None) == "imagefolder":  # class folders of images, no dataset.tsv
             return root, sync_image_folder(data, root, workers=SyncSettings.workers)
         s3.sync(data, root, workers=SyncSettings.workers, skip_missing=True)
         tsv = root / MANIFEST_NAME
@@ -118,10 +118,10 @@ def run(s: Settings) -> dict:
     dm = DaliDataModule(s.data, s.pipeline, ImageSpec.from_processor(load_processor(s.model.model)), out)
 
     try:
-        kind = source_kind(s.data.data, s.data.cache_dir)
+        form = detect(s.data.data, s.data.cache_dir)
     except LayoutError:  # a folder whose split folders training would refuse: predict labels every image in it
-        kind = "files"
-    if kind in SHARD_KINDS:
+        form = None
+    if form is not None and form.reader == "shards":
         dm.labels = False  # shards without cls (img2dataset, LAION) are labelled too
         return _predict_shards(s, dm, model, out)
     root, rels = list_images(s.data.data, s.data.cache_dir)

@@ -59,25 +59,21 @@ from braceexpand import UnbalancedBracesError, braceexpand
 from ..config import DataSettings
 from ..errors import UserError
 from ..forms import (
-    PROGRESS_NAME,
     SHARD_FOLDERS,
     SHARD_SUFFIXES,
     UnfinishedPackError,
-    is_image_name,
     is_shard_name,
-    local_form,
     shard_files,
     split_of,
     unfinished_pack,
-    url_problem,
 )
 from ..https import HttpError, Stopped, head, is_http, open_stream, read_small, shown
 from ..pipeline import Shards
 from ..scan import DaliDecoder, ScanResult, check_bytes
-from ..sync import SyncError, explain, local_target, make_client, parse_s3_uri, read_object
+from ..sync import SyncError, explain, local_target, make_client, parse_s3_uri
 from ..tsv import row as tsv_row
 from ..workdir import human_bytes, remove_dead_temps
-from .cache import ATTEMPT_DEADLINE, HEADROOM, MIN_RATE, Verdicts, check_file, fetch, is_remote, verdict_key
+from .cache import ATTEMPT_DEADLINE, HEADROOM, MIN_RATE, Verdicts, check_file, is_remote, verdict_key
 from .format import (
     FAST_SUM,
     IMAGE_EXTS,
@@ -163,69 +159,6 @@ def _stem(name: str) -> str:
     return name[: -len(next(x for x in SHARD_SUFFIXES if low.endswith(x)))] if is_shard_name(name) else name
 
 
-SHARD_KINDS = ("pack", "shards", "parquet", "arrow")  # read as encoded bytes through the shard reader
-
-
-def source_kind(data: str, cache_dir: str | None = None) -> str:
-    """What --data is, as the readers split it: 'pack', 'shards' (written by others: a folder, a shard file, a
-    brace pattern, https:// URLs), 'parquet' or 'arrow' (a Hugging Face dataset: Parquet files, or a
-    save_to_disk folder), all read through the shard reader; or 'imagefolder' (class subfolders) or 'files'
-    (a dataset.tsv and image files, or anything else: a folder of images, an image or a list file for
-    predict), both read as files. An s3:// prefix is asked once per process; a pack already fetched is known
-    from the cache dir. A URL of another scheme (`pipe:`, `gs://`, ...) is refused."""
-    problem = url_problem(data)
-    if problem:
-        raise ShardSourceError(problem)
-    if is_http(data):
-        return "shards"
-    if data.startswith("s3://"):
-        return _s3_kind(data, cache_dir)
-    if is_brace_pattern(data):
-        return "shards"
-    p = Path(data)
-    if p.is_file():
-        return "shards" if is_shard_name(p.name) else "files"
-    if not p.is_dir():
-        return "files"
-    form = local_form(p)
-    return "files" if form in (None, "manifest") else form
-
-
-def _s3_kind(data: str, cache_dir: str | None) -> str:
-    if is_brace_pattern(data):
-        return "shards"
-    if cache_dir is not None:
-        local = local_target(data, Path(cache_dir))
-        if (local / PACKED_NAME).is_file():
-            return "pack"
-        if (local / MANIFEST_NAME).is_file():  # synced as plain files before: no need to ask S3 again
-            return "files"
-    if read_object(data, PACKED_NAME) is not None:
-        return "pack"
-    bucket, prefix = parse_s3_uri(data)
-    base = f"{prefix}/" if prefix else ""
-    client = make_client(4)
-    folders: list[str] = []
-    names = _list_top(client, bucket, base, pages=1, folders=folders)  # one page: enough to tell
-    if PROGRESS_NAME in names:  # (sorted first: a dot)
-        raise UnfinishedPackError(f"{data!r} is a pack whose upload was stopped (its {PROGRESS_NAME} is there, its "
-                                  f"{PACKED_NAME} is not); rerun the pack command that wrote it, which finishes the "
-                                  "upload, or delete the prefix")
-    if MANIFEST_NAME in names:
-        return "files"
-    if any(is_shard_name(n) for n in names):
-        return "shards"
-    for sub in (f for f in folders if f.lower() in SHARD_FOLDERS):  # train/ and val/ sub-prefixes of shards
-        if any(is_shard_name(n) for n in _list_top(client, bucket, f"{base}{sub}/", pages=1)):
-            return "shards"
-    keys = list_first(client, bucket, base)  # the folders too: data/*.parquet, CLASS/IMAGE
-    if "dataset_dict.json" in keys or {"state.json", "dataset_info.json"} <= set(keys):
-        return "arrow"
-    if parquet_keys(keys):
-        return "parquet"
-    return "imagefolder" if any("/" in k and is_image_name(k) for k in keys) else "files"
-
-
 def list_first(client, bucket: str, base: str) -> list[str]:
     """The first page (1000) of the keys below s3://bucket/base, relative to it, sub-folders included."""
     from botocore.exceptions import BotoCoreError, ClientError
@@ -248,7 +181,7 @@ def parquet_keys(keys) -> list[str]:
     return sorted(k for k in keys if found(k))
 
 
-def _list_top(client, bucket: str, base: str, pages: int | None = None,
+def list_top(client, bucket: str, base: str, pages: int | None = None,
               folders: list | None = None) -> dict[str, tuple[int, str]]:
     """{name: (size, ETag)} of the objects directly under s3://bucket/base (not in its sub-folders); the
     sub-folders' names are appended to `folders` when given."""
@@ -378,23 +311,7 @@ class ShardSet:
 def open_packed(data: str, cache_dir: str | Path) -> ShardSet:
     """The pack at --data read from local disk (after `shards.cache.fetch` for s3://), with its structural
     checks but no check of its members (that is `open_shards`)."""
-    return _open_pack(DataSettings(data=data, cache_dir=str(cache_dir), scan="off"), members=False)
-
-
-def open_shards(data, *, num_threads: int = 1, progress: bool = False, labels: bool = True) -> ShardSet:
-    """The shards at --data (a pack or shards of others), checked; verdicts are cached, so only the
-    first call reads the shards. `labels` False: a sample needs no cls (predict)."""
-    kind = source_kind(data.data, data.cache_dir)
-    if kind == "pack":
-        return _open_pack(data, members=True, num_threads=num_threads, progress=progress)
-    return _open_peer(data, num_threads=num_threads, progress=progress, labels=labels)
-
-
-def prepare_shards(data, *, num_threads: int, workers: int, labels: bool = True) -> ShardSet:
-    """Once per node: fetch a pack from S3 (shards.cache.fetch), index shards of others, check every member."""
-    if source_kind(data.data, data.cache_dir) == "pack":
-        fetch(data.data, data.cache_dir, mode=data.packed_s3, workers=workers)
-    return open_shards(data, num_threads=num_threads, progress=True, labels=labels)
+    return open_pack(DataSettings(data=data, cache_dir=str(cache_dir), scan="off"), members=False)
 
 
 def _pack_root(data: str, cache_dir) -> Path:
@@ -403,7 +320,7 @@ def _pack_root(data: str, cache_dir) -> Path:
     return Path(data)
 
 
-def _open_pack(data, *, members: bool, num_threads: int = 1, progress: bool = False) -> ShardSet:
+def open_pack(data, *, members: bool, num_threads: int = 1, progress: bool = False) -> ShardSet:
     root = _pack_root(data.data, data.cache_dir)
     remote = data.data.startswith("s3://")
     path = root / PACKED_NAME
@@ -790,7 +707,7 @@ def _list_s3(data: str) -> _Found:
             folder = u.rsplit("/", 1)[0]
             if folder not in folders:
                 b, p = parse_s3_uri(folder)
-                folders[folder] = _list_top(client, b, f"{p}/" if p else "")
+                folders[folder] = list_top(client, b, f"{p}/" if p else "")
         missing = [u for u in urls if u.rsplit("/", 1)[1] not in folders[u.rsplit("/", 1)[0]]]
         if missing:
             raise ShardSourceError(f"--data {data!r}: {len(missing)} of its {len(urls)} shard(s) are not in S3, e.g. "
@@ -804,13 +721,13 @@ def _list_s3(data: str) -> _Found:
         bucket, prefix = parse_s3_uri(data)
         base = f"{prefix}/" if prefix else ""
         subs: list[str] = []
-        remote = _list_top(client, bucket, base, folders=subs)
+        remote = list_top(client, bucket, base, folders=subs)
         names = sorted(n for n in remote if is_shard_name(n))
         found = [(f"s3://{bucket}/{base}{n}", remote[n]) for n in names]
         used_subs = []
         if not found:  # train/ and val/ sub-prefixes of shards
             for sub in sorted(f for f in subs if f.lower() in SHARD_FOLDERS):
-                inside = _list_top(client, bucket, f"{base}{sub}/")
+                inside = list_top(client, bucket, f"{base}{sub}/")
                 shard_names = sorted(n for n in inside if is_shard_name(n))
                 if shard_names:
                     used_subs.append(sub)
@@ -1034,7 +951,7 @@ class _Bounded:
         self.f.write(data)
 
 
-def _open_peer(data, *, num_threads: int, progress: bool, labels: bool = True) -> ShardSet:
+def open_peer(data, *, num_threads: int, progress: bool, labels: bool = True) -> ShardSet:
     cache_dir = Path(data.cache_dir)
     found = _list_peer(data.data, cache_dir)
     listed = found.items

@@ -55,7 +55,6 @@ from .reader import TableFiles
 from .source import LEVELS, Shard, ShardSet, cache_file, load_json, parquet_keys, progress_bar, unit_hash, write_atomic
 
 CHECK_VERSION = 1  # bump when what the check records changes
-TABLE_KINDS = ("parquet", "arrow")  # source_kind's names for the forms read here
 
 
 class TableSourceError(UserError):

@@ -285,7 +285,8 @@ class BenchmarkSettings:
 @dataclass
 class SyncSettings:
     """`python -m dali_pipe sync`."""
-    uri: str = setting(None, "s3://bucket/prefix holding dataset.tsv, or a pack", positional=True)
+    uri: str = setting(None, "s3://bucket/prefix of any --data form: a dataset.tsv folder, a pack, class folders, "
+                             "shards, a Hugging Face dataset", positional=True)
     local_dir: str = setting(None, "target directory (created if needed)", positional=True)
     workers: int = setting(256, "S3 requests in flight at once (one event loop; also for uploads); the bytes they hold "
                                 "are bounded apart (256 MiB)", check=AT_LEAST_1)

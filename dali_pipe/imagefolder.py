@@ -32,7 +32,7 @@ import numpy as np
 from .forms import IMG_EXTENSIONS, find_classes, is_image_name, pair_folders, pair_val
 from .manifest import MANIFEST_NAME, Manifest, ManifestError, absolute_paths, sort_classes, stratified_split
 from .samples import Samples, member, strings
-from .sync import SyncError, atomic_write, sync_files
+from .sync import SyncError, SyncStats, atomic_write, sync_files
 
 LISTING_NAME = ".imagefolder-files.json"  # in the local copy of an s3:// ImageFolder: the keys its last sync listed
 PAIR_NOTE = "split: the train/ and val/ folders (ImageNet's layout)"
@@ -199,16 +199,16 @@ def _samples(root: Path, by_class: dict[int, list[str]], links: set[str]) -> tup
 
 
 # -- S3 --------------------------------------------------------------------------------------------
-def sync_image_folder(uri: str, dest: Path, *, workers: int, progress: bool = True) -> list[str]:
+def sync_image_folder(uri: str, dest: Path, *, workers: int, progress: bool = True) -> tuple[SyncStats, list[str]]:
     """Sync the images of the ImageFolder at an s3:// prefix into `dest` (only image files below a folder)
-    and record the listing beside them; returns it (keys relative to the prefix)."""
+    and record the listing beside them; returns the sync's stats and the listing (keys relative to the prefix)."""
     stats, names = sync_files(uri, dest, keep=lambda k: "/" in k and is_image_name(k), workers=workers,
                               progress=progress)
     if not names:
         raise SyncError(f"{uri} holds no images in class folders (an ImageFolder needs PREFIX/CLASS/IMAGE, images "
                         f"ending in {', '.join(IMG_EXTENSIONS)})")
     atomic_write(dest / LISTING_NAME, json.dumps({"files": names}).encode())
-    return names
+    return stats, names
 
 
 # -- the dataset.tsv the folder implies -----------------------------------------------------------

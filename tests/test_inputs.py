@@ -13,6 +13,7 @@ import pytest
 from dali_pipe.cli.commands import main
 from dali_pipe.config import DataSettings
 from dali_pipe.inputs import FORMS, Form, by_name, detect, forms_text, read
+from dali_pipe.sync import ManifestMissing
 
 ROOT = Path(__file__).resolve().parents[1]
 PER_CLASS = 4
@@ -95,7 +96,10 @@ def test_every_form_is_told_apart_read_as_columns_and_packed(name, written, tmp_
     assert _columns(packed) == (classes, labels) and len(packed.val) == len(got.val)
 
 
-def test_every_form_is_told_apart_on_s3_and_prepared_into_what_it_reads_locally(written, s3, tmp_path):
+def test_every_form_is_told_apart_on_s3_prepared_and_synced_into_what_it_reads_locally(written, s3, tmp_path):
+    """Each form uploaded to S3: the registry tells which it is from the prefix's listing; training's
+    preparation reads the same samples as the local form; `python -m dali_pipe sync` of the prefix makes a
+    folder that is the same form, reading the same samples (before: it refused all but two forms)."""
     import boto3
 
     client = boto3.client("s3")
@@ -112,6 +116,14 @@ def test_every_form_is_told_apart_on_s3_and_prepared_into_what_it_reads_locally(
         assert _columns(got) == _columns(local), form.name
         assert len(got.val) == len(local.val), form.name
         assert detect(data.data, data.cache_dir) is form, form.name  # (from the synced copy, where it is one)
+        dest = tmp_path / "synced" / form.name
+        assert main(["sync", data.data, str(dest), "--workers", "4"]) == 0
+        assert detect(str(dest)) is form, form.name
+        again = read(DataSettings(data=str(dest), cache_dir=str(tmp_path / "local-cache")))
+        assert _columns(again) == _columns(local) and len(again.val) == len(local.val), form.name
+    client.put_object(Bucket="forms", Key="nothing/notes.txt", Body=b"hello")
+    with pytest.raises(ManifestMissing, match="s3://forms/nothing holds none of the input forms"):
+        main(["sync", "s3://forms/nothing", str(tmp_path / "synced" / "nothing")])
 
 
 def test_every_form_is_listed_in_the_messages_and_in_the_docs_table():

@@ -18,8 +18,10 @@ from . import command_imports, data_check, described
 from . import main as train_main
 from .infer import check_output
 
-SYNC_DOC = ("Download s3://bucket/prefix/dataset.tsv and every file it lists into LOCAL_DIR (or, for a pack, its "
-            "packed.json, shards and index files, with parallel ranged GETs). Files already present and unchanged "
+SYNC_DOC = ("Download s3://bucket/prefix/dataset.tsv and every file it lists into LOCAL_DIR (for a pack, its "
+            "packed.json, shards and index files, with parallel ranged GETs; for any other --data form, its files: "
+            "class folders of images, WebDataset shards, a Hugging Face dataset's Parquet or save_to_disk files), "
+            "so that LOCAL_DIR is then the same form. Files already present and unchanged "
             "(size + ETag) are skipped; each file is written under a temporary name and renamed when complete, so "
             "an interrupted sync can simply be rerun. Credentials, region and AWS_ENDPOINT_URL come from the "
             "standard AWS environment.")
@@ -78,12 +80,27 @@ HELPS = {  # where a command reads a setting otherwise than training does, its o
 }
 
 
+def _download(s, missing: str) -> SyncStats:
+    """The sync of a prefix holding neither dataset.tsv nor packed.json: the files of the form it holds (the
+    registry's `download`), so that LOCAL_DIR is then that form; ManifestMissing where it holds none."""
+    with command_imports():
+        from ..inputs import detect  # lazy: the registry loads numpy (0.3 s), which a dataset's sync never needs
+
+    form = detect(s.sync.uri)
+    if form is None:
+        raise ManifestMissing(f"{s.sync.uri} holds none of the input forms (no {missing}, no packed.json, no shards, "
+                              "no Parquet or save_to_disk files, no class folders of images); check the prefix")
+    if not s.sync.no_progress:
+        print(f"sync: no {missing} there; the prefix holds {form.title}: syncing its files", file=sys.stderr)
+    return form.download(s.sync.uri, Path(s.sync.local_dir), workers=s.sync.workers, progress=not s.sync.no_progress)
+
+
 def parser():
     p = new_parser("python -m dali_pipe", "The commands of dali_pipe: train (python train.py) and the data commands.")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     sub.add_parser("train", add_help=False, help="train a model: the same as python train.py, with its flags "
                                                  "(python -m dali_pipe train --help)")
-    add_subcommand(sub, "sync", "download dataset.tsv and only the files it lists, in parallel, resumably",
+    add_subcommand(sub, "sync", "download a dataset from S3 (only the files dataset.tsv lists), in parallel, resumably",
                    SYNC_DOC, COMMANDS["sync"])
     add_subcommand(sub, "manifest", "write the dataset.tsv an ImageFolder (class subfolders) implies, to edit it",
                    MANIFEST_DOC, COMMANDS["manifest"])
@@ -125,15 +142,16 @@ def main(argv: list[str] | None = None) -> int:
                              progress=not s.sync.no_progress, engine=engine, asked=asked)
             except ManifestMissing:
                 raw = packed.result()
-                if raw is None:  # neither a dataset nor a pack
-                    raise
-                if not s.sync.no_progress:
-                    print(f"sync: no {MANIFEST_NAME} there, but a {PACKED_NAME}: syncing the pack", file=sys.stderr)
-                stats = SyncStats()
-                fetch_to(s.sync.uri, Path(s.sync.local_dir), mode="sync", workers=s.sync.workers,  # a pack's files
-                         progress=not s.sync.no_progress, engine=engine, raw=raw, stats=stats, asked=asked)
-                if not s.sync.no_progress:
-                    print(stats.summary(), file=sys.stderr)
+                if raw is None:  # not a dataset.tsv folder nor a pack: another form, or none
+                    stats = _download(s, MANIFEST_NAME)
+                else:
+                    if not s.sync.no_progress:
+                        print(f"sync: no {MANIFEST_NAME} there, but a {PACKED_NAME}: syncing the pack", file=sys.stderr)
+                    stats = SyncStats()
+                    fetch_to(s.sync.uri, Path(s.sync.local_dir), mode="sync", workers=s.sync.workers,  # a pack's files
+                             progress=not s.sync.no_progress, engine=engine, raw=raw, stats=stats, asked=asked)
+                    if not s.sync.no_progress:
+                        print(stats.summary(), file=sys.stderr)
         finally:
             asking.shutdown(wait=True, cancel_futures=True)  # before the engine it asks through
             engine.close()

@@ -75,7 +75,7 @@ def list_images(data: str, cache_dir: str) -> tuple[Path, list[str]]:
     if data.startswith("s3://"):
         root = s3.local_target(data, Path(cache_dir))
         if getattr(detect(data, cache_dir), "name", None) == "imagefolder":  # class folders of images, no dataset.tsv
-            return root, sync_image_folder(data, root, workers=SyncSettings.workers)
+            return root, sync_image_folder(data, root, workers=SyncSettings.workers)[1]
         s3.sync(data, root, workers=SyncSettings.workers, skip_missing=True)
         tsv = root / MANIFEST_NAME
     else:

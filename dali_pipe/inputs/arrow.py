@@ -3,7 +3,7 @@ one such folder per split; each record batch is read as a shard."""
 from __future__ import annotations
 
 from ..forms import is_save_to_disk
-from ..shards.tables import extract, open_tables, prepare_tables
+from ..shards.tables import download_tables, extract, open_tables, prepare_tables
 from .form import Form
 
 FORM = Form(
@@ -14,4 +14,4 @@ FORM = Form(
     read=lambda data, *, labels=True: open_tables(data),
     prepare=lambda data, *, num_threads, workers, labels=True: prepare_tables(data, num_threads=num_threads,
                                                                               workers=workers),
-    extract=extract)
+    download=download_tables, extract=extract)

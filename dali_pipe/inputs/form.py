@@ -32,6 +32,8 @@ class Form:
       made; `labels` False: samples without a label are read too (predict);
     - `prepare(data, num_threads=, workers=, labels=)`: once per node, the same after syncing, fetching,
       indexing and checking what needs it;
+    - `download(uri, dest, workers=, progress=)`: its files at an s3:// prefix copied into the local folder
+      `dest`, which then holds the same form (`python -m dali_pipe sync`);
     - where a sample's bytes are for `pack`: in the file or tar member `read` names, or (`extract`) first
       unpacked into the cache dir (a Hugging Face table's image cells).
     Training, evaluate, predict and pack ask these and nothing else of a form."""
@@ -43,6 +45,7 @@ class Form:
     is_s3: Callable[["S3Look"], bool]
     read: Callable[..., object]
     prepare: Callable[..., object]
+    download: Callable[..., object]
     is_path: Callable[[str], bool] = never
     synced: bool = False
     extract: Callable | None = None

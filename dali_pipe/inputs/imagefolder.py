@@ -18,9 +18,13 @@ def prepare(data, *, num_threads: int, workers: int, labels: bool = True) -> Man
     return read(data, labels=labels)
 
 
+def download(uri: str, dest, *, workers: int, progress: bool = True):
+    return sync_image_folder(uri, dest, workers=workers, progress=progress)[0]
+
+
 FORM = Form(
     name="imagefolder", title="ImageFolder", reader="files",
     example="DIR/CLASS/*.jpg (torchvision's layout; train/ + val/ of them is ImageNet's)",
     is_local=local_image_folder,
     is_s3=lambda look: any("/" in k and is_image_name(k) for k in look.keys),  # PREFIX/CLASS/IMAGE
-    read=read, prepare=prepare)
+    read=read, prepare=prepare, download=download)

@@ -18,11 +18,15 @@ def prepare(data, *, num_threads: int, workers: int, labels: bool = True) -> Man
     return read(data, labels=labels)
 
 
+def download(uri: str, dest, *, workers: int, progress: bool = True):
+    return sync(uri, dest, workers=workers, progress=progress)
+
+
 FORM = Form(
     name="manifest", title="dataset.tsv folder", reader="files",
     example="DIR/dataset.tsv with an image_path column (label, split optional)",
     is_local=lambda p: (p / MANIFEST_NAME).is_file(),
     is_s3=lambda look: MANIFEST_NAME in look.names,
-    read=read, prepare=prepare, synced=True)
+    read=read, prepare=prepare, download=download, synced=True)
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..forms import PACKED_NAME, PROGRESS_NAME, UnfinishedPackError, unfinished_pack
-from ..shards.cache import fetch
+from ..shards.cache import fetch, fetch_to
 from ..shards.source import ShardSet, open_pack
 from .form import Form, S3Look
 
@@ -39,6 +39,10 @@ def prepare(data, *, num_threads: int, workers: int, labels: bool = True) -> Sha
     return read(data, num_threads=num_threads, progress=True)
 
 
+def download(uri: str, dest, *, workers: int, progress: bool = True):
+    return fetch_to(uri, Path(dest), mode="sync", workers=workers, progress=progress)
+
+
 FORM = Form(
     name="pack", title="pack", reader="shards", example="DIR/packed.json and its shards (python -m dali_pipe pack)",
-    is_local=is_local, is_s3=is_s3, read=read, prepare=prepare, synced=True)
+    is_local=is_local, is_s3=is_s3, read=read, prepare=prepare, download=download, synced=True)

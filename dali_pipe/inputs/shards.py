@@ -7,7 +7,8 @@ from pathlib import Path
 
 from ..forms import SHARD_FOLDERS, is_shard_name, shard_files
 from ..https import is_http
-from ..shards.source import ShardSet, is_brace_pattern, open_peer
+from ..shards.source import CLASSES_NAME, ShardSet, is_brace_pattern, open_peer
+from ..sync import sync_files
 from .form import Form, S3Look
 
 
@@ -32,8 +33,22 @@ def prepare(data, *, num_threads: int, workers: int, labels: bool = True) -> Sha
     return read(data, labels=labels, num_threads=num_threads, progress=True)  # indexed once, then cached
 
 
+def _kept(key: str) -> bool:
+    """The objects a local copy needs to be read as the prefix is: the shards (and classes.txt) directly under it
+    or in its split-named sub-folders."""
+    parts = key.split("/")
+    name = parts[-1]
+    return (is_shard_name(name) or name == CLASSES_NAME) and not name.startswith(".") and (
+        len(parts) == 1 or len(parts) == 2 and parts[0].lower() in SHARD_FOLDERS)
+
+
+def download(uri: str, dest, *, workers: int, progress: bool = True):
+    return sync_files(uri, dest, keep=_kept, workers=workers, progress=progress)[0]
+
+
 FORM = Form(
     name="shards", title="WebDataset shards", reader="shards",
     example="DIR/*.tar (.tar.gz, .tgz; or DIR/train/ + DIR/val/ of them), one shard file, a pattern such as "
             "DIR/train-{000000..000099}.tar, or https:// shard URLs",
-    is_path=is_path, is_local=lambda p: bool(shard_files(p)[0]), is_s3=is_s3, read=read, prepare=prepare)
+    is_path=is_path, is_local=lambda p: bool(shard_files(p)[0]), is_s3=is_s3, read=read, prepare=prepare,
+    download=download)

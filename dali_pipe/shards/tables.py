@@ -48,6 +48,7 @@ from ..manifest import sort_classes
 from ..pipeline import TableGroup
 from ..scan import DaliDecoder, check_bytes
 from ..sync import list_objects, local_target, make_client, parse_s3_uri, sync_objects
+from ..tsv import safe_relpath
 from ..workdir import remove_dead_temps
 from .cache import Verdicts
 from .format import file_sha256
@@ -104,18 +105,34 @@ def _json(path: Path) -> dict:
 
 
 def sync_tables(uri: str, cache_dir: str | Path, *, workers: int) -> Path:
-    """Bring the Hugging Face dataset at an s3:// prefix into the cache dir (its data files and the JSON
-    beside them); returns the local folder."""
+    """Bring the Hugging Face dataset at an s3:// prefix into the cache dir; returns the local folder."""
+    local = local_target(uri, Path(cache_dir))
+    download_tables(uri, local, workers=workers)
+    return local
+
+
+def download_tables(uri: str, dest: str | Path, *, workers: int, progress: bool = True):
+    """Download the Hugging Face dataset at an s3:// prefix into `dest`: its data files and the JSON beside
+    them (what `list_tables` reads)."""
     bucket, prefix = parse_s3_uri(uri)
     base = f"{prefix}/" if prefix else ""
     keys = list(list_objects(make_client(4), bucket, base))
     meta = [k for k in keys if k.rsplit("/", 1)[-1] in ("dataset_dict.json", "state.json", "dataset_info.json")]
     names = meta + [k for k in keys if k.endswith(".arrow")] if meta else parquet_keys(keys)
-    local = local_target(uri, Path(cache_dir))
+    if not names:
+        raise TableSourceError(f"{uri} holds no .parquet files and no save_to_disk files")
+    dest = Path(dest)
+    for name in names:
+        try:
+            outside = safe_relpath(name, dest) != name
+        except ValueError:
+            outside = True
+        if outside:  # ('..', '.' or '//' in its key)
+            raise TableSourceError(f"{uri}: the key {name!r} would land outside {dest} or under another name; rename "
+                                   "it. Nothing was downloaded.")
     for name in names:  # the Hub's data/ and a DatasetDict's split folders
-        (local / name).parent.mkdir(parents=True, exist_ok=True)
-    sync_objects(uri, local, names, workers=workers)
-    return local
+        (dest / name).parent.mkdir(parents=True, exist_ok=True)
+    return sync_objects(uri, dest, names, workers=workers, progress=progress)
 
 
 # -- columns and classes ---------------------------------------------------------------------------

@@ -44,7 +44,7 @@ from .monitor import (
     diagnose,
     time_budget,
 )
-from .pipeline import Shards
+from .samples import Shards
 from .workdir import OutputError, remove_dead_temps
 
 NO_MODEL_NOTE = ("synthetic left out: without a model it would only time a tensor that is already there; it is the "

@@ -30,8 +30,8 @@ from .dataset import check_batch, data_line, differences, drop_note, fingerprint
 from .errors import RunMismatchError, UserError
 from .loader import DaliLoader, ReaderChanged
 from .manifest import Manifest
-from .pipeline import Augment, Files, PipelineOptions, Shards, build_pipeline, resources_for_rank, shard_reader
-from .samples import Sample, Samples
+from .pipeline import Augment, PipelineOptions, build_pipeline, resources_for_rank, shard_reader
+from .samples import Files, Sample, Samples, Shards
 from .scan import ScanResult
 from .shards.cache import Remote, StreamCache, is_remote, stream_bound, stream_folder
 from .shards.source import ShardSet

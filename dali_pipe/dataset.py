@@ -13,8 +13,7 @@ from pathlib import Path
 
 from .config import DataSettings, PipelineSettings, SyncSettings, recipe, recipe_names
 from .errors import UserError
-from .inputs import detect
-from .inputs import manifest as manifest_form
+from .inputs import form_of
 from .manifest import Manifest
 from .scan import CACHE_NAME, ScanResult, scan, write_report
 from .shards import source
@@ -37,12 +36,6 @@ def read(data: DataSettings, *, labels: bool = True) -> Manifest | ShardSet:
     tables), checked (shards/source.py, shards/tables.py; cached verdicts). `labels` False: shards without
     cls are read too (predict)."""
     return form_of(data).read(data, labels=labels)
-
-
-def form_of(data: DataSettings):
-    """The input form at --data (inputs.detect); a dataset.tsv folder when it is none of them, whose reader
-    then names what is missing."""
-    return detect(data.data, data.cache_dir) or manifest_form.FORM
 
 
 def scan_manifest(manifest: Manifest, data: DataSettings, *, num_threads: int, progress: bool) -> ScanResult:

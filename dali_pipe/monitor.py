@@ -380,7 +380,7 @@ def _validation_verdict(name: str, b: dict, cli: dict | None) -> str:
 
 
 # -- measuring the budget inside any Trainer -------------------------------------------------------
-FETCH_ACTION = "[_TrainingEpochLoop].train_dataloader_next"
+FETCH_SUFFIX = "].train_dataloader_next"  # the training loop's batch fetch, as "[ITS LOOP CLASS].train_dataloader_next"
 STEP_ACTION = "run_training_batch"
 SAVE_ACTION = "save_checkpoint"
 TRANSPARENT = ("run_training_epoch",)  # spans a whole epoch, validation included: its parts are counted
@@ -448,8 +448,8 @@ class _Clock:
     def _kind(self, action: str) -> str:
         if action == SAVE_ACTION:
             return "save"
-        if action == FETCH_ACTION or (not self.in_val and action.startswith("[Strategy]")
-                                      and action.endswith(".batch_to_device")):
+        if action.endswith(FETCH_SUFFIX) or (not self.in_val and action.startswith("[Strategy]")
+                                             and action.endswith(".batch_to_device")):
             return "fetch"
         if action == STEP_ACTION:
             return "step"

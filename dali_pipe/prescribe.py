@@ -19,7 +19,8 @@ from pathlib import Path
 from .loader import DaliLoader
 from .manifest import Manifest
 from .pack import pack_manifest
-from .pipeline import Augment, Files, PipelineOptions, build_pipeline, resources_for_rank
+from .pipeline import Augment, PipelineOptions, build_pipeline, resources_for_rank
+from .samples import Files
 from .shards.source import open_packed
 
 LARGE_PIXELS = 1_000_000

@@ -145,3 +145,62 @@ class Samples:
     def stats(self) -> tuple[np.ndarray, np.ndarray]:
         """(sizes, modification times in ns), -1 where the listing did not stat the file."""
         return self.sizes, self.mtimes
+
+
+# -- what the pipeline reads: the value types its two readers take (pipeline.py), made by the forms' readers
+@dataclass(frozen=True)
+class Files:
+    """Images as files: absolute paths and integer labels (lists, or columns: dali_pipe/samples.py)."""
+    files: list[str] | np.ndarray
+    labels: list[int] | np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+
+@dataclass(frozen=True)
+class TableGroup:
+    """A shard of table rows (a Hugging Face dataset): one row group of a Parquet file, or one record batch
+    of a save_to_disk Arrow file; the image column holds each row's encoded bytes, `labels` its class index."""
+    fmt: str  # "parquet" or "arrow"
+    group: int  # the row group's (record batch's) position in its file
+    column: str  # the image column (datasets' Image: a struct of bytes and path; or plain binary)
+    labels: tuple[int, ...]  # per row; -1 where the row has no usable label (it is excluded)
+
+
+@dataclass(frozen=True)
+class Shards:
+    """Images in shards: WebDataset tars (a pack, or shards written by others), or row groups of a Hugging
+    Face dataset's tables. Per shard its path (a tar, local, s3:// or https://; a local Parquet or Arrow file),
+    its local DALI index file (tables: a name for the group), the usable samples, and a lookup from the shards'
+    class indices to the model's (evaluate; sparse `cls` integers). Per shard, its size, sha256 and fast checksum where
+    known; `excluded` holds (shard position, entry position in its index) of the members every reader
+    skips; `groups` (tables) the TableGroup of each shard, None for a tar. `labels` False: no `cls` is read
+    (predict; every label is -1), so shards without labels are read too."""
+    paths: tuple[str, ...]
+    index_paths: tuple[str, ...]
+    samples: int
+    remap: tuple[int, ...] | None = None
+    sizes: tuple[int | None, ...] | None = None
+    sha256: tuple[str | None, ...] | None = None
+    xxh3: tuple[str | None, ...] | None = None  # the fast checksum (shards/format.FAST_SUM) where known
+    excluded: frozenset[tuple[int, int]] = frozenset()
+    groups: tuple[TableGroup | None, ...] | None = None
+    labels: bool = True
+
+    def __len__(self) -> int:
+        return self.samples
+
+    def __add__(self, other: "Shards") -> "Shards":
+        n = len(self.paths)
+
+        def per_shard(a, b, count_a, count_b):
+            return None if a is None and b is None else tuple(a or (None,) * count_a) + tuple(b or (None,) * count_b)
+
+        return Shards(self.paths + other.paths, self.index_paths + other.index_paths, self.samples + other.samples,
+                      self.remap, sizes=per_shard(self.sizes, other.sizes, n, len(other.paths)),
+                      sha256=per_shard(self.sha256, other.sha256, n, len(other.paths)),
+                      xxh3=per_shard(self.xxh3, other.xxh3, n, len(other.paths)),
+                      excluded=self.excluded | frozenset((i + n, e) for i, e in other.excluded),
+                      groups=per_shard(self.groups, other.groups, n, len(other.paths)),
+                      labels=self.labels and other.labels)

@@ -23,7 +23,8 @@ through obstore (Python bindings of Rust's `object_store`) on one event loop thr
   AWS_ENDPOINT_URL, which may carry KEY:SECRET@ (then those sign the requests and are never sent or
   printed). An endpoint of our own (moto, rclone, MinIO) is addressed path-style, AWS virtual-hosted,
   in the bucket's region.
-- Memory: an engine has glibc's malloc keep what a transfer frees for the next chunk (keep_freed_memory),
+- Memory: in our commands (own_process; never in a user's own process) an engine has glibc's malloc keep
+  what a transfer frees for the next chunk (keep_freed_memory),
   which cuts a large pack's page faults by more than half; left alone where the user tunes malloc.
 
 Why obstore: side by side with AWS's Common Runtime (awscrt through s3transfer's CRT transfer manager,
@@ -52,7 +53,6 @@ from pathlib import Path
 from urllib.parse import unquote, urlsplit, urlunsplit
 
 from .redact import redact
-from .shards.format import hash_file
 
 PART = 8 << 20  # objects above this size are fetched in ranged GETs of this size
 CHUNK = 1 << 20  # a streamed body is written (hashed, counted as progress) in chunks of about this size
@@ -70,6 +70,7 @@ _MALLOC_KNOBS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP
                  "MALLOC_ARENA_MAX", "MALLOC_ARENA_TEST")  # glibc's malloc variables; set, even empty, they tune it
 _serial = itertools.count()
 _memory_kept: bool | None = None  # keep_freed_memory's answer, once per process
+_process_ours = False  # set by own_process(): this process is one of our commands, whose limits an engine may tune
 NO_CREDENTIALS = "no AWS credentials were found"
 
 
@@ -203,7 +204,8 @@ class Engine:
         self.connect_timeout, self.read_timeout = connect_timeout, read_timeout
         self._stores: dict[str, object] = {}
         self._lock = threading.Lock()
-        keep_freed_memory()  # the thresholds (process-wide, whenever set); the sync command asked for one arena first
+        if _process_ours:  # process-wide: never in a user's own process (a library import), only in our commands'
+            keep_freed_memory()  # (the sync command asked for one arena first)
         self._loop = asyncio.new_event_loop()
         self._slots: asyncio.Semaphore | None = None
         self._waiting: collections.deque = collections.deque()  # (bytes, future) of requests waiting, in turn
@@ -615,6 +617,15 @@ def keep_freed_memory(one_arena: bool = False) -> bool:
     return _memory_kept
 
 
+def own_process() -> None:
+    """Called by our commands (cli.as_a_command) alone: engines in this process may tune what is process-wide,
+    the malloc thresholds (keep_freed_memory) and the soft open-file limit (requests_room). In a user's own
+    process (DaliDataModule in their script) neither is touched: fewer requests go at once where the
+    open-file limit is short, and stderr says so."""
+    global _process_ours
+    _process_ours = True
+
+
 def on_glibc() -> bool:
     """Whether this process's C library is glibc (whose malloc keep_freed_memory tunes)."""
     try:
@@ -626,12 +637,12 @@ def on_glibc() -> bool:
 def requests_room(wanted: int) -> int:
     """How many of `wanted` requests in flight the open-file limit has room for (each holds a connection and, as
     its bytes land, a file; FILES_SPARE more are left for the rest of the process). The soft limit is raised
-    towards the hard one first, as Go's runtime does for s5cmd (often 1024 soft, far more hard); where even the
-    hard limit is short, fewer requests go at once, and stderr says so once, instead of a sync whose files
+    towards the hard one first in our own commands (own_process), as Go's runtime does for s5cmd (often 1024 soft,
+    far more hard); where even the hard limit is short (or, in a user's process, the soft one), fewer requests go at once, and stderr says so once, instead of a sync whose files
     fail by the thousand with EMFILE."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     need = 2 * wanted + FILES_SPARE
-    if soft != resource.RLIM_INFINITY and soft < need:
+    if _process_ours and soft != resource.RLIM_INFINITY and soft < need:  # (a user's process keeps its limits)
         target = need if hard == resource.RLIM_INFINITY else min(need, hard)
         try:
             resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
@@ -718,3 +729,13 @@ def list_with_boto3(bucket: str, prefix: str, engine: Engine) -> dict[str, tuple
         raise TransferError("timeout" if "timeout" in type(e).__name__.lower() else "connect",
                             redact(str(e))[:300]) from None
     return found
+
+
+def hash_file(path: str | Path, *digests):
+    """Each of `digests` (hashlib-like objects) fed the bytes of the file at `path`, read once in 1 MiB
+    blocks; the first returned."""
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            for d in digests:
+                d.update(chunk)
+    return digests[0]

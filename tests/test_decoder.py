@@ -12,7 +12,8 @@ import pytest
 from dali_pipe import decoder
 from dali_pipe.config import PipelineSettings
 from dali_pipe.decoder import DecoderLog, Nvjpeg, find_nvjpeg, training_roi_decode
-from dali_pipe.pipeline import Augment, Files, PipelineOptions, build_pipeline, resources_for_rank
+from dali_pipe.pipeline import Augment, PipelineOptions, build_pipeline, resources_for_rank
+from dali_pipe.samples import Files
 from dali_pipe.spec import ImageSpec
 
 

@@ -167,3 +167,22 @@ def test_import_and_help_are_fast():
     wide margin for a loaded machine)."""
     assert _best_of([sys.executable, "-c", "import dali_pipe"]) < 0.5
     assert _best_of([sys.executable, "train.py", "--help"]) < 1.0
+
+
+def test_the_byte_mover_and_the_shard_modules_sit_below_the_pipeline():
+    """transfer.py moves bytes for everyone and knows no shard format; the value types the pipeline reads
+    (samples.py) sit below both the pipeline and the shard modules, so no shard module imports the pipeline."""
+    assert not {d for d in GRAPH["dali_pipe.transfer"] if d.startswith("dali_pipe.shards")}
+    for mod, deps in GRAPH.items():
+        if mod.startswith("dali_pipe.shards"):
+            assert "dali_pipe.pipeline" not in deps, (mod, deps)
+
+
+def test_only_the_registry_names_a_form():
+    """The form modules (dali_pipe/inputs/NAME.py) are imported by the registry alone: everything that reads
+    data asks the registry, so a new form is its module, its line in FORMS and its test."""
+    forms = {m for m in GRAPH if m.startswith("dali_pipe.inputs.") and m != "dali_pipe.inputs.form"}
+    assert len(forms) >= 6
+    for mod, deps in GRAPH.items():
+        if mod != "dali_pipe.inputs" and mod not in forms:
+            assert not deps & forms, (mod, deps & forms)

@@ -7,7 +7,8 @@ import pytest
 from helpers import cpu_options
 
 from dali_pipe.loader import DaliLoader
-from dali_pipe.pipeline import Files, build_pipeline
+from dali_pipe.pipeline import build_pipeline
+from dali_pipe.samples import Files
 from dali_pipe.spec import ImageSpec
 
 SPEC = ImageSpec(16, 16, (0.5,) * 3, (0.5,) * 3)

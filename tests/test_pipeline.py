@@ -9,7 +9,8 @@ from helpers import cpu_options
 
 from dali_pipe.config import PipelineSettings
 from dali_pipe.decoder import GPU_DECODE_LEVELS
-from dali_pipe.pipeline import Augment, Files, PipelineOptions, build_pipeline, resources_for_rank
+from dali_pipe.pipeline import Augment, PipelineOptions, build_pipeline, resources_for_rank
+from dali_pipe.samples import Files
 from dali_pipe.spec import ImageSpec
 
 SPEC = ImageSpec(64, 48, mean=(0.5, 0.4, 0.3), std=(0.2, 0.25, 0.3))

@@ -13,7 +13,8 @@ from helpers import cpu_options
 from dali_pipe.config import DataSettings
 from dali_pipe.dataset import scan_manifest
 from dali_pipe.manifest import read_manifest
-from dali_pipe.pipeline import Files, build_pipeline
+from dali_pipe.pipeline import build_pipeline
+from dali_pipe.samples import Files
 from dali_pipe.spec import ImageSpec
 
 N, CLASSES = 100_000, 100

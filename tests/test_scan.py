@@ -46,7 +46,8 @@ def test_odd_formats_come_out_as_3_channel_model_size(corpus, tmp_path):
     import numpy as np
     from helpers import cpu_options
 
-    from dali_pipe.pipeline import Files, build_pipeline
+    from dali_pipe.pipeline import build_pipeline
+    from dali_pipe.samples import Files
     from dali_pipe.spec import ImageSpec
 
     root, expected = corpus
@@ -171,7 +172,8 @@ def test_undetected_bad_file_gets_a_clear_error_pointing_to_full_scan(corpus, tm
     from helpers import cpu_options
 
     from dali_pipe.loader import DaliLoader, PipelineDecodeError
-    from dali_pipe.pipeline import Files, build_pipeline
+    from dali_pipe.pipeline import build_pipeline
+    from dali_pipe.samples import Files
     from dali_pipe.spec import ImageSpec
 
     root, _ = corpus

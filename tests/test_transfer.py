@@ -358,6 +358,7 @@ STREAM = """
 import asyncio, resource, sys
 from pathlib import Path
 from dali_pipe import transfer
+transfer.own_process()  # as our commands do (a user's own process keeps glibc's defaults)
 engine = transfer.Engine(concurrency=4, connect_timeout=5, read_timeout=10, attempts=2)
 engine.run(engine.size("data", "s/0.bin"))  # the store and its connections made before counting
 engine.ranges = False  # one streamed GET per object, as from a server that answers ranges whole (rclone's)
@@ -375,7 +376,8 @@ engine.close()
 def test_a_streamed_download_reuses_the_memory_its_chunks_free(s3, tmp_path):
     """Four 48 MB objects through the engine, each in one GET streamed in 1 MB chunks (each a fresh bytes
     object, freed once written): with malloc as glibc leaves it, the freed chunks go back to the kernel and
-    the next ones fault their pages in anew; kept (what every engine asks for), the same memory serves them."""
+    the next ones fault their pages in anew; kept (what an engine in our commands asks for), the same memory
+    serves them."""
     import subprocess
     import sys
 
@@ -521,3 +523,26 @@ def test_the_benchmarks_floor_client_copies_every_byte_of_the_prefix(s3, tmp_pat
     no_endpoint = {k: v for k, v in os.environ.items() if k != "AWS_ENDPOINT_URL"}
     refused = floor(mode, f"s3://{bucket}/p", str(dest), env=no_endpoint)
     assert refused.returncode == 1 and "set AWS_ENDPOINT_URL" in refused.stderr, refused.stderr
+
+
+@pytest.mark.parametrize("ours", [False, True])
+def test_only_our_commands_tune_the_process(ours):
+    """An engine in a user's own process (the library, imported) leaves malloc and the open-file limit as they
+    are, and takes fewer requests where the limit is short; in our commands (own_process) it raises the soft
+    limit towards the hard one and keeps freed memory."""
+    import resource
+
+    code = ("import resource; from dali_pipe import transfer; "
+            + ("transfer.own_process(); " if ours else "")
+            + "e = transfer.Engine(concurrency=256, connect_timeout=1, read_timeout=1, attempts=1); "
+            "print(resource.getrlimit(resource.RLIMIT_NOFILE)[0], e.concurrency, transfer._memory_kept); e.close()")
+    _, top = resource.getrlimit(resource.RLIMIT_NOFILE)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != "GLIBC_TUNABLES"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env,
+                         preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (300, top)))
+    soft, concurrency, kept = out.stdout.split()
+    if ours:
+        assert int(soft) > 300 and concurrency == "256" and kept == str(transfer.on_glibc())
+    else:
+        assert soft == "300" and concurrency == "86" and kept == "None", out.stdout
+        assert "leaves room for 86 S3 requests in flight" in out.stderr

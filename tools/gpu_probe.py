@@ -282,7 +282,8 @@ def decode_part(data: str, a, cores: int, old_nvjpeg: bool = False) -> dict:
     from dali_pipe.datamodule import DaliDataModule
     from dali_pipe.decoder import nvjpeg
     from dali_pipe.loader import DaliLoader
-    from dali_pipe.pipeline import Files, build_pipeline
+    from dali_pipe.pipeline import build_pipeline
+    from dali_pipe.samples import Files
     from dali_pipe.spec import ImageSpec
 
     gpu = a.device == "gpu"

@@ -150,7 +150,8 @@ from pathlib import Path
 from dali_pipe.config import DataSettings
 from dali_pipe.dataset import scan_manifest
 from dali_pipe.manifest import read_manifest
-from dali_pipe.pipeline import Augment, Files, PipelineOptions, build_pipeline, resources_for_rank
+from dali_pipe.pipeline import Augment, PipelineOptions, build_pipeline, resources_for_rank
+from dali_pipe.samples import Files
 from dali_pipe.config import PipelineSettings
 from dali_pipe.spec import ImageSpec
 root, cache = sys.argv[1], sys.argv[2]

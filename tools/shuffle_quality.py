@@ -52,7 +52,8 @@ def write_shards(folder: Path, samples: int, shards: int, seed: int):
 def read_epochs(paths, index_paths, n, *, epochs, batch, world, seed):
     from dali_pipe.config import PipelineSettings
     from dali_pipe.loader import DaliLoader
-    from dali_pipe.pipeline import Augment, PipelineOptions, Shards, build_pipeline, resources_for_rank
+    from dali_pipe.pipeline import Augment, PipelineOptions, build_pipeline, resources_for_rank
+    from dali_pipe.samples import Shards
     from dali_pipe.spec import ImageSpec
 
     spec = ImageSpec(8, 8, (0.5,) * 3, (0.5,) * 3)

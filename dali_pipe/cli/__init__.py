@@ -36,6 +36,7 @@ from ..config import (
 from ..demo import demo_dataset
 from ..errors import RunFailed, UserError, dali_missing
 from ..redact import RedactingStream, redact
+from ..transfer import own_process
 from ..workdir import fix_for, is_disk_full, output_failure
 
 TRAIN_DOC = """Train an image classifier from a dataset.tsv of JPEGs (local or S3) with a DALI pipeline.
@@ -132,6 +133,7 @@ def as_a_command() -> None:
     loads later go through command_imports() the same way."""
     global _COMMAND
     _COMMAND = True
+    own_process()  # the transfer engines may tune this process's malloc and open-file limit (never a user's)
     gc.freeze()
     gc.enable()
     atexit.register(_freeze_at_exit)  # registered first, so it runs last (atexit runs handlers in reverse)

@@ -35,8 +35,8 @@ from ..benchmark import (
 from ..config import VIT_B16_RANDOM, Settings, UsageError
 from ..datamodule import DaliDataModule
 from ..manifest import Manifest
-from ..pipeline import Shards
 from ..prescribe import prescription
+from ..samples import Shards
 from ..spec import ImageSpec
 from .fit import make_trainer
 from .noise import quiet_known_noise

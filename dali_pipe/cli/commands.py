@@ -84,10 +84,13 @@ def _download(s, missing: str) -> SyncStats:
     """The sync of a prefix holding neither dataset.tsv nor packed.json: the files of the form it holds (the
     registry's `download`), so that LOCAL_DIR is then that form; ManifestMissing where it holds none."""
     with command_imports():
-        from ..inputs import detect  # lazy: the registry loads numpy (0.3 s), which a dataset's sync never needs
+        from ..inputs import S3Look, detect  # lazy: the registry loads numpy, which a dataset's sync never needs
 
     form = detect(s.sync.uri)
     if form is None:
+        look = S3Look(s.sync.uri)
+        if not look.names and not look.folders:
+            raise ManifestMissing(f"{s.sync.uri} does not exist (no object under it); check the prefix")
         raise ManifestMissing(f"{s.sync.uri} holds none of the input forms (no {missing}, no packed.json, no shards, "
                               "no Parquet or save_to_disk files, no class folders of images); check the prefix")
     if not s.sync.no_progress:

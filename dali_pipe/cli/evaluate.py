@@ -19,8 +19,8 @@ from ..config import Settings, field_problems, flag_of, settings_from_keywords
 from ..datamodule import DaliDataModule
 from ..errors import UserError
 from ..manifest import Manifest, Sample
-from ..pipeline import Shards
 from ..redact import redact
+from ..samples import Shards
 from ..spec import ImageSpec
 from .infer import prepared, run_model
 

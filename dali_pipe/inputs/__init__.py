@@ -17,7 +17,7 @@ from ..sync import local_target
 from . import arrow, imagefolder, manifest, pack, parquet, shards
 from .form import Form, S3Look, local_root
 
-__all__ = ["FORMS", "Form", "by_name", "data_problem", "detect", "form_problem", "forms_text", "local_root",
+__all__ = ["FORMS", "Form", "S3Look", "by_name", "data_problem", "detect", "form_problem", "form_of", "forms_text", "local_root",
            "read"]
 
 FORMS: tuple[Form, ...] = (manifest.FORM, pack.FORM, shards.FORM, arrow.FORM, parquet.FORM, imagefolder.FORM)
@@ -61,10 +61,15 @@ def detect(data: str, cache_dir: str | None = None) -> Form | None:
     return local_form(p) if p.is_dir() else None
 
 
+def form_of(data) -> Form:
+    """The form at --data (DataSettings) for training, evaluate and pack: a dataset.tsv folder when it is none of
+    the forms, whose reader then names what is missing."""
+    return detect(data.data, data.cache_dir) or manifest.FORM
+
+
 def read(data, *, labels: bool = True):
-    """The samples at --data as its form reads them (a dataset.tsv folder when it is none of the forms: its
-    reader names what is missing)."""
-    return (detect(data.data, data.cache_dir) or manifest.FORM).read(data, labels=labels)
+    """The samples at --data as its form reads them."""
+    return form_of(data).read(data, labels=labels)
 
 
 def form_problem(data: str) -> str | None:

@@ -209,7 +209,7 @@ def check_file(path: str | Path, size: int | None, sha256: str | None, verdicts:
 
 
 def verify_local(shards, cache_dir: str | Path, *, progress: bool = True) -> None:
-    """Check every local shard of `shards` (a pipeline.Shards) against its size and checksum (check_file)
+    """Check every local shard of `shards` (a samples.Shards) against its size and checksum (check_file)
     before training: hashed once, then cached by (path, size, mtime). Raises ShardError naming them."""
     from tqdm import tqdm
 

@@ -46,6 +46,7 @@ from urllib.parse import unquote
 import xxhash
 
 from ..errors import UserError
+from ..transfer import hash_file
 
 INDEX_VERSION = "v1.2"
 PACKED_NAME = "packed.json"
@@ -487,16 +488,6 @@ def _schema_problem(meta: dict) -> str | None:
                     isinstance(x, str) for x in shard["image_paths"])):
                 return f"{where}: 'image_paths' is not a list of paths"
     return None
-
-
-def hash_file(path: str | Path, *digests):
-    """Each of `digests` (hashlib-like objects) fed the bytes of the file at `path`, read once in 1 MiB
-    blocks; the first returned."""
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            for d in digests:
-                d.update(chunk)
-    return digests[0]
 
 
 def fast_digest():

@@ -59,7 +59,7 @@ class ShardEntries:
     image: np.ndarray  # (entries, 2) int64: the image member's (offset, size); tables: unused
     label: np.ndarray  # (entries, 2) int64: the cls member's (offset, size); tables: unused
     usable: np.ndarray  # entry positions not excluded, in index order
-    group: object = None  # tables: the shard's pipeline.TableGroup (labels known, bytes read per group)
+    group: object = None  # tables: the shard's samples.TableGroup (labels known, bytes read per group)
 
 
 def read_entries(shards) -> list[ShardEntries]:

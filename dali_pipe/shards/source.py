@@ -68,7 +68,7 @@ from ..forms import (
     unfinished_pack,
 )
 from ..https import HttpError, Stopped, head, is_http, open_stream, read_small, shown
-from ..pipeline import Shards
+from ..samples import Shards
 from ..scan import DaliDecoder, ScanResult, check_bytes
 from ..sync import SyncError, explain, local_target, make_client, parse_s3_uri
 from ..tsv import row as tsv_row
@@ -217,7 +217,7 @@ class Shard:
     bad: dict[int, str] = field(default_factory=dict)  # entry -> reason it is left out
     split: list[str] = field(default_factory=list)  # "train", "val" or "test" (left out of both) per entry
     label_names: list[str | None] = field(default_factory=list)  # json labels (shards of others)
-    group: object = None  # a table shard's pipeline.TableGroup (Hugging Face datasets, shards/tables.py)
+    group: object = None  # a table shard's samples.TableGroup (Hugging Face datasets, shards/tables.py)
     origin: str = ""  # where the user keeps it (a .tar.gz's path, where `path` is its decompressed copy)
     xxh3: str | None = None  # the fast checksum (format.FAST_SUM), checked instead of the sha256 where known
 

@@ -12,7 +12,7 @@
 Each Parquet row group, and each record batch of an Arrow file, is one shard of the epoch plan
 (dali_pipe/shards/plan.py): the shard reader reads a group's image column whole when the plan first
 needs it and hands DALI each row's encoded bytes undecoded, as it does a tar member's, so the plan's
-order, the exact resume and the checks are the shards' own (`pipeline.TableGroup`). `datasets` writes
+order, the exact resume and the checks are the shards' own (`samples.TableGroup`). `datasets` writes
 100 images per row group; a file written with far larger groups costs their size in memory, times the
 plan's window (16 groups in progress).
 
@@ -45,7 +45,7 @@ from pathlib import Path
 from ..errors import UserError
 from ..forms import is_save_to_disk, parquet_files, split_of
 from ..manifest import sort_classes
-from ..pipeline import TableGroup
+from ..samples import TableGroup
 from ..scan import DaliDecoder, check_bytes
 from ..sync import list_objects, local_target, make_client, parse_s3_uri, sync_objects
 from ..tsv import safe_relpath

@@ -34,7 +34,7 @@ from .pipeline import Augment, PipelineOptions, build_pipeline, resources_for_ra
 from .samples import Files, Sample, Samples, Shards
 from .scan import ScanResult
 from .shards.cache import Remote, StreamCache, is_remote, stream_bound, stream_folder
-from .shards.source import ShardSet
+from .shards.shardset import ShardSet
 from .spec import ImageSpec
 
 

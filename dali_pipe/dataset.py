@@ -16,9 +16,9 @@ from .errors import UserError
 from .inputs import form_of
 from .manifest import Manifest
 from .scan import CACHE_NAME, ScanResult, scan, write_report
-from .shards import source
 from .shards.cache import verify_local
-from .shards.source import ShardSet
+from .shards.shardset import ShardSet
+from .shards.shardset import report as report_members
 from .workdir import OutputError
 
 
@@ -99,7 +99,7 @@ def prepare(data: DataSettings, output: Path, *, num_threads: int, report_empty:
     if form.reader == "shards":  # fetch a pack, index others' shards, sync and check a Hugging Face dataset
         shards = form.prepare(data, num_threads=num_threads, workers=SyncSettings.workers, labels=labels)
         verify_local(shards.everything, data.cache_dir)  # size and checksum of every local shard, once
-        source.report(shards, data.scan, output)
+        report_members(shards, data.scan, output)
         result = shards.scan_result()
         check_bad_fraction(result, data, output)
         return shards, result

@@ -32,7 +32,8 @@ import numpy as np
 from .forms import IMG_EXTENSIONS, find_classes, is_image_name, pair_folders, pair_val
 from .manifest import MANIFEST_NAME, Manifest, ManifestError, absolute_paths, sort_classes, stratified_split
 from .samples import Samples, member, strings
-from .sync import SyncError, SyncStats, atomic_write, sync_files
+from .sync import SyncError, SyncStats, sync_files
+from .workdir import write_atomic
 
 LISTING_NAME = ".imagefolder-files.json"  # in the local copy of an s3:// ImageFolder: the keys its last sync listed
 PAIR_NOTE = "split: the train/ and val/ folders (ImageNet's layout)"
@@ -207,7 +208,7 @@ def sync_image_folder(uri: str, dest: Path, *, workers: int, progress: bool = Tr
     if not names:
         raise SyncError(f"{uri} holds no images in class folders (an ImageFolder needs PREFIX/CLASS/IMAGE, images "
                         f"ending in {', '.join(IMG_EXTENSIONS)})")
-    atomic_write(dest / LISTING_NAME, json.dumps({"files": names}).encode())
+    write_atomic(dest / LISTING_NAME, json.dumps({"files": names}))
     return stats, names
 
 
@@ -258,7 +259,7 @@ def write_manifest(root: Path | str, *, force: bool) -> tuple[Path, int, list[st
         raise ImageFolderError(f"{root} holds no class folders of images (CLASS/IMAGE, images ending in "
                                f"{', '.join(IMG_EXTENSIONS)}); nothing to write")
     try:
-        atomic_write(target, text.encode("utf-8"))
+        write_atomic(target, text)
     except OSError as e:
         raise ImageFolderError(f"cannot write {target} ({e.strerror}); make the folder writable or free space "
                                "there") from None

@@ -62,9 +62,9 @@ from .shards.format import (
     tar_end,
     tar_member,
 )
-from .shards.source import write_member_report
+from .shards.shardset import write_member_report
 from .tsv import MANIFEST_NAME, read_table
-from .workdir import remove_dead_temps
+from .workdir import remove_dead_temps, write_atomic
 
 
 class PackError(UserError):
@@ -416,17 +416,6 @@ def pack_items(items: list[Item], classes: list[str], dst: Path, *, settings: di
     return PackStats(packed, n_bad, sum(len(v) for v in prog["splits"].values()), skipped)
 
 
-def _atomic(path: Path, text: str) -> None:
-    """Write `path` under a temporary name (removed if the write fails) and rename it into place."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        tmp.write_text(text, encoding="utf-8")
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
 def read_progress(dst: Path) -> dict | None:
     """An unfinished pack's progress, {"settings", "splits": {split: [shard records]}, "failed": {ident: reason}}, or
     None without one. The file is JSON lines: the settings first, then one line a finished shard (with the images
@@ -479,7 +468,7 @@ def _load_progress(dst: Path, settings: dict) -> dict:
     remove_dead_temps(dst, ".*.tmp-*")
     lines = [{"settings": prog["settings"]}, {"failed": prog["failed"]}] + [
         {"split": split, "shard": shard} for split, shards in prog["splits"].items() for shard in shards]
-    _atomic(dst / PROGRESS_NAME, "".join(json.dumps(line) + "\n" for line in lines))  # (an earlier form's, as lines)
+    write_atomic(dst / PROGRESS_NAME, "".join(json.dumps(line) + "\n" for line in lines))  # (an earlier form's, as lines)
     prog["logged"] = set(prog["failed"])  # failures written to the file already
     return prog
 
@@ -490,7 +479,7 @@ def _finish(dst: Path, prog: dict, split: str, writers: dict) -> None:
     writers[split] = None
     new = {k: v for k, v in prog["failed"].items() if k not in prog["logged"]}
     if not (dst / PROGRESS_NAME).is_file():
-        _atomic(dst / PROGRESS_NAME, json.dumps({"settings": prog["settings"]}) + "\n")
+        write_atomic(dst / PROGRESS_NAME, json.dumps({"settings": prog["settings"]}) + "\n")
     with open(dst / PROGRESS_NAME, "a", encoding="utf-8") as f:
         f.write(json.dumps({"split": split, "shard": shard, "failed": new}) + "\n")
     prog["logged"].update(new)
@@ -503,5 +492,5 @@ def _write_packed(dst: Path, classes: list[str], prog: dict, packed: dict, setti
                        for split, shards in prog["splits"].items()},
             "settings": {k: v for k, v in settings.items() if k != "samples"}, "source_digest": settings["samples"],
             "bad_images": bad}
-    _atomic(dst / PACKED_NAME, json.dumps(meta, indent=1, ensure_ascii=False))
+    write_atomic(dst / PACKED_NAME, json.dumps(meta, indent=1, ensure_ascii=False))
     (dst / PROGRESS_NAME).unlink(missing_ok=True)

@@ -21,7 +21,7 @@ from .manifest import Manifest
 from .pack import pack_manifest
 from .pipeline import Augment, PipelineOptions, build_pipeline, resources_for_rank
 from .samples import Files
-from .shards.source import open_packed
+from .shards.packs import open_packed
 
 LARGE_PIXELS = 1_000_000
 SAMPLE = 64

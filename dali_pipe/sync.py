@@ -42,7 +42,17 @@ from .errors import UserError
 from .redact import redact
 from .transfer import NO_CREDENTIALS, Engine, TransferError, endpoint, endpoint_credentials, part_name
 from .tsv import MANIFEST_NAME, ManifestError, check_columns, check_header, read_table, safe_relpath
-from .workdir import human_bytes, is_disk_full, lock, pid_alive, remove, remove_dead_temps, unlock, write_failure
+from .workdir import (
+    human_bytes,
+    is_disk_full,
+    lock,
+    pid_alive,
+    remove,
+    remove_dead_temps,
+    unlock,
+    write_atomic,
+    write_failure,
+)
 
 STATE_NAME = ".sync-state.json"
 JOURNAL_NAME = ".sync-state.journal"  # the files fetched since the state was last written whole
@@ -175,17 +185,6 @@ def temp_name(path: Path) -> Path:
     return path.with_name(f".{path.name}.part-{threading.get_ident()}-{os.getpid()}")
 
 
-def atomic_write(path: Path, data: bytes) -> None:
-    tmp = temp_name(path)
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
 class Watch:
     """When a byte last arrived, from any request of the sync: the one deadline they share."""
 
@@ -250,7 +249,7 @@ def fetch_manifest(engine: Engine, bucket: str, base: str, dest: Path, rows: boo
     except TransferError as e:
         raise (ManifestMissing if e.code in ("NoSuchKey", "404") else SyncError)(explain(e, bucket, key)) from None
     staged = dest / f".{MANIFEST_NAME}.incoming-{os.getpid()}"
-    atomic_write(staged, text)
+    write_atomic(staged, text, temp_name(staged))
     try:
         df = read_table(staged)
         check_header(df, staged)  # no image_path column: a typo of it, a CSV file, or none at all
@@ -404,7 +403,7 @@ class SyncState:
         """Write the whole state (atomically: a failed save, a full disk, keeps the previous file and the
         journal, to which the files recorded since are appended if they can be), then drop the journal."""
         try:
-            atomic_write(self.path, json.dumps(self.data).encode())
+            write_atomic(self.path, json.dumps(self.data), temp_name(self.path))
             self._lines = []
             self.journal.unlink(missing_ok=True)
             self.error = None

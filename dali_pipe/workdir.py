@@ -362,6 +362,22 @@ def writing(path: Path | str, tmp: Path | str | None = None):
         raise
 
 
+def write_atomic(path: Path | str, data: bytes | str, tmp: Path | None = None) -> None:
+    """The one way a whole file is written here: under a temporary name beside `path` (hidden, with our PID:
+    `tmp`, else `.NAME.tmp-PID`, which remove_dead_temps knows once we are gone), renamed into place, so that a
+    reader sees the old file or the new one, never part of one; the temporary file is removed when anything
+    fails (the error is raised as it is). Text is written as UTF-8, a name that is not UTF-8 as its bytes."""
+    path = Path(path)
+    tmp = Path(tmp) if tmp is not None else path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data if isinstance(data, bytes) else data.encode("utf-8", "surrogateescape"))
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
 @contextmanager
 def no_empty_folders_on_failure(*directories, blank=lambda path: False):
     """Around a run that creates `directories` (and their missing parents): when it fails, each of them

@@ -136,7 +136,7 @@ def test_every_form_is_listed_in_the_messages_and_in_the_docs_table():
 
 
 def test_a_url_of_another_scheme_and_a_path_of_no_form_are_none_of_them(tmp_path):
-    from dali_pipe.shards.source import ShardSourceError
+    from dali_pipe.shards.shardset import ShardSourceError
 
     with pytest.raises(ShardSourceError, match="gs:// URLs are not read"):
         detect("gs://bucket/data")

@@ -160,7 +160,7 @@ def test_a_rerun_holds_both_checksums_to_the_bytes_even_after_readers_checked_th
 
     from dali_pipe.pack import PackError
     from dali_pipe.shards.cache import verify_local
-    from dali_pipe.shards.source import open_packed
+    from dali_pipe.shards.packs import open_packed
 
     dst = tmp_path / "p"
     shutil.copytree(odd_pack, dst)

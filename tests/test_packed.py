@@ -25,7 +25,7 @@ def packed(odd_pack):
 
 
 def _shards(packed):
-    from dali_pipe.shards.source import open_packed
+    from dali_pipe.shards.packs import open_packed
 
     return open_packed(str(packed), "unused")
 

@@ -42,7 +42,7 @@ def pack(photo_root, tmp_path_factory):
 
 
 def _train(pack):
-    from dali_pipe.shards.source import open_packed
+    from dali_pipe.shards.packs import open_packed
 
     return open_packed(str(pack), "unused").train
 

@@ -134,7 +134,8 @@ def test_brace_patterns_expand_as_webdataset_does():
     from braceexpand import braceexpand
 
     from dali_pipe.inputs import detect
-    from dali_pipe.shards.source import ShardSourceError, expand_braces, is_brace_pattern
+    from dali_pipe.shards.listing import expand_braces, is_brace_pattern
+    from dali_pipe.shards.shardset import ShardSourceError
 
     for p in ["s/train-{000000..000012}.tar", "x{1..10}y", "a{01..3}", "{a,b}-{0..2}.tar", "plain.tar", "x{5..1}",
               "s3://b/p/shard-{0000..0003}.tar", "{train/shard-{000000..000002},val/shard-000000}.tar"]:

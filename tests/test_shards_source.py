@@ -11,7 +11,7 @@ from conftest import BAD_MEMBERS
 
 from dali_pipe.config import DataSettings
 from dali_pipe.inputs import read
-from dali_pipe.shards.source import ShardSourceError
+from dali_pipe.shards.shardset import ShardSourceError
 
 
 def _open(data, cache_dir, **kw):
@@ -600,7 +600,7 @@ def test_an_https_shard_whose_body_never_ends_stops_at_its_deadline(tmp_path):
     try:
         start = time.monotonic()
         with pytest.raises(ShardSourceError, match=r"indexing .*shard.tar.*no complete copy within its deadline \(2 s\)"):
-            source._read_source(source._Listed("shard.tar", url, "x", None), source._Collector("fast", 10**8, 1),
+            source._read_source(source.Listed("shard.tar", url, "x", None), source.Collector("fast", 10**8, 1),
                                 deadline_s=2)
         assert time.monotonic() - start < 10
     finally:

@@ -41,7 +41,7 @@ def test_bad_images_and_member_reports_and_predictions_read_back_row_for_row(tmp
 
 
 def test_a_member_report_reads_back_row_for_row(tmp_path):
-    from dali_pipe.shards.source import write_member_report
+    from dali_pipe.shards.shardset import write_member_report
 
     shard = SimpleNamespace(image_paths=NAMES, name="s\t0.tar", keys=[f"k\n{i}" for i in range(len(NAMES))])
     shards = SimpleNamespace(bad=[(shard, e, f"bad {e}") for e in range(len(NAMES))])

@@ -27,7 +27,6 @@ from ..shards.cache import Remote, http_copies, local_name, sync_shards
 from ..shards.format import PACKED_NAME
 from ..sync import (
     SyncError,
-    atomic_write,
     explain,
     list_objects,
     local_target,
@@ -36,7 +35,7 @@ from ..sync import (
     read_object,
     sync_objects,
 )
-from ..workdir import lock, remove, unlock
+from ..workdir import lock, remove, unlock, write_atomic
 
 REPLACED = ".replaced-packed.json"  # in the staging folder: the packed.json of the pack being replaced in S3
 
@@ -55,7 +54,7 @@ def upload(local: Path, uri: str, *, workers: int, previous: dict | None = None)
     shards = [s for split in meta["splits"].values() for s in split["shards"]]
     try:
         if previous is not None:  # no reader may trust the old packed.json while its shards are replaced
-            atomic_write(local / REPLACED, json.dumps(previous).encode())  # a rerun after a kill still knows it
+            write_atomic(local / REPLACED, json.dumps(previous))  # a rerun after a kill still knows it
             client.delete_object(Bucket=bucket, Key=base + PACKED_NAME)
     except (BotoCoreError, ClientError) as e:
         raise SyncError(f"replacing the pack at {uri}: {explain(e, bucket, base + PACKED_NAME)}") from None

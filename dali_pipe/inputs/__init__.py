@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 
 from ..forms import LayoutError, UnfinishedPackError, is_shard_name, url_problem
-from ..shards.source import ShardSourceError
+from ..shards.shardset import ShardSourceError
 from ..sync import local_target
 from . import arrow, imagefolder, manifest, pack, parquet, shards
 from .form import Form, S3Look, local_root

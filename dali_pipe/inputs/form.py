@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Callable
 
 from ..config import DataSettings
-from ..shards.source import list_first, list_top
+from ..shards.listing import list_first, list_top
 from ..sync import local_target, make_client, parse_s3_uri, read_object
 
 

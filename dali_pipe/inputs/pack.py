@@ -5,7 +5,8 @@ from pathlib import Path
 
 from ..forms import PACKED_NAME, PROGRESS_NAME, UnfinishedPackError, unfinished_pack
 from ..shards.cache import fetch, fetch_to
-from ..shards.source import ShardSet, open_pack
+from ..shards.packs import open_pack
+from ..shards.shardset import ShardSet
 from .form import Form, S3Look
 
 

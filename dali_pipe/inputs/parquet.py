@@ -3,7 +3,7 @@ in the folder, its data/ or its split folders; each row group is read as a shard
 from __future__ import annotations
 
 from ..forms import parquet_files
-from ..shards.source import parquet_keys
+from ..shards.listing import parquet_keys
 from ..shards.tables import download_tables, extract, open_tables, prepare_tables
 from .form import Form
 

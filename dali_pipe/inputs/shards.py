@@ -7,7 +7,9 @@ from pathlib import Path
 
 from ..forms import SHARD_FOLDERS, is_shard_name, shard_files
 from ..https import is_http
-from ..shards.source import CLASSES_NAME, ShardSet, is_brace_pattern, open_peer
+from ..shards.listing import CLASSES_NAME, is_brace_pattern
+from ..shards.shardset import ShardSet
+from ..shards.source import open_peer
 from ..sync import sync_files
 from .form import Form, S3Look
 

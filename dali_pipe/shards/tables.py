@@ -52,8 +52,11 @@ from ..tsv import safe_relpath
 from ..workdir import remove_dead_temps
 from .cache import Verdicts
 from .format import file_sha256
+from .listing import parquet_keys
+from .members import LEVELS, cache_file, load_json
 from .reader import TableFiles
-from .source import LEVELS, Shard, ShardSet, cache_file, load_json, parquet_keys, progress_bar, unit_hash, write_atomic
+from .shardset import Shard, ShardSet, progress_bar, write_file
+from .source import unit_hash
 
 CHECK_VERSION = 1  # bump when what the check records changes
 
@@ -266,7 +269,7 @@ def check_file(f: TableFile, root: Path, data, files: TableFiles, decoder) -> di
                                "again, or leave it out of --data") from None
     checked.update(version=CHECK_VERSION, columns=[image, label], class_names=class_names, level=level,
                    max_pixels=data.max_pixels, sha256=file_sha256(f.path), size=st.st_size)
-    write_atomic(cache, json.dumps(checked))
+    write_file(cache, json.dumps(checked))
     return checked
 
 

@@ -33,8 +33,9 @@ from .manifest import Manifest
 from .pipeline import Augment, PipelineOptions, build_pipeline, resources_for_rank, shard_reader
 from .samples import Files, Sample, Samples, Shards
 from .scan import ScanResult
-from .shards.cache import Remote, StreamCache, is_remote, stream_bound, stream_folder
+from .shards.cache import StreamCache, stream_bound, stream_folder
 from .shards.shardset import ShardSet
+from .shards.verdicts import Remote, is_remote
 from .spec import ImageSpec
 
 

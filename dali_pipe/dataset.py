@@ -16,9 +16,9 @@ from .errors import UserError
 from .inputs import form_of
 from .manifest import Manifest
 from .scan import CACHE_NAME, ScanResult, scan, write_report
-from .shards.cache import verify_local
 from .shards.shardset import ShardSet
 from .shards.shardset import report as report_members
+from .shards.verdicts import verify_local
 from .workdir import OutputError
 
 

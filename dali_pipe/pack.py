@@ -41,7 +41,6 @@ from .errors import UserError
 from .forms import PROGRESS_NAME
 from .manifest import relative_to
 from .scan import write_report
-from .shards.cache import Verdicts, verdict_key
 from .shards.format import (
     FAST_SUM,
     FORMAT,
@@ -63,6 +62,7 @@ from .shards.format import (
     tar_member,
 )
 from .shards.shardset import write_member_report
+from .shards.verdicts import Verdicts, verdict_key
 from .tsv import MANIFEST_NAME, read_table
 from .workdir import remove_dead_temps, write_atomic
 

@@ -48,6 +48,7 @@ import resource
 import sys
 import threading
 from concurrent.futures import Future
+from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from urllib.parse import unquote, urlsplit, urlunsplit
@@ -72,6 +73,25 @@ _serial = itertools.count()
 _memory_kept: bool | None = None  # keep_freed_memory's answer, once per process
 _process_ours = False  # set by own_process(): this process is one of our commands, whose limits an engine may tune
 NO_CREDENTIALS = "no AWS credentials were found"
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """The timeouts and retries of one kind of transfer, one value handed down to what makes its requests (the
+    engine: the first three; a whole-object fetch above it: the rest). Retries stack two deep at most: the
+    engine's per request (throttling, cut and stalled bodies), and `attempts` whole objects above them. Tests
+    pass their own (a silent endpoint named in seconds), never patch constants."""
+    connect_timeout: float = 5.0  # seconds to connect
+    read_timeout: float = 10.0  # seconds without a byte after which a request is retried
+    request_attempts: int = 3  # tries of one request, inside one attempt
+    attempts: int = 2  # whole-object attempts
+    stall: float = 30.0  # seconds without a byte after which an attempt is cancelled (a silent endpoint: 2 x this)
+    attempt_deadline: float = 120.0  # seconds an attempt may take at most, plus the time of its bytes at min_rate
+    min_rate: float = 2e6  # bytes/s: the slowest transfer an attempt is given time for
+
+    def deadline(self, size: int | None) -> float:
+        """Seconds one attempt at an object of `size` bytes may take."""
+        return self.attempt_deadline + (size or 0) / self.min_rate
 
 
 class TransferError(Exception):

@@ -159,8 +159,8 @@ def test_a_rerun_holds_both_checksums_to_the_bytes_even_after_readers_checked_th
     import shutil
 
     from dali_pipe.pack import PackError
-    from dali_pipe.shards.cache import verify_local
     from dali_pipe.shards.packs import open_packed
+    from dali_pipe.shards.verdicts import verify_local
 
     dst = tmp_path / "p"
     shutil.copytree(odd_pack, dst)

@@ -140,13 +140,13 @@ def test_train_evaluate_and_predict_from_a_local_pack(packed, odd_root, tmp_path
 def test_train_from_a_pack_on_s3(route, photo_root, s3_process, tmp_path, cache_dir, monkeypatch, capsys):
     """Packed to S3, read back: synced when it fits, streamed through the bounded cache when it does not
     (the free space is made too small)."""
-    import dali_pipe.shards.cache as cache_mod
+    import dali_pipe.shards.packsync as packsync
     from dali_pipe.sync import make_client
 
     make_client(4).create_bucket(Bucket="data")
     main(["pack", str(photo_root), "s3://data/packed", "--max-side", "96", "--shard-size", "60kB"])
     if route == "stream":
-        monkeypatch.setattr(cache_mod, "HEADROOM", 1 << 60)
+        monkeypatch.setattr(packsync, "HEADROOM", 1 << 60)
     res = train.main(["--data", "s3://data/packed", "--model", "tiny", "--device", "cpu", "--epochs", "1",
                       "--batch-size", "8", "--num-threads", "1", "--output", str(tmp_path / "m"), "--cache-dir",
                       str(cache_dir)])

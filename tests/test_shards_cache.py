@@ -18,18 +18,16 @@ from faultproxy import FaultProxy
 
 from dali_pipe.cli.commands import main
 from dali_pipe.shards import cache as cache_mod
-from dali_pipe.shards.cache import (
-    Fetcher,
-    Remote,
-    ShardError,
-    ShardFetchError,
-    StreamCache,
-    StreamCacheError,
-    Verdicts,
-    fetch_to,
-    verify_local,
-)
+from dali_pipe.shards import packsync
+from dali_pipe.shards import verdicts as verdicts_mod
+from dali_pipe.shards.cache import StreamCache, StreamCacheError
+from dali_pipe.shards.fetchers import Fetcher
+from dali_pipe.shards.packsync import fetch_to
 from dali_pipe.shards.reader import ShardReader
+from dali_pipe.shards.verdicts import Remote, ShardError, ShardFetchError, Verdicts, verify_local
+from dali_pipe.transfer import Bounds
+
+FAST = Bounds(connect_timeout=1.0, read_timeout=0.5, stall=1.0)  # a silent endpoint named in seconds
 
 
 @pytest.fixture(scope="module")
@@ -82,8 +80,6 @@ def bucket(moto_with_pack, pack, monkeypatch):
     monkeypatch.delenv("AWS_PROFILE", raising=False)
     proxy = FaultProxy(moto_with_pack).start()
     monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
-    for name, value in {"READ_TIMEOUT": 0.5, "CONNECT_TIMEOUT": 1.0, "STALL": 1.0}.items():
-        monkeypatch.setattr(cache_mod, name, value)
     train = _train(pack)
     yield proxy, dataclasses.replace(train, paths=tuple(f"s3://data/p/{Path(p).name}" for p in train.paths))
     proxy.stop()
@@ -105,9 +101,9 @@ def test_a_local_shard_with_a_flipped_byte_is_named_and_verdicts_are_cached(pack
     shutil.copytree(pack, copy)
     train = _train(copy)
     hashed, slow = [], []
-    real = cache_mod.file_xxh3
-    monkeypatch.setattr(cache_mod, "file_xxh3", lambda p: hashed.append(p) or real(p))
-    monkeypatch.setattr(cache_mod, "file_sha256", lambda p: slow.append(p))
+    real = verdicts_mod.file_xxh3
+    monkeypatch.setattr(verdicts_mod, "file_xxh3", lambda p: hashed.append(p) or real(p))
+    monkeypatch.setattr(verdicts_mod, "file_sha256", lambda p: slow.append(p))
     verify_local(train, tmp_path / "cache", progress=False)
     verify_local(train, tmp_path / "cache", progress=False)
     assert len(hashed) == len(train.paths) and not slow, "the second check hashed nothing, the first no sha256"
@@ -133,8 +129,8 @@ def test_a_verdict_vouches_only_for_the_checksum_it_checked(pack, tmp_path, monk
     verdicts.record(first, train.sha256[0])  # as an earlier version recorded it, after a sha256 check
     verdicts.save()
     hashed = []
-    real = cache_mod.file_xxh3
-    monkeypatch.setattr(cache_mod, "file_xxh3", lambda p: hashed.append(p) or real(p))
+    real = verdicts_mod.file_xxh3
+    monkeypatch.setattr(verdicts_mod, "file_xxh3", lambda p: hashed.append(p) or real(p))
     verify_local(train, tmp_path / "cache", progress=False)
     assert first in hashed, "the sha256 verdict spared the XXH3-128 check"
     data = json.loads((tmp_path / "cache" / "shard-verdicts.json").read_text())
@@ -151,7 +147,7 @@ def test_the_verdicts_file_holds_no_path(pack, tmp_path):
     copy = tmp_path / "hf_abcdefghijklmnopqrstuvwxyz0123" / "p"
     shutil.copytree(pack, copy)
     verify_local(_train(copy), tmp_path / "cache", progress=False)
-    text = (tmp_path / "cache" / cache_mod.VERDICTS_NAME).read_text()
+    text = (tmp_path / "cache" / verdicts_mod.VERDICTS_NAME).read_text()
     assert "hf_" not in text and str(tmp_path) not in text and len(json.loads(text)) == len(_train(copy).paths)
 
 
@@ -159,14 +155,14 @@ def test_transient_faults_are_retried_and_the_bytes_are_right(bucket, tmp_path):
     """A 503 SlowDown, a body cut mid-stream, a stalled body and a flipped byte: each retried, then the
     shard lands whole and matching."""
     proxy, shards = bucket
-    fetcher = Fetcher()
+    fetcher = Fetcher(bounds=FAST)
     try:
         for i, kind in enumerate(["503", "cut", "stall", "flip"]):
             name = shards.paths[i].rsplit("/", 1)[1]
             proxy.arm(kind, name, times=1, stall_s=5)
             dest = tmp_path / name
             fetcher.fetch(_remote(shards, i), dest)
-            assert cache_mod.file_sha256(dest) == shards.sha256[i]
+            assert verdicts_mod.file_sha256(dest) == shards.sha256[i]
             assert proxy.applied(kind) == 1
         assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")], "no temporary file left"
     finally:
@@ -180,7 +176,7 @@ def test_a_fault_that_persists_is_named_with_endpoint_and_key_in_bounded_time(bu
     proxy, shards = bucket
     name = shards.paths[0].rsplit("/", 1)[1]
     proxy.arm(kind, name, times=100, stall_s=20)
-    fetcher, outcome = Fetcher(), []
+    fetcher, outcome = Fetcher(bounds=FAST), []
 
     def attempt():
         try:
@@ -216,11 +212,11 @@ def test_a_shards_checksum_comes_from_its_bytes_as_they_land_and_a_damaged_one_i
     if part is not None:
         monkeypatch.setattr(transfer, "PART", part)  # the 8 kB shards come in ranged GETs of 2 kB
     hashed, made = [], []
-    monkeypatch.setattr(cache_mod, "file_sha256", lambda p: hashed.append(p) or "0" * 64)
-    monkeypatch.setattr(cache_mod, "file_xxh3", lambda p: hashed.append(p) or "0" * 32)
+    monkeypatch.setattr(verdicts_mod, "file_sha256", lambda p: hashed.append(p) or "0" * 64)
+    monkeypatch.setattr(verdicts_mod, "file_xxh3", lambda p: hashed.append(p) or "0" * 32)
     real = Remote.digest
     monkeypatch.setattr(Remote, "digest", lambda self: (lambda d: made.append(d.name.lower()) or d)(real(self)))
-    fetcher = Fetcher()
+    fetcher = Fetcher(bounds=FAST)
     try:
         dest = tmp_path / "ok.tar"
         assert fetcher.fetch(_remote(shards, 0, checksum), dest) == shards.sizes[0]
@@ -245,7 +241,7 @@ def test_credentials_in_the_endpoint_url_sign_the_requests(bucket, tmp_path, mon
     neither reaches the Host header; a failure message does not show the secret."""
     proxy, shards = bucket
     monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url.replace("http://", "http://AKIDURL:s3cr3t%2Fx@"))
-    fetcher = Fetcher()
+    fetcher = Fetcher(bounds=FAST)
     try:
         fetcher.fetch(_remote(shards, 0), tmp_path / "s.tar")
         headers = {k.lower(): v for k, v in proxy.requests[-1][3].items()}  # HTTP names are case-insensitive
@@ -289,7 +285,7 @@ def test_streamed_epochs_match_local_ones_within_the_bound(bucket, pack, tmp_pat
     remotes = [_remote(shards, i) for i in range(len(shards.paths))]
     bound = _minimum(local, shards)
     assert bound < sum(shards.sizes), "the pack is larger than the cache"
-    cache = StreamCache(tmp_path / "c", remotes, bound)
+    cache = StreamCache(tmp_path / "c", remotes, bound, bounds=FAST)
     view = cache.view(shards)
     reader = ShardReader(shards, batch=4, seed=1, rank=0, world=1, training=True, store=view)
     view.register(reader)
@@ -314,7 +310,7 @@ def test_a_cache_too_small_for_the_window_is_refused(bucket, tmp_path):
     """--stream-cache below what the plan has in use at once: an error naming the setting and the minimum, in
     readable units (never '0.0 MB'), rounded up so that the size it asks for is enough."""
     _, shards = bucket
-    cache = StreamCache(tmp_path / "c", [_remote(shards, i) for i in range(len(shards.paths))], max(shards.sizes))
+    cache = StreamCache(tmp_path / "c", [_remote(shards, i) for i in range(len(shards.paths))], max(shards.sizes), bounds=FAST)
     try:
         reader = ShardReader(shards, batch=4, seed=1, rank=0, world=1, training=True, store=cache.view(shards))
         with pytest.raises(StreamCacheError, match="raise --stream-cache to at least") as e:
@@ -325,7 +321,7 @@ def test_a_cache_too_small_for_the_window_is_refused(bucket, tmp_path):
     from dali_pipe.config import parse_size
 
     enough = parse_size(str(e.value).split("at least ")[1].split(",")[0].replace(" ", ""))
-    cache = StreamCache(tmp_path / "c", [_remote(shards, i) for i in range(len(shards.paths))], enough)
+    cache = StreamCache(tmp_path / "c", [_remote(shards, i) for i in range(len(shards.paths))], enough, bounds=FAST)
     try:  # the size the message asks for is enough
         cache.view(shards).register(ShardReader(shards, batch=4, seed=1, rank=0, world=1, training=True,
                                                 store=cache.view(shards)))
@@ -343,7 +339,7 @@ def test_a_resumed_epoch_fetches_only_what_it_still_needs(bucket, tmp_path, monk
     monkeypatch.setattr(Fetcher, "fetch", lambda self, r, *a, **kw: asked.append(r.url) or real(self, r, *a, **kw))
 
     def run(iterations):
-        cache = StreamCache(tmp_path / "c", remotes, sum(shards.sizes))
+        cache = StreamCache(tmp_path / "c", remotes, sum(shards.sizes), bounds=FAST)
         reader = ShardReader(shards, batch=4, seed=2, rank=0, world=1, training=True, store=cache.view(shards))
         cache.view(shards).register(reader)
         try:
@@ -461,7 +457,7 @@ def test_peer_shards_of_unknown_size_and_sha256_are_listed_then_streamed(bucket,
     reader streams the same bytes as from local disk."""
     _, shards = bucket
     peer = dataclasses.replace(shards, sizes=None, sha256=None)
-    cache = StreamCache(tmp_path / "c", [Remote(u, None, None) for u in peer.paths], sum(shards.sizes))
+    cache = StreamCache(tmp_path / "c", [Remote(u, None, None) for u in peer.paths], sum(shards.sizes), bounds=FAST)
     reader = ShardReader(peer, batch=4, seed=0, rank=0, world=1, training=True, store=cache.view(peer))
     local = ShardReader(_train(pack), batch=4, seed=0, rank=0, world=1, training=True)
     try:
@@ -487,7 +483,7 @@ def test_a_full_disk_while_fetching_is_named(bucket, tmp_path):
     try:
         big = max(range(len(shards.paths)), key=lambda i: shards.sizes[i])
         (disk / "filler").write_bytes(b"x" * (64 * 1024 - shards.sizes[big] // 2))
-        fetcher = Fetcher()
+        fetcher = Fetcher(bounds=FAST)
         with pytest.raises(ShardError, match="is full") as e:
             fetcher.fetch(_remote(shards, big), disk / "s.tar")
         fetcher.close()
@@ -512,7 +508,7 @@ def test_the_cache_is_one_runs_and_its_size_must_fit_the_disk(bucket, tmp_path):
     holder = hold_lock(folder, "run streaming these shards")
     try:
         with pytest.raises(BusyError, match=str(holder.pid)):
-            StreamCache(folder, [_remote(shards, 0)], 1 << 30)
+            StreamCache(folder, [_remote(shards, 0)], 1 << 30, bounds=FAST)
     finally:
         holder.kill()
         holder.wait()
@@ -534,7 +530,7 @@ def test_a_shard_gone_cut_or_changed_in_the_cache_is_fetched_again(bucket, pack,
     in S3). A shard that keeps going missing is named after HEALS fetches."""
     _, shards = bucket
     local = ShardReader(_train(pack), batch=4, seed=3, rank=0, world=1, training=True)
-    cache = StreamCache(tmp_path / "c", [_remote(shards, i) for i in range(len(shards.paths))], sum(shards.sizes))
+    cache = StreamCache(tmp_path / "c", [_remote(shards, i) for i in range(len(shards.paths))], sum(shards.sizes), bounds=FAST)
     reader = ShardReader(shards, batch=4, seed=3, rank=0, world=1, training=True, store=cache.view(shards))
     cache.view(shards).register(reader)
     try:
@@ -574,7 +570,7 @@ def test_a_rerun_keeps_every_shard_that_landed_whole(bucket, tmp_path, capsys):
     one (before: a resumed stream fetched 5 of 17 shards again that were all there)."""
     _, shards = bucket
     remotes = [_remote(shards, i) for i in range(len(shards.paths))]
-    cache = StreamCache(tmp_path / "c", remotes, sum(shards.sizes))
+    cache = StreamCache(tmp_path / "c", remotes, sum(shards.sizes), bounds=FAST)
     reader = ShardReader(shards, batch=4, seed=4, rank=0, world=1, training=True, store=cache.view(shards))
     cache.view(shards).register(reader)
     try:
@@ -583,13 +579,13 @@ def test_a_rerun_keeps_every_shard_that_landed_whole(bucket, tmp_path, capsys):
     finally:
         cache.close()
         reader.close()
-    (tmp_path / "c" / cache_mod.VERDICTS_NAME).unlink()
+    (tmp_path / "c" / verdicts_mod.VERDICTS_NAME).unlink()
     damaged = tmp_path / "c" / shards.paths[0].rsplit("/", 1)[1]
     data = bytearray(damaged.read_bytes())
     data[100] ^= 0xFF
     damaged.write_bytes(data)
     capsys.readouterr()
-    again = StreamCache(tmp_path / "c", remotes, sum(shards.sizes))
+    again = StreamCache(tmp_path / "c", remotes, sum(shards.sizes), bounds=FAST)
     try:
         assert set(again.resident) == set(shards.paths) - {shards.paths[0]}
         assert f"; {len(shards.paths) - 1} already there)" in capsys.readouterr().err
@@ -617,7 +613,7 @@ def test_the_stream_cache_refusal_asks_for_enough_for_every_reader(bucket, tmp_p
 
     for local_ranks in (1, 2):
         folder = tmp_path / f"c{local_ranks}"
-        cache = StreamCache(folder, remotes, max(shards.sizes), local_ranks=local_ranks)
+        cache = StreamCache(folder, remotes, max(shards.sizes), local_ranks=local_ranks, bounds=FAST)
         try:
             with pytest.raises(StreamCacheError, match=r"readers \(training and validation\)") as e:
                 readers(cache)
@@ -625,7 +621,7 @@ def test_the_stream_cache_refusal_asks_for_enough_for_every_reader(bucket, tmp_p
             cache.close()
         advice = str(e.value).split("raise --stream-cache to at least ")[1].split(",")[0]
         enough = parse_size(advice)
-        cache = StreamCache(folder, remotes, stream_bound(enough, folder, local_ranks), local_ranks=local_ranks)
+        cache = StreamCache(folder, remotes, stream_bound(enough, folder, local_ranks), local_ranks=local_ranks, bounds=FAST)
         try:
             readers(cache)  # the size the refusal asked for is enough for both
         finally:
@@ -675,7 +671,7 @@ def test_training_readies_a_pack_on_s3_through_one_engine_with_the_listing_asked
     monkeypatch.setattr(Engine, "read", lambda self, b, k: order.append(k) or real_read(self, b, k))
     monkeypatch.setattr(Engine, "list", lambda self, b, p: order.append("LIST") or real_list(self, b, p))
     monkeypatch.setattr(Engine, "__init__", lambda self, **kw: engines.append(kw) or real_init(self, **kw))
-    local = cache_mod.fetch("s3://data/pack", tmp_path / "c", mode="stream", workers=4, progress=False)
+    local = packsync.fetch("s3://data/pack", tmp_path / "c", mode="stream", workers=4, progress=False)
     assert order == ["LIST", "pack/packed.json"] and len(engines) == 1, (order, engines)
     indexes = [q.name for q in odd_pack.iterdir() if q.suffix == ".idx"]
     assert indexes and all((local / n).read_bytes() == (odd_pack / n).read_bytes() for n in indexes)

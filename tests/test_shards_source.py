@@ -416,9 +416,9 @@ def test_a_gzipped_shard_is_decompressed_once_checked_and_redone(photo_root, tmp
     assert copy.parent == cache / "gunzip" and s.shards[0].name == "one.tar.gz" and len(s.train) + len(s.val) == 6
     assert s.shards[0].sha256 == hashlib.sha256(gzip.decompress(gz.read_bytes())).hexdigest() == _sha(copy)
     monkeypatch.setattr(source, "Gunzip", lambda raw: pytest.fail("decompressed twice"))
-    import dali_pipe.shards.cache as cache_mod
+    import dali_pipe.shards.verdicts as verdicts_mod
 
-    monkeypatch.setattr(cache_mod, "file_xxh3", lambda p: pytest.fail("the copy hashed again: its verdict was not kept"))
+    monkeypatch.setattr(verdicts_mod, "file_xxh3", lambda p: pytest.fail("the copy hashed again: its verdict was not kept"))
     _open(gz, cache)
     monkeypatch.undo()
     data = bytearray(copy.read_bytes())
@@ -473,7 +473,9 @@ def test_https_shards_through_faults_each_sample_once(photo_root, http_root, tmp
     from faultproxy import FaultProxy
     from helpers import datamodule
 
-    from dali_pipe.shards.cache import HttpFetcher, Remote, ShardError, local_name
+    from dali_pipe.shards.cache import local_name
+    from dali_pipe.shards.fetchers import HttpFetcher
+    from dali_pipe.shards.verdicts import Remote, ShardError
     from dali_pipe.spec import ImageSpec
 
     www, url = http_root

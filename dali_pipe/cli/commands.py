@@ -9,8 +9,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from ..config import add_subcommand, new_parser, parse, settings_from, validate
-from ..shards.cache import fetch_to
 from ..shards.format import PACKED_NAME
+from ..shards.packsync import fetch_to
 from ..sync import ManifestMissing, SyncStats, ask_listing, make_engine, read_object, sync
 from ..transfer import keep_freed_memory
 from ..tsv import MANIFEST_NAME

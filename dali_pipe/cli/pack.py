@@ -23,8 +23,10 @@ from ..https import is_http
 from ..inputs import detect, form_problem, forms_text
 from ..manifest import Manifest
 from ..pack import PackError, finished, pack_manifest, pack_settings, pack_shards, read_progress, same_pack
-from ..shards.cache import Remote, http_copies, local_name, sync_shards
+from ..shards.cache import http_copies, local_name
 from ..shards.format import PACKED_NAME
+from ..shards.packsync import sync_shards
+from ..shards.verdicts import Remote
 from ..sync import (
     SyncError,
     explain,

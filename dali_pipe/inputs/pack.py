@@ -4,8 +4,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..forms import PACKED_NAME, PROGRESS_NAME, UnfinishedPackError, unfinished_pack
-from ..shards.cache import fetch, fetch_to
 from ..shards.packs import open_pack
+from ..shards.packsync import fetch, fetch_to
 from ..shards.shardset import ShardSet
 from .form import Form, S3Look
 

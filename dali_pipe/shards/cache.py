@@ -1,5 +1,7 @@
 """Shard bytes for training, always from local disk, always checked: a local pack verified once,
-a pack on S3 synced whole, or streamed through a bounded local cache.
+a pack on S3 synced whole, or streamed through a bounded local cache. This module is the streaming cache
+(`StreamCache`); the checks and their verdicts are in shards/verdicts.py, one object's fetch in
+shards/fetchers.py, a pack's sync in shards/packsync.py.
 
 Every shard whose size and checksum are known (packed.json; peer shards as indexed) is checked
 before its first use, and a mismatch names the shard and the way out; nothing unchecked is
@@ -34,11 +36,11 @@ else the sha256 (packs made before it, at about 1.2 GB/s); a verdict records the
 
 Faults: S3 throttling (503 SlowDown), a cut connection and a stalled body (read timeout) are
 retried by the transfer engine (obstore), then by one more whole attempt here;
-an attempt that moves no byte for STALL seconds, or runs past its deadline, is cancelled, so a
+an attempt that moves no byte for `stall` seconds (transfer.Bounds), or runs past its deadline, is cancelled, so a
 silent endpoint is named after about a minute. HTTP(S) (`HttpFetcher`, over dali_pipe/https.py)
 has the same bounds: retries of refused connections, timeouts, 429 and 5xx per request, a cut
 body continued with a Range request (or read again where the server takes no ranges), an attempt
-given up after STALL seconds without a byte or past its deadline, ATTEMPTS whole attempts, the
+given up after `stall` seconds without a byte or past its deadline, `attempts` whole attempts, the
 size and checksum checked before the rename. What still fails is a ShardFetchError naming the
 endpoint and the key (or the URL, redacted).
 
@@ -48,419 +50,45 @@ eviction and the checks.
 """
 from __future__ import annotations
 
-import contextlib
-import errno
 import hashlib
-import json
 import math
-import os
 import shutil
 import sys
 import threading
 import time
 import weakref
-from concurrent.futures import CancelledError, ThreadPoolExecutor, as_completed, wait
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from ..config import default_cache_dir, parse_size
+from ..config import parse_size
 from ..errors import UserError
-from ..https import HttpError, Stopped, cache_name, download, is_http, shown
-from ..redact import redact
+from ..https import cache_name, is_http
 from ..sync import (
-    AskedListing,
-    SyncError,
-    SyncStats,
-    byte_bar,
-    endpoint,
-    engine_for,
-    explain,
-    listing,
-    listing_asked,
     local_target,
-    parse_s3_uri,
-    read_object,
-    sync_objects,
 )
-from ..transfer import Engine, TransferError, temp_path
-from ..workdir import human_bytes, is_write_failure, lock, remove, remove_dead_temps, unlock
-from .format import FAST_SUM, PACKED_NAME, PackedFormatError, fast_digest, file_sha256, file_xxh3, parse_packed
+from ..transfer import Bounds
+from ..workdir import lock, remove, remove_dead_temps, unlock
+from .fetchers import SHARD_BOUNDS, fetcher_for, where
+from .verdicts import (
+    HASH_WORKERS,
+    VERDICTS_NAME,
+    Remote,
+    ShardError,
+    ShardFetchError,
+    Verdicts,
+    check_remote,
+    is_remote,
+)
 
-VERDICTS_NAME = "shard-verdicts.json"
 FETCH_PARALLEL = 4  # shards fetched at once
-PART_CONCURRENCY = 8  # ranged GETs at once (transfer.PART bytes each), across the shards in flight
-CONNECT_TIMEOUT, READ_TIMEOUT = 5.0, 10.0  # a stalled body is retried after READ_TIMEOUT
-REQUEST_ATTEMPTS = 3  # tries of one request (the engine retries throttling, cut and stalled bodies)
-ATTEMPTS = 2  # whole-object attempts (each with the engine's own retries of its requests)
-STALL = 30.0  # seconds without a byte after which an attempt is cancelled (a silent endpoint: 2 x STALL)
-ATTEMPT_DEADLINE = 120.0  # seconds an attempt may take at most, plus the time to move its bytes at MIN_RATE
-MIN_RATE = 2e6  # bytes/s: the slowest transfer an attempt is given time for
 STREAM_SHARE = 0.5  # default --stream-cache: this share of the cache disk's free space
-HASH_WORKERS = 4
 HEALS = 2  # times one shard may be fetched again in a run after it went missing or changed in the cache
 
 
-class ShardError(UserError):
-    """A shard failed its size or checksum check, or cannot be fetched; the message names it and the fix."""
-
-
-class ShardFetchError(ShardError):
-    """A shard could not be fetched from S3 within the time allowed; names the endpoint and the key."""
-
-
-@dataclass(frozen=True)
-class Remote:
-    """A shard in S3 and what it must be once local."""
-    url: str  # s3://bucket/key
-    size: int | None
-    sha256: str | None
-    etag: str | None = None  # from the LIST (then no HEAD is needed, and each ranged GET asks If-Match)
-    xxh3: str | None = None  # the fast checksum (format.FAST_SUM), checked instead of the sha256 where known
-
-    @property
-    def verdict(self) -> str | None:
-        return verdict_key(self.sha256, self.xxh3)
-
-    def digest(self):
-        """A new digest of what this shard's bytes are checked with (the fast checksum where known), or None."""
-        return fast_digest() if self.xxh3 else hashlib.sha256() if self.sha256 else None
-
-
 # -- verdicts: (path, size, mtime) -> checksum, so an unchanged shard is hashed once ---------------
-class Verdicts:
-    """CACHE_DIR/shard-verdicts.json: {digest of the real path: [size, mtime_ns, checksum (verdict_key)]} of
-    shards that matched (digests, so no secret a path may carry, an hf_ token say, is written)."""
-
-    def __init__(self, cache_dir: str | Path):
-        self.path = Path(cache_dir) / VERDICTS_NAME
-        try:
-            self.data = json.loads(self.path.read_text())
-        except (OSError, ValueError):
-            self.data = {}
-        self._lock = threading.Lock()
-
-    def matches(self, path: str | Path, sha256: str) -> bool:
-        try:
-            st = os.stat(path)
-        except OSError:
-            return False
-        return self.data.get(_path_key(path)) == [st.st_size, st.st_mtime_ns, sha256]
-
-    def record(self, path: str | Path, sha256: str) -> None:
-        st = os.stat(path)
-        with self._lock:
-            self.data[_path_key(path)] = [st.st_size, st.st_mtime_ns, sha256]
-
-    def forget(self, path: str | Path) -> None:
-        with self._lock:
-            self.data.pop(_path_key(path), None)
-
-    def save(self) -> None:
-        with self._lock:
-            tmp = self.path.with_name(f".{self.path.name}.tmp-{os.getpid()}")
-            try:
-                self.path.parent.mkdir(parents=True, exist_ok=True)
-                tmp.write_text(json.dumps(self.data))
-                os.replace(tmp, self.path)
-            except OSError:  # a full or read-only disk: the verdicts are only a cache; the next run hashes again
-                with contextlib.suppress(OSError):
-                    tmp.unlink(missing_ok=True)
-
-
-def _path_key(path: str | Path) -> str:
-    return hashlib.sha256(os.path.realpath(path).encode("utf-8", "surrogatepass")).hexdigest()[:32]
-
-
-def verdict_key(sha256: str | None, xxh3: str | None) -> str | None:
-    """What a verdict records for a shard: the checksum that was checked, the fast one where known
-    ("xxh3_128:HEX"), else the sha256. A verdict holds only for the checksum a check would compute now: a
-    sha256 verdict (of an earlier version) does not vouch for a pack's xxh3_128, which is checked once more."""
-    return f"{FAST_SUM}:{xxh3}" if xxh3 else sha256
-
-
-def check_remote(path: str | Path, r: Remote, verdicts: Verdicts | None = None, *,
-                 digest: str | None = None) -> str | None:
-    """check_file of a local copy of `r`."""
-    return check_file(path, r.size, r.sha256, verdicts, xxh3=r.xxh3, digest=digest)
-
-
-def check_file(path: str | Path, size: int | None, sha256: str | None, verdicts: Verdicts | None = None, *,
-               xxh3: str | None = None, digest: str | None = None) -> str | None:
-    """None when the file has the size and checksum expected (any may be unknown), else what differs. The
-    checksum is the fast one (`xxh3`, format.FAST_SUM) where known, else the sha256; a verdict is cached
-    under the checksum checked (verdict_key). `digest`: that checksum of the file when it is known already (hashed from
-    its bytes as they streamed in), so the file is not read again."""
-    try:
-        actual = os.stat(path).st_size
-    except OSError as e:
-        return f"cannot be read ({e.strerror})"
-    if size is not None and actual != size:
-        return f"has {actual} bytes, {size} expected"
-    verdict = verdict_key(sha256, xxh3)
-    if verdict is None or (verdicts is not None and verdicts.matches(path, verdict)):
-        return None
-    name, want = (FAST_SUM, xxh3) if xxh3 else ("sha256", sha256)
-    got = digest or (file_xxh3(path) if xxh3 else file_sha256(path))
-    if got != want:
-        return f"has {name} {got[:12]}..., {want[:12]}... expected"
-    if verdicts is not None:
-        verdicts.record(path, verdict)
-    return None
-
-
-def verify_local(shards, cache_dir: str | Path, *, progress: bool = True) -> None:
-    """Check every local shard of `shards` (a samples.Shards) against its size and checksum (check_file)
-    before training: hashed once, then cached by (path, size, mtime). Raises ShardError naming them."""
-    from tqdm import tqdm
-
-    n = len(shards.paths)
-    sizes, sums, fast = shards.sizes or (None,) * n, shards.sha256 or (None,) * n, shards.xxh3 or (None,) * n
-    todo = list(dict.fromkeys((p, z, h, x) for p, z, h, x in zip(shards.paths, sizes, sums, fast)
-                              if not is_remote(p)))
-    # (once per file: the row groups of one Parquet file are shards of one path)
-    if not todo:
-        return
-    verdicts = Verdicts(cache_dir)
-    unknown = [t for t in todo if (v := verdict_key(t[2], t[3])) is None or not verdicts.matches(t[0], v)]
-    total = sum(os.stat(p).st_size for p, _, h, x in unknown if (h or x) and os.path.exists(p))
-    bar = tqdm(total=total, unit="B", unit_scale=True, desc="check shards", file=sys.stderr, mininterval=1.0,
-               disable=not progress or total < (256 << 20))
-    bad = []
-
-    def one(t):
-        path, size, sha, xxh3 = t
-        problem = check_file(path, size, sha, verdicts, xxh3=xxh3)
-        if (sha or xxh3) and os.path.exists(path):
-            bar.update(os.stat(path).st_size)
-        return path, problem
-
-    try:
-        with ThreadPoolExecutor(HASH_WORKERS) as pool:
-            bad = [(p, why) for p, why in pool.map(one, unknown) if why]
-    finally:
-        bar.close()
-        verdicts.save()
-    if bad:
-        lines = "\n  ".join(f"{p} {why}" for p, why in bad[:5])
-        raise ShardError(f"{len(bad)} shard(s) do not match packed.json, so they were changed or damaged after "
-                         f"packing:\n  {lines}\nCopy or sync the pack again (python -m dali_pipe sync), or pack the "
-                         "data again.")
 
 
 # -- one object: ranged parallel GETs through the engine, bounded, checked --------------------
-def _split(url: str) -> tuple[str, str]:
-    return parse_s3_uri(url)
-
-
-def is_remote(path: str) -> bool:
-    """Whether a shard path is an object to fetch (s3://, https://, http://) rather than a local file."""
-    return path.startswith("s3://") or is_http(path)
-
-
-def _where(url: str) -> str:
-    return shown(url) if is_http(url) else f"{url} (endpoint {endpoint()})"
-
-
-class Fetcher:
-    """Shards through the transfer engine (dali_pipe/transfer.py: ranged GETs, PART_CONCURRENCY in flight
-    across the shards being fetched), each attempt bounded by its own watchdog."""
-
-    def __init__(self, concurrency: int = PART_CONCURRENCY):
-        # an engine of its own, never a caller's: its request bound keeps every attempt of FETCH_PARALLEL under way
-        # (with a caller's `--workers 1`, a shard queued behind another counted as silent and was cancelled), and
-        # its READ_TIMEOUT is the one a stalled shard body is retried after
-        self.engine = Engine(concurrency=concurrency, connect_timeout=CONNECT_TIMEOUT, read_timeout=READ_TIMEOUT,
-                             attempts=REQUEST_ATTEMPTS)
-        self._futures: set = set()
-        self._closed = False
-        register = getattr(threading, "_register_atexit", None)  # before the executors' threads are joined
-        if register is not None:
-            try:
-                register(self.close)
-            except RuntimeError:  # interpreter shutting down
-                pass
-
-    def close(self) -> None:
-        """Cancel the transfers in flight (their temporary files are removed) and stop the engine."""
-        if not self._closed:
-            self._closed = True
-            for future in list(self._futures):
-                future.cancel()
-            self.engine.close()
-
-    def listed(self, remotes: list["Remote"]) -> list["Remote"]:
-        """The shards with their sizes and ETags from S3 (`listed`)."""
-        return listed(remotes, self.engine)
-
-    def size_of(self, url: str) -> int:
-        bucket, key = _split(url)
-        try:
-            return self.engine.run(self.engine.size(bucket, key))
-        except TransferError as e:
-            raise ShardFetchError(f"{_where(url)}: {explain(e, bucket, key)}") from None
-
-    def fetch(self, remote: Remote, dest: Path, *, stop: threading.Event | None = None,
-              verdicts: Verdicts | None = None, on_bytes=None) -> int:
-        """Download `remote` to `dest` through a temporary name; its size and checksum checked before the
-        rename (a mismatch is fetched once more). Returns the bytes. Raises ShardError / ShardFetchError."""
-        bucket, key = _split(remote.url)
-        size = remote.size if remote.size is not None else self.size_of(remote.url)
-        mismatch, failure = None, None
-        for attempt in range(ATTEMPTS):
-            if stop is not None and stop.is_set():
-                raise ShardFetchError(f"{_where(remote.url)}: the fetch was stopped")
-            tmp = temp_path(dest)
-            try:
-                dest.parent.mkdir(parents=True, exist_ok=True)  # each time: a cache folder removed meanwhile comes back
-                digest = self._one(bucket, key, tmp, size, on_bytes, remote.etag, digest=remote.digest())
-                problem = check_file(tmp, size, remote.sha256, xxh3=remote.xxh3, digest=digest)
-                if problem is None:
-                    os.replace(tmp, dest)
-                    if verdicts is not None and remote.verdict is not None:
-                        verdicts.record(dest, remote.verdict)
-                    return size
-                mismatch = problem
-            except TimeoutError as e:
-                failure = str(e)
-            except OSError as e:
-                if e.errno == errno.ENOSPC:
-                    raise ShardError(f"the disk of {dest.parent} is full ({remote.url} did not fit); free space, or "
-                                     "lower --stream-cache, or pass another --cache-dir") from None
-                if is_write_failure(e):  # a read-only cache, or not ours
-                    raise ShardError(f"cannot write {remote.url} into {dest.parent} ({e.strerror}); make that "
-                                     "folder writable, or pass another --cache-dir") from None
-                failure, mismatch = f"{type(e).__name__}: {redact(str(e))[:200]}", None
-            except TransferError as e:
-                if e.code in ("NoSuchKey", "404", "NotFound", "NoSuchBucket", "AccessDenied", "403", "credentials"):
-                    raise ShardFetchError(f"{_where(remote.url)}: {explain(e, bucket, key)}") from None
-                failure, mismatch = f"{e.code}: {e.detail}", None
-            finally:
-                tmp.unlink(missing_ok=True)
-        if mismatch is not None and failure is None:
-            raise ShardError(f"{_where(remote.url)} does not match its size and checksum ({mismatch}), twice: the "
-                             "object in S3 is damaged or was replaced after packing (or the network damages data); "
-                             "upload the pack again")
-
-        raise ShardFetchError(redact(f"{_where(remote.url)} could not be fetched in {ATTEMPTS} attempts "
-                                     f"({failure or mismatch}); check the endpoint and the network, then rerun "
-                                     "(finished shards are kept)"))
-
-    def _one(self, bucket: str, key: str, tmp: Path, size: int, on_bytes, etag: str | None = None, *,
-             digest=None) -> str | None:
-        """One download through the engine, cancelled when it stalls or runs past its deadline; with `digest`
-        (Remote.digest), returns its hexdigest of the bytes it wrote (computed as they landed)."""
-        last = [time.monotonic()]  # when the last bytes arrived
-
-        def progress(n: int) -> None:  # on the engine's loop
-            last[0] = time.monotonic()
-            if on_bytes is not None:
-                on_bytes(n)
-
-        deadline = ATTEMPT_DEADLINE + size / MIN_RATE
-        if self._closed:
-            raise TimeoutError("the run is ending")
-        future = self.engine.submit(self.engine.download(bucket, key, tmp, size, etag=etag, on_bytes=progress,
-                                                         digest=digest))
-        self._futures.add(future)
-        start = time.monotonic()
-        try:
-            while not future.done():  # a watchdog: nothing for STALL seconds, or past the deadline
-                wait([future], timeout=0.2)  # returns as soon as the download ends
-                if self._closed:
-                    future.cancel()
-                    raise TimeoutError("the run is ending")
-                now = time.monotonic()
-                if now - last[0] > STALL or now - start > deadline:
-                    future.cancel()  # its requests are dropped and its temporary file removed on the loop
-                    raise TimeoutError(f"no byte for {STALL:.0f} s" if now - last[0] > STALL else
-                                       f"no complete copy within {deadline:.0f} s")
-            future.result()
-        except CancelledError:
-            raise TimeoutError("the run is ending") from None
-        finally:
-            self._futures.discard(future)
-        return None if digest is None else digest.hexdigest()
-
-
-class HttpFetcher:
-    """https:// (and http://) shards, with the bounds of Fetcher: one streaming GET per attempt into a
-    temporary name, continued with a Range request where a connection is cut (https.download), ATTEMPTS
-    whole attempts, each cancelled past ATTEMPT_DEADLINE + size / MIN_RATE or when the run ends (a stalled
-    body fails within the read timeout); size and checksum checked before the rename."""
-
-    def __init__(self):
-        self._stop = threading.Event()
-
-    def listed(self, remotes: list[Remote]) -> list[Remote]:
-        """The shards as indexed (their sizes and checksums are known: each fetch checks them)."""
-        return list(remotes)
-
-    def close(self) -> None:
-        self._stop.set()
-
-    def fetch(self, remote: Remote, dest: Path, *, stop: threading.Event | None = None,
-              verdicts: Verdicts | None = None, on_bytes=None) -> int:
-        deadline_s = ATTEMPT_DEADLINE + (remote.size or 0) / MIN_RATE
-        mismatch, failure = None, None
-        for _ in range(ATTEMPTS):
-            if (stop is not None and stop.is_set()) or self._stop.is_set():
-                raise ShardFetchError(f"{_where(remote.url)}: the fetch was stopped")
-            tmp = temp_path(dest)
-            stopping = _Either(stop, self._stop)
-            try:
-                dest.parent.mkdir(parents=True, exist_ok=True)  # each time: a cache folder removed meanwhile comes back
-                with open(tmp, "wb") as f:
-                    download(remote.url, f, size=remote.size, deadline=time.monotonic() + deadline_s, stop=stopping,
-                             on_bytes=on_bytes)
-                problem = check_remote(tmp, remote)
-                if problem is None:
-                    os.replace(tmp, dest)
-                    if verdicts is not None and remote.verdict is not None:
-                        verdicts.record(dest, remote.verdict)
-                    return os.stat(dest).st_size
-                mismatch = problem
-            except Stopped as e:
-                if stopping.is_set():
-                    raise ShardFetchError(f"{_where(remote.url)}: the fetch was stopped") from None
-                failure = e.reason
-            except HttpError as e:
-                if e.status is not None:  # the server answered: 404, 403, ...; asking again changes nothing
-                    raise ShardFetchError(str(e)) from None
-                failure = e.reason
-            except OSError as e:
-                if e.errno in (errno.ENOSPC, errno.EDQUOT):
-                    raise ShardError(f"the disk of {dest.parent} is full ({_where(remote.url)} did not fit); free "
-                                     "space, or lower --stream-cache, or pass another --cache-dir") from None
-                if is_write_failure(e):  # a read-only cache, or not ours
-                    raise ShardError(f"cannot write {_where(remote.url)} into {dest.parent} ({e.strerror}); make "
-                                     "that folder writable, or pass another --cache-dir") from None
-                raise
-            finally:
-                tmp.unlink(missing_ok=True)
-        if mismatch is not None and failure is None:
-            raise ShardError(f"{_where(remote.url)} {mismatch}, twice: the object at the server changed after it "
-                             "was indexed (or the network damages data); rerun to index it again")
-        raise ShardFetchError(redact(f"{_where(remote.url)} could not be fetched in {ATTEMPTS} attempts "
-                                     f"({failure or mismatch}); check the server and the network, then rerun"))
-
-
-class _Either:
-    """is_set() of either of two events (the caller's and the fetcher's own)."""
-
-    def __init__(self, a, b):
-        self.a, self.b = a, b
-
-    def is_set(self) -> bool:
-        return (self.a is not None and self.a.is_set()) or self.b.is_set()
-
-
-def fetcher_for(remotes: list[Remote]):
-    """The fetcher of these shards' scheme (S3, or HTTP(S)); one scheme per run."""
-    schemes = {"http" if is_http(r.url) else "s3" for r in remotes}
-    if len(schemes) > 1:
-        raise ShardFetchError("these shards are partly on S3 and partly at an HTTP(S) server; give them one "
-                              "source (copy them to one place)")
-    return HttpFetcher() if schemes == {"http"} else Fetcher()
 
 
 # -- the streaming cache -------------------------------------------------------------------------
@@ -568,12 +196,12 @@ class StreamCache:
     """Shards of S3 fetched ahead into `folder`, at most `bound` bytes (resident + in flight)."""
 
     def __init__(self, folder: Path, remotes: list[Remote], bound: int, *, parallel: int = FETCH_PARALLEL,
-                 local_ranks: int = 1):
-        self.folder, self.bound, self.local_ranks = Path(folder), bound, local_ranks
+                 local_ranks: int = 1, bounds: Bounds = SHARD_BOUNDS):
+        self.folder, self.bound, self.local_ranks, self.bounds = Path(folder), bound, local_ranks, bounds
         self.folder.mkdir(parents=True, exist_ok=True)
         lock(self.folder, "run streaming these shards", "wait for it to finish, or pass another --cache-dir")
         remove_dead_temps(self.folder, ".*.part-*")
-        self.fetcher = fetcher_for(remotes)
+        self.fetcher = fetcher_for(remotes, bounds)
         self.remotes = {r.url: r for r in self.fetcher.listed(remotes)}
         self.names = _local_names(list(self.remotes))
         self.verdicts = Verdicts(self.folder)
@@ -723,7 +351,7 @@ class StreamCache:
     def _landed(self, url: str, reader) -> str:
         """Wait (bounded) until `url` is resident, then its local path."""
         r = self.remotes[url]
-        limit = ATTEMPTS * (ATTEMPT_DEADLINE + (r.size or 0) / MIN_RATE) + 60
+        limit = self.bounds.attempts * self.bounds.deadline(r.size) + 60
         start = time.monotonic()
         with self._cv:
             if url in self.resident:
@@ -734,9 +362,9 @@ class StreamCache:
                 if url in self.failed:
                     raise self.failed[url]
                 if self._stop.is_set():
-                    raise ShardFetchError(f"{_where(url)}: the streaming cache was closed")
+                    raise ShardFetchError(f"{where(url)}: the streaming cache was closed")
                 if time.monotonic() - start > limit:
-                    raise ShardFetchError(f"{_where(url)}: not fetched within {limit:.0f} s; check the endpoint "
+                    raise ShardFetchError(f"{where(url)}: not fetched within {limit:.0f} s; check the endpoint "
                                           "and the network")
                 self._cv.wait(0.5)
             if self.waiting == url:
@@ -811,7 +439,7 @@ class StreamCache:
         except Exception as e:
             with self._cv:
                 self.inflight.pop(url, None)
-                self.failed[url] = e if isinstance(e, UserError) else ShardFetchError(f"{_where(url)}: {e}")
+                self.failed[url] = e if isinstance(e, UserError) else ShardFetchError(f"{where(url)}: {e}")
                 self._cv.notify_all()
             return
         with self._cv:
@@ -866,32 +494,6 @@ class CacheView:
         self.cache.advance(reader, epoch, position)
 
 
-def listed(remotes: list[Remote], engine: Engine, found: dict[str, tuple[int, str]] | None = None) -> list[Remote]:
-    """The shards with their sizes and ETags from one LIST per prefix (or `found`, {url: (size, ETag)}, a
-    listing the caller made): no HEAD per shard, and a shard whose size in S3 differs from what packed.json
-    says is named before anything is fetched."""
-    if found is None:
-        found = {}
-        for base in sorted({r.url.rsplit("/", 1)[0] for r in remotes}):
-            bucket, prefix = _split(base + "/x")
-            try:
-                for rel, meta in listing(engine, bucket, prefix[:-1]).items():
-                    found[f"{base}/{rel}"] = meta
-            except SyncError as e:
-                raise ShardFetchError(str(e)) from None
-    out = []
-    for r in remotes:
-        if r.url not in found:
-            raise ShardFetchError(f"{_where(r.url)}: the shard is not in S3; check the prefix, or upload the pack "
-                                  "again")
-        size, etag = found[r.url]
-        if r.size is not None and size != r.size:
-            raise ShardError(f"{r.url} has {size} bytes in S3, {r.size} expected (packed.json): it was replaced after "
-                             "packing; upload the pack again")
-        out.append(Remote(r.url, size, r.sha256, f'"{etag}"', r.xxh3))
-    return out
-
-
 def local_name(url: str) -> str:
     """The file name of a shard's local copy: the key's base name (S3), or a digest and the base name
     without the query string, which may carry a signature (HTTP)."""
@@ -911,111 +513,5 @@ def _local_names(urls: list[str]) -> dict[str, str]:
 
 
 # -- a pack on S3: synced whole, or made ready for streaming -------------------------------------
-HEADROOM = 1 << 30  # free space left on the cache disk after syncing a pack
 
 
-def fetch(data: str, cache_dir: str | Path, *, mode: str, workers: int, progress: bool = True) -> Path:
-    """Make the pack at --data readable from local disk: its packed.json and index files always, its
-    shards when `mode` (auto|sync|stream) says so (checked as they land). Returns the local folder."""
-    if not data.startswith("s3://"):
-        return Path(data)
-
-    return fetch_to(data, local_target(data, Path(cache_dir)), mode=mode, workers=workers, progress=progress,
-                    cache_dir=cache_dir)
-
-
-def fetch_to(data: str, local: Path, *, mode: str, workers: int, progress: bool = True,
-             cache_dir: str | Path | None = None, engine: Engine | None = None, raw: bytes | None = None,
-             stats: SyncStats | None = None, asked: AskedListing | None = None) -> Path:
-    """`fetch` into a given folder (`python -m dali_pipe sync` of a pack); verdicts of the shards that
-    land go to `cache_dir` (default: the default cache dir). `engine`: the transfer engine for packed.json, the
-    LIST and the index files (default: one made here; the shards have their own: Fetcher); `raw`: packed.json's
-    bytes, when the caller read them already; `asked`: the prefix's LIST, asked for on `engine` already
-    (ask_listing).
-    `stats`, when given, is filled in as a dataset's sync fills it: the pack's index and shard files listed,
-    downloaded (their bytes) and unchanged, and the seconds."""
-    start = time.perf_counter()
-    local.mkdir(parents=True, exist_ok=True)
-    prefix = data.rstrip("/")
-    bucket, key = parse_s3_uri(prefix)
-    # one engine for packed.json, the LIST (asked for beside it) and the index files; the LIST serves the shards too
-    with engine_for(engine, workers) as engine, listing_asked(engine, prefix, asked) as asked:
-        if raw is None:
-            raw = read_object(data, PACKED_NAME, engine)
-        if raw is None:
-            raise PackedFormatError(f"{data} has no {PACKED_NAME}; pack it first (python -m dali_pipe pack)")
-        meta = parse_packed(raw, f"{data}/{PACKED_NAME}")
-        shards = [s for split in meta["splits"].values() for s in split["shards"]]
-        total = sum(s["size"] for s in shards)
-        free = shutil.disk_usage(local).free + sum((local / s["name"]).stat().st_size for s in shards
-                                                   if (local / s["name"]).is_file())
-        if mode == "auto":
-            mode = "sync" if free >= total + HEADROOM else "stream"
-            if progress and mode == "stream":
-                print(f"packed data: {total / 1e9:.1f} GB of shards do not fit in {local} ({free / 1e9:.1f} GB free); "
-                      "streaming them through a bounded cache (--stream-cache)", file=sys.stderr)
-        if mode == "sync" and free < total:
-            raise SyncError(f"{data}: the pack's {len(shards)} shard(s) need {human_bytes(total)} in {local}, which "
-                            f"has {human_bytes(free)} free (counting the shards already there); free space there, or "
-                            "sync to another disk (another LOCAL_DIR; for training, --cache-dir, or --packed-s3 "
-                            "stream). Nothing was downloaded.")
-        remote = listing(engine, bucket, f"{key}/" if key else "", asked)
-        got = sync_objects(data, local, [s["index"] for s in shards], workers=workers, progress=False, engine=engine,
-                           remote=remote)
-        if mode == "sync":
-            found = {f"{prefix}/{rel}": meta for rel, meta in remote.items()}
-            ready = listed([Remote(f"{prefix}/{s['name']}", s["size"], s.get("sha256"), xxh3=s.get(FAST_SUM))
-                            for s in shards], engine, found)
-    if mode == "sync":
-        fetched, size = sync_shards(ready, local, cache_dir=cache_dir or default_cache_dir(), progress=progress,
-                                    listed_already=True)
-        got.listed += len(shards)
-        got.downloaded += fetched
-        got.skipped += len(shards) - fetched
-        got.bytes += size
-    (local / PACKED_NAME).write_bytes(raw)  # last: the local copy is complete
-    if stats is not None:
-        got.seconds = time.perf_counter() - start
-        stats.__dict__.update(got.__dict__)
-    return local
-
-
-def sync_shards(remotes: list[Remote], local: Path, *, cache_dir: str | Path, progress: bool = True,
-                listed_already: bool = False) -> tuple[int, int]:
-    """Fetch every shard into `local` (ranged parallel GETs, FETCH_PARALLEL shards at a time), each
-    checked as it lands; shards already there and matching are kept. Returns the shards fetched and their
-    bytes. `listed_already`: the remotes carry their sizes and ETags from S3 (`listed`), so no LIST again."""
-
-    verdicts = Verdicts(cache_dir)
-    lock(local, "sync", "wait for it to finish")
-    try:
-        remove_dead_temps(local, ".*.part-*")
-        todo = []
-        for r in remotes:
-            dest = local / local_name(r.url)
-            if dest.is_file() and check_remote(dest, r, verdicts) is None:
-                continue
-            todo.append((r, dest))
-        bar = byte_bar("sync shards", sum(r.size or 0 for r, _ in todo), progress and bool(todo))
-        fetcher, stop = fetcher_for([r for r, _ in todo] or remotes), threading.Event()
-        if todo and not listed_already:
-            todo = list(zip(fetcher.listed([r for r, _ in todo]), [d for _, d in todo]))
-        pool = ThreadPoolExecutor(FETCH_PARALLEL, thread_name_prefix="shard-sync")
-        done = 0
-        try:
-            futures = [pool.submit(fetcher.fetch, r, dest, stop=stop, verdicts=verdicts, on_bytes=bar.update)
-                       for r, dest in todo]
-            for fut in as_completed(futures):
-                done += fut.result()  # the first failure stops the rest
-        except BaseException:
-            stop.set()
-            fetcher.close()
-            raise
-        finally:
-            pool.shutdown(wait=True, cancel_futures=True)
-            fetcher.close()
-            bar.close()
-            verdicts.save()
-        return len(todo), done
-    finally:
-        unlock(local)

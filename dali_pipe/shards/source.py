@@ -58,7 +58,7 @@ from urllib.parse import urlsplit
 from ..https import HttpError, Stopped, is_http, open_stream, shown
 from ..sync import SyncError, explain, make_client, parse_s3_uri
 from ..workdir import human_bytes, remove_dead_temps
-from .cache import ATTEMPT_DEADLINE, HEADROOM, MIN_RATE, Verdicts, check_file, is_remote, verdict_key
+from .fetchers import SHARD_BOUNDS
 from .format import (
     FAST_SUM,
     Counting,
@@ -70,7 +70,9 @@ from .format import (
 )
 from .listing import CLASSES_NAME, GUNZIP_DIR, Listed, list_peer, shard_stem
 from .members import Collector, cache_file, covers, load_json
+from .packsync import HEADROOM
 from .shardset import Shard, ShardSet, ShardSourceError, progress_bar, write_file
+from .verdicts import Verdicts, check_file, is_remote, verdict_key
 
 S3_ATTEMPTS = 3  # streaming GETs of one shard (S3 or HTTP) while indexing it, when the connection is cut
 VAL_WORDS = {"val", "valid", "validation"}
@@ -165,13 +167,13 @@ def _read_source(item: Listed, collector: Collector, deadline_s: float | None = 
     """(the index of the shard read once from its source, the bytes read from it), decompressed into its
     copy on the way for a gzipped one. An S3 or HTTP stream cut or short is read again from the start
     (S3_ATTEMPTS in all); nothing of it is stored but the copy. An HTTP body is read within `deadline_s`
-    (default: an attempt's deadline, ATTEMPT_DEADLINE plus its size at MIN_RATE), once: a body that never ends
+    (default: an attempt's deadline, SHARD_BOUNDS.deadline of its size), once: a body that never ends
     hung the indexing for good."""
     from botocore.exceptions import BotoCoreError, ClientError
 
     attempts = S3_ATTEMPTS if is_remote(item.path) else 1
     if deadline_s is None:
-        deadline_s = ATTEMPT_DEADLINE + (item.size or 0) / MIN_RATE
+        deadline_s = SHARD_BOUNDS.deadline(item.size)
     for attempt in range(attempts):
         last = attempt + 1 == attempts
         collector.reset()

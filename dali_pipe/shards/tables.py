@@ -50,13 +50,13 @@ from ..scan import DaliDecoder, check_bytes
 from ..sync import list_objects, local_target, make_client, parse_s3_uri, sync_objects
 from ..tsv import safe_relpath
 from ..workdir import remove_dead_temps
-from .cache import Verdicts
 from .format import file_sha256
 from .listing import parquet_keys
 from .members import LEVELS, cache_file, load_json
 from .reader import TableFiles
 from .shardset import Shard, ShardSet, progress_bar, write_file
 from .source import unit_hash
+from .verdicts import Verdicts
 
 CHECK_VERSION = 1  # bump when what the check records changes
 

@@ -36,7 +36,6 @@ from .config import (
     DataSettings,
     PipelineSettings,
     flag_of,
-    named,
     resolve,
     settings_from_keywords,
     validate,
@@ -46,6 +45,7 @@ from .datamodule import check_before_restore
 from .demo import demo_dataset
 from .errors import RunMismatchError, UserError
 from .inputs import data_problem
+from .naming import named
 from .spec import ImageSpec
 
 _KEYWORDS = [f.name for cls in (DataSettings, PipelineSettings) for f in dataclasses.fields(cls)]

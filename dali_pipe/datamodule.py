@@ -25,11 +25,12 @@ from pathlib import Path
 import pytorch_lightning as pl
 from lightning_fabric.plugins import CheckpointIO
 
-from .config import DataSettings, PipelineSettings, named, recipe_names, resolve_device
+from .config import DataSettings, PipelineSettings, recipe_names, resolve_device
 from .dataset import check_batch, data_line, differences, drop_note, fingerprint, prepare, read, scan_manifest
 from .errors import RunMismatchError, UserError
 from .loader import DaliLoader, ReaderChanged
 from .manifest import Manifest
+from .naming import named
 from .pipeline import Augment, PipelineOptions, build_pipeline, resources_for_rank, shard_reader
 from .samples import Files, Sample, Samples, Shards
 from .scan import ScanResult

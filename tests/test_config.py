@@ -10,7 +10,9 @@ from pathlib import Path
 import pytest
 
 from dali_pipe import config
-from dali_pipe.config import FIELDS, Settings, UsageError, build_parser, parse, settings_from, validate
+from dali_pipe.cli import parser as cli_parser
+from dali_pipe.cli.parser import build_parser, parse, settings_from
+from dali_pipe.config import FIELDS, Settings, UsageError, validate
 from dali_pipe.inputs import data_problem
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -253,16 +255,16 @@ def test_the_parser_records_which_settings_were_given():
 def test_a_switch_takes_a_true_or_false_after_it_and_leaves_any_other_word(argv, want):
     """`--no-progress URI DIR` keeps its positionals (argparse's optional value would take the URI, and the
     command would ask for LOCAL_DIR), while `--skip-missing True` (SageMaker's strings) still sets a value."""
-    p = config.new_parser("prog", "doc")
-    config.add_subcommand(p.add_subparsers(dest="command"), "sync", "h", "doc", ("sync", "--skip-missing"))
+    p = cli_parser.new_parser("prog", "doc")
+    cli_parser.add_subcommand(p.add_subparsers(dest="command"), "sync", "h", "doc", ("sync", "--skip-missing"))
     ns, problems = parse(argv, p)
     assert not problems
     assert (ns.uri, ns.local_dir, ns.no_progress, ns.skip_missing) == want
 
 
 def test_manifest_force_before_its_folder():
-    p = config.new_parser("prog", "doc")
-    config.add_subcommand(p.add_subparsers(dest="command"), "manifest", "h", "doc", ("manifest",))
+    p = cli_parser.new_parser("prog", "doc")
+    cli_parser.add_subcommand(p.add_subparsers(dest="command"), "manifest", "h", "doc", ("manifest",))
     ns, problems = parse(["manifest", "--force", "photos"], p)
     assert not problems and (ns.folder, ns.force) == ("photos", True)
 
@@ -270,8 +272,8 @@ def test_manifest_force_before_its_folder():
 @pytest.mark.parametrize("argv", [["sync", "--no-prog", "s3://b/p", "dir"], ["sync", "--skip", "s3://b/p", "dir"]])
 def test_an_abbreviated_switch_is_an_unknown_flag(argv):
     """Abbreviations are off (#47: `--epoch` was taken as `--epochs`): an abbreviated switch is named as unknown."""
-    p = config.new_parser("prog", "doc")
-    config.add_subcommand(p.add_subparsers(dest="command"), "sync", "h", "doc", ("sync", "--skip-missing"))
+    p = cli_parser.new_parser("prog", "doc")
+    cli_parser.add_subcommand(p.add_subparsers(dest="command"), "sync", "h", "doc", ("sync", "--skip-missing"))
     _, problems = parse(argv, p)
     assert problems == [f"unrecognized arguments: {argv[1]} (see prog --help)"]
 

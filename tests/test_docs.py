@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from dali_pipe.cli import commands, train_parser
-from dali_pipe.config import UsageError, parse
+from dali_pipe.cli.parser import parse
+from dali_pipe.config import UsageError
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]

@@ -157,7 +157,7 @@ def test_a_split_flag_given_is_honoured_and_said_to_differ(trained, photo_root, 
     metrics.pop("split")
     (older / "metrics.json").write_text(json.dumps(metrics))
     from dali_pipe.cli.commands import parser
-    from dali_pipe.config import parse, settings_from
+    from dali_pipe.cli.parser import parse, settings_from
 
     ns, _ = parse(["evaluate", "--model", str(older), "--data", str(photo_root)], parser())
     del ns.command
@@ -175,7 +175,8 @@ def test_a_damaged_split_record_is_named_and_a_damaged_metrics_json_is_refused(t
     unnoticed)."""
     from dali_pipe.cli.commands import parser
     from dali_pipe.cli.evaluate import trained_split
-    from dali_pipe.config import parse, resolve, settings_from
+    from dali_pipe.cli.parser import parse, settings_from
+    from dali_pipe.config import resolve
     from model.loading import ModelLoadError, load_trained
 
     def copy(name: str, edit) -> Path:

@@ -230,7 +230,7 @@ def test_the_packing_advice_is_a_command_that_runs_as_printed(tmp_path):
     import shlex
 
     from dali_pipe.cli.commands import parser
-    from dali_pipe.config import settings_from
+    from dali_pipe.cli.parser import settings_from
     from dali_pipe.prescribe import pack_command
 
     for data in (str(tmp_path / "my photos"), "s3://bucket/prefix/"):

@@ -21,23 +21,13 @@ import time
 import warnings
 from pathlib import Path
 
-from ..config import (
-    TRAIN_GROUPS,
-    DataSettings,
-    Settings,
-    UsageError,
-    build_parser,
-    default_cache_dir,
-    parse,
-    resolve,
-    settings_from,
-    validate,
-)
+from ..config import TRAIN_GROUPS, DataSettings, Settings, UsageError, default_cache_dir, resolve, validate
 from ..demo import demo_dataset
 from ..errors import RunFailed, UserError, dali_missing
 from ..redact import RedactingStream, redact
 from ..transfer import own_process
 from ..workdir import fix_for, is_disk_full, output_failure
+from .parser import build_parser, parse, settings_from
 
 TRAIN_DOC = """Train an image classifier from a dataset.tsv of JPEGs (local or S3) with a DALI pipeline.
 

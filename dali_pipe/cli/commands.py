@@ -8,7 +8,7 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from ..config import add_subcommand, new_parser, parse, settings_from, validate
+from ..config import validate
 from ..shards.format import PACKED_NAME
 from ..shards.packsync import fetch_to
 from ..sync import ManifestMissing, SyncStats, ask_listing, make_engine, read_object, sync
@@ -17,6 +17,7 @@ from ..tsv import MANIFEST_NAME
 from . import command_imports, data_check, described
 from . import main as train_main
 from .infer import check_output
+from .parser import add_subcommand, new_parser, parse, settings_from
 
 SYNC_DOC = ("Download s3://bucket/prefix/dataset.tsv and every file it lists into LOCAL_DIR (for a pack, its "
             "packed.json, shards and index files, with parallel ranged GETs; for any other --data form, its files: "

@@ -37,12 +37,13 @@ from model.progress import PlainProgressBar, TerminalProgressBar
 from model.resume import LAST, plan_resume, read_meta
 from model.selection import BestModel, recover
 
-from ..config import Settings, named
+from ..config import Settings
 from ..datamodule import DaliDataModule
 from ..dataset import data_line, drop_note, split_record
 from ..errors import UserError
 from ..manifest import Manifest
 from ..monitor import DaliMemoryLog, MonitorCallback
+from ..naming import named
 from ..prescribe import prescription
 from ..scan import is_empty_report
 from ..spec import ImageSpec

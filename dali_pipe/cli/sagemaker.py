@@ -42,8 +42,9 @@ import traceback
 import typing
 from pathlib import Path
 
-from ..config import FIELDS, TRAIN_GROUPS, RunSettings, flag_of, named
+from ..config import FIELDS, TRAIN_GROUPS, RunSettings, flag_of
 from ..errors import RunFailed, RunMismatchError, UserError
+from ..naming import named
 from ..redact import redact, redact_argv
 from .hosts import HostsError, current, join
 

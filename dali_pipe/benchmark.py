@@ -33,17 +33,9 @@ import pytorch_lightning as pl
 from .baseline import classic_loader
 from .config import LOADERS, UsageError, resolve_precision
 from .decoder import DecoderLog
-from .monitor import (
-    SHARE_WORDS,
-    SHARES,
-    MonitorCallback,
-    Sampler,
-    StepLog,
-    budget_line,
-    busy_cores,
-    diagnose,
-    time_budget,
-)
+from .monitor import MonitorCallback
+from .prescribe import SHARE_WORDS, SHARES, budget_line, busy_cores, diagnose, time_budget
+from .sampler import Sampler, StepLog
 from .samples import Shards
 from .workdir import OutputError, remove_dead_temps
 

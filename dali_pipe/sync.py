@@ -38,9 +38,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from .awsenv import NO_CREDENTIALS, TransferError, endpoint, endpoint_credentials
 from .errors import UserError
 from .redact import redact
-from .transfer import NO_CREDENTIALS, Engine, TransferError, endpoint, endpoint_credentials, part_name
+from .transfer import Engine, part_name
 from .tsv import MANIFEST_NAME, ManifestError, check_columns, check_header, read_table, safe_relpath
 from .workdir import (
     human_bytes,

@@ -40,39 +40,37 @@ import asyncio
 import collections
 import concurrent.futures
 import contextlib
-import ctypes
 import itertools
 import os
 import re
-import resource
-import sys
 import threading
 from concurrent.futures import Future
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
-from urllib.parse import unquote, urlsplit, urlunsplit
 
+from .awsenv import (
+    TransferError,
+    botocore_credentials,
+    bucket_region,
+    endpoint_credentials,
+    endpoint_url,
+    env_keys,
+    from_botocore,
+)
+from .limits import requests_room, tune_for_transfers
 from .redact import redact
 
 PART = 8 << 20  # objects above this size are fetched in ranged GETs of this size
 CHUNK = 1 << 20  # a streamed body is written (hashed, counted as progress) in chunks of about this size
 WRITERS = 4  # threads that write (and hash) streamed bodies
-FILES_SPARE = 128  # open files left for the rest of the process, beside the requests' (requests_room)
 IN_FLIGHT_BYTES = 256 << 20  # body bytes held in memory at once, across all requests: a whole object read up
 # to PART, or two CHUNKs per streamed body; so memory is bounded whatever --workers (256 objects of up to
 # PART in flight would otherwise hold 2 GB)
 REQUEST_LIMIT = 300.0  # seconds one request may take at most (a part of PART bytes at under 30 kB/s)
 RETRY_WINDOW = 60.0  # seconds after a request's first try during which obstore may retry it
 CREDENTIALS_TTL = timedelta(minutes=5)  # how long obstore keeps a set of credentials before asking again
-MMAP_THRESHOLD = 32 << 20  # glibc's own ceiling for its sliding mmap threshold (DEFAULT_MMAP_THRESHOLD_MAX, 64-bit)
-TRIM_THRESHOLD = 2 * MMAP_THRESHOLD  # what glibc sets beside it when it slides the mmap threshold up
-_MALLOC_KNOBS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_MMAP_MAX_",
-                 "MALLOC_ARENA_MAX", "MALLOC_ARENA_TEST")  # glibc's malloc variables; set, even empty, they tune it
 _serial = itertools.count()
-_memory_kept: bool | None = None  # keep_freed_memory's answer, once per process
-_process_ours = False  # set by own_process(): this process is one of our commands, whose limits an engine may tune
-NO_CREDENTIALS = "no AWS credentials were found"
 
 
 @dataclass(frozen=True)
@@ -92,97 +90,6 @@ class Bounds:
     def deadline(self, size: int | None) -> float:
         """Seconds one attempt at an object of `size` bytes may take."""
         return self.attempt_deadline + (size or 0) / self.min_rate
-
-
-class TransferError(Exception):
-    """An S3 request failed; `code` is S3's error code (NoSuchKey, AccessDenied, SlowDown, ...) or ours:
-    'timeout', 'connect', 'credentials', 'size' (the object's bytes differ from its listed size), 'http'."""
-
-    def __init__(self, code: str, detail: str, status: int | None = None):
-        super().__init__(detail)
-        self.code, self.detail, self.status = code, detail, status
-
-
-def endpoint_url() -> str | None:
-    """AWS_ENDPOINT_URL_S3, else AWS_ENDPOINT_URL (botocore's order), as set (credentials and all)."""
-    return os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or None
-
-
-def endpoint_credentials() -> dict:
-    """An AWS_ENDPOINT_URL(_S3) of the form http://KEY:SECRET@host:port: the endpoint without them, and
-    them as the access key and secret (botocore would send them in the Host header otherwise)."""
-    url = endpoint_url()
-    if not url or "@" not in url:
-        return {}
-    u = urlsplit(url)
-    if u.username is None:
-        return {}
-    return {"endpoint_url": urlunsplit(u._replace(netloc=u.netloc.rsplit("@", 1)[1])),
-            "aws_access_key_id": unquote(u.username), "aws_secret_access_key": unquote(u.password or "")}
-
-
-def endpoint() -> str:
-    """The endpoint S3 requests go to (AWS_ENDPOINT_URL_S3 before AWS_ENDPOINT_URL), redacted."""
-    return redact(endpoint_url() or "the AWS S3 endpoint")
-
-
-def env_keys() -> tuple[str, str, str | None] | None:
-    """The credentials in AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY and AWS_SESSION_TOKEN (or the older
-    AWS_SECURITY_TOKEN): (key, secret, token), read as botocore's first provider reads them, which wins
-    over every other (AWS_PROFILE too) and is never refreshed. None when they are absent or incomplete, or
-    AWS_CREDENTIAL_EXPIRATION makes them expire: then botocore's chain decides (and names what is wrong).
-    Read here because importing botocore and walking its chain costs about 0.2 s per sync."""
-    env = os.environ
-    if not env.get("AWS_ACCESS_KEY_ID") or not env.get("AWS_SECRET_ACCESS_KEY") or env.get("AWS_CREDENTIAL_EXPIRATION"):
-        return None
-    token = env.get("AWS_SECURITY_TOKEN") or env.get("AWS_SESSION_TOKEN") or None
-    return env["AWS_ACCESS_KEY_ID"], env["AWS_SECRET_ACCESS_KEY"], token
-
-
-_botocore_lock = threading.Lock()
-_botocore: dict = {}  # {what the chain reads (the AWS_* environment, HOME, the profile files' stat): a session}
-
-
-def _botocore_session():
-    """One botocore session per process and AWS setting (botocore alone: boto3 would import s3transfer
-    too); a changed AWS_* variable or HOME, or an edited ~/.aws/credentials or config, makes a new one,
-    as a new process would (a session keeps the credentials it found)."""
-    import botocore.session
-
-    env = tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("AWS_") or k == "HOME"))
-    files = []
-    for var, default in (("AWS_SHARED_CREDENTIALS_FILE", "~/.aws/credentials"), ("AWS_CONFIG_FILE", "~/.aws/config")):
-        try:
-            st = os.stat(os.path.expanduser(os.environ.get(var) or default))
-            files.append((st.st_mtime_ns, st.st_size, st.st_ino))
-        except OSError:
-            files.append(None)
-    key = (env, tuple(files))
-    with _botocore_lock:
-        if key not in _botocore:
-            _botocore.clear()
-            _botocore[key] = botocore.session.get_session()
-        return _botocore[key]
-
-
-def _from_botocore(ask):
-    """`ask(session)` of botocore's session; what botocore refuses (a key without its secret, a profile that is
-    not there, an unreadable expiry) as a TransferError('credentials') naming it."""
-    from botocore.exceptions import BotoCoreError
-
-    try:
-        return ask(_botocore_session())
-    except (BotoCoreError, ValueError) as e:
-        raise TransferError("credentials", redact(str(e))[:300]) from None
-
-
-def _botocore_credentials():
-    """botocore's credential chain, walked once per session (the session keeps what it found: an instance
-    role's credentials are fetched once, then refreshed by botocore as they expire)."""
-    creds = _from_botocore(lambda session: session.get_credentials())
-    if creds is None:
-        raise TransferError("credentials", NO_CREDENTIALS)
-    return creds
 
 
 def classify(err: BaseException) -> TransferError:
@@ -224,8 +131,7 @@ class Engine:
         self.connect_timeout, self.read_timeout = connect_timeout, read_timeout
         self._stores: dict[str, object] = {}
         self._lock = threading.Lock()
-        if _process_ours:  # process-wide: never in a user's own process (a library import), only in our commands'
-            keep_freed_memory()  # (the sync command asked for one arena first)
+        tune_for_transfers()  # process-wide, so only in our commands (limits.own_process), never a user's
         self._loop = asyncio.new_event_loop()
         self._slots: asyncio.Semaphore | None = None
         self._waiting: collections.deque = collections.deque()  # (bytes, future) of requests waiting, in turn
@@ -254,16 +160,16 @@ class Engine:
                 return {"access_key_id": keys[0], "secret_access_key": keys[1], "token": keys[2],
                         "expires_at": datetime.now(timezone.utc) + CREDENTIALS_TTL}
         else:
-            creds = _botocore_credentials()  # botocore's chain: profiles, SSO, container, instance role
+            creds = botocore_credentials()  # botocore's chain: profiles, SSO, container, instance role
 
             def credentials():
                 frozen = creds.get_frozen_credentials()  # refreshed by botocore before it expires
                 return {"access_key_id": frozen.access_key, "secret_access_key": frozen.secret_key,
                         "token": frozen.token, "expires_at": datetime.now(timezone.utc) + CREDENTIALS_TTL}
         region = os.environ.get("AWS_DEFAULT_REGION") if keys else None
-        region = region or _from_botocore(lambda session: session.get_config_variable("region")) or "us-east-1"
+        region = region or from_botocore(lambda session: session.get_config_variable("region")) or "us-east-1"
         if url is None:
-            region = _from_botocore(lambda session: bucket_region(session, bucket)) or region
+            region = from_botocore(lambda session: bucket_region(session, bucket)) or region
         return S3Store(
             bucket, endpoint=url, region=region, virtual_hosted_style_request=url is None,
             credential_provider=credentials,
@@ -607,81 +513,6 @@ async def _whole(store, key: str):
         raise classify(e) from None
 
 
-def keep_freed_memory(one_arena: bool = False) -> bool:
-    """Have glibc's malloc keep the memory a transfer frees for its next chunk (once per process, by whichever
-    caller comes first; True when set). `one_arena`: also one malloc arena for every thread, for a process
-    whose threads all move the same bytes (the sync command; called before it starts any thread).
-
-    Every streamed chunk is a fresh 1 MB bytes object (obstore copies the body's frames into a new one per
-    chunk, on one of its own threads), freed once it is written, on another. glibc's defaults hand such
-    memory back to the kernel almost at once: its sliding mmap threshold rises to about a chunk's size, and
-    its trim threshold to twice that, less than the ~8 MB of chunks four shards keep in flight, so freed
-    chunks at the heap's top are trimmed and the next ones fault their pages in anew. Fixed at glibc's own
-    ceilings (the 32 MB it slides the mmap threshold up to at most, and twice that for the trim threshold),
-    the same memory is reused; with one arena, the threads also share one pool of it instead of warming one
-    each. Measured on a 952 MB pack (docs/s3-and-packs.md#how-fast): page faults from 63 000-74 000 to 23 000
-    (11 500 with one arena; s5cmd 5 800), system time down 16-53%. The cost: up to 64 MB of freed heap per
-    malloc arena stays with the process instead of going back to the kernel (a block above 32 MB still goes
-    back as it is freed). An engine in a training process (shard streaming) sets the thresholds too; that was
-    not measured there. Process-wide, so left alone where the user tunes malloc already (MALLOC_*_ or glibc.malloc
-    tunables in the environment) and where the C library is not glibc (musl, macOS)."""
-    global _memory_kept
-    if _memory_kept is None:
-        _memory_kept = False
-        tuned = any(k in os.environ for k in _MALLOC_KNOBS) or "glibc.malloc." in os.environ.get("GLIBC_TUNABLES", "")
-        if on_glibc() and not tuned:
-            mallopt = ctypes.CDLL(None).mallopt  # M_MMAP_THRESHOLD -3, M_TRIM_THRESHOLD -1, M_ARENA_MAX -8 (malloc.h)
-            _memory_kept = bool(mallopt(-3, MMAP_THRESHOLD)) and bool(mallopt(-1, TRIM_THRESHOLD))
-            if one_arena:
-                mallopt(-8, 1)
-    return _memory_kept
-
-
-def own_process() -> None:
-    """Called by our commands (cli.as_a_command) alone: engines in this process may tune what is process-wide,
-    the malloc thresholds (keep_freed_memory) and the soft open-file limit (requests_room). In a user's own
-    process (DaliDataModule in their script) neither is touched: fewer requests go at once where the
-    open-file limit is short, and stderr says so."""
-    global _process_ours
-    _process_ours = True
-
-
-def on_glibc() -> bool:
-    """Whether this process's C library is glibc (whose malloc keep_freed_memory tunes)."""
-    try:
-        return bool(os.confstr("CS_GNU_LIBC_VERSION"))
-    except (AttributeError, ValueError, OSError):  # Windows has no confstr; macOS and musl refuse the name
-        return False
-
-
-def requests_room(wanted: int) -> int:
-    """How many of `wanted` requests in flight the open-file limit has room for (each holds a connection and, as
-    its bytes land, a file; FILES_SPARE more are left for the rest of the process). The soft limit is raised
-    towards the hard one first in our own commands (own_process), as Go's runtime does for s5cmd (often 1024 soft,
-    far more hard); where even the hard limit is short (or, in a user's process, the soft one), fewer requests go at once, and stderr says so once, instead of a sync whose files
-    fail by the thousand with EMFILE."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    need = 2 * wanted + FILES_SPARE
-    if _process_ours and soft != resource.RLIM_INFINITY and soft < need:  # (a user's process keeps its limits)
-        target = need if hard == resource.RLIM_INFINITY else min(need, hard)
-        try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
-            soft = target
-        except (ValueError, OSError):
-            pass
-    if soft == resource.RLIM_INFINITY or soft >= need:
-        return wanted
-    room = max(1, (soft - FILES_SPARE) // 2)
-    if room not in _told:
-        _told.add(room)
-        print(f"dali_pipe: the open-file limit ({soft}, `ulimit -n`) leaves room for {room} S3 requests in flight, "
-              f"not {wanted}; raise it to use more", file=sys.stderr)
-    return room
-
-
-_told: set[int] = set()
-
-
 def _create(path) -> int:
     return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
 
@@ -711,21 +542,6 @@ def part_name(dest: str) -> str:
     """`temp_path` for a str path (the sync makes one per file: pathlib's cost shows at a million)."""
     folder, name = os.path.split(dest)
     return os.path.join(folder, f".{name}.part-{next(_serial)}-{os.getpid()}")
-
-
-def bucket_region(session, bucket: str) -> str | None:
-    """The region of an AWS bucket (botocore follows S3's redirect), or None when it cannot be told."""
-    from botocore.config import Config
-    from botocore.exceptions import BotoCoreError, ClientError
-
-    try:
-        client = session.create_client("s3", config=Config(connect_timeout=5, read_timeout=20, retries={"max_attempts": 2}))
-        head = client.head_bucket(Bucket=bucket)
-        return head.get("BucketRegion") or head["ResponseMetadata"]["HTTPHeaders"].get("x-amz-bucket-region")
-    except ClientError as e:
-        return e.response.get("ResponseMetadata", {}).get("HTTPHeaders", {}).get("x-amz-bucket-region")
-    except BotoCoreError:
-        return None
 
 
 def list_with_boto3(bucket: str, prefix: str, engine: Engine) -> dict[str, tuple[int, str]]:

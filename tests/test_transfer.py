@@ -13,9 +13,10 @@ from pathlib import Path
 import pytest
 from faultproxy import FaultProxy
 
-from dali_pipe import transfer
+from dali_pipe import limits, transfer
+from dali_pipe.awsenv import TransferError
 from dali_pipe.sync import make_client
-from dali_pipe.transfer import Engine, TransferError, temp_path
+from dali_pipe.transfer import Engine, temp_path
 
 TOOLS = Path(__file__).resolve().parents[1] / "tools"
 
@@ -352,13 +353,13 @@ def test_a_long_secret_in_a_credentials_error_is_redacted_whole(aws_files):
     assert "SECRET" not in e.value.detail and "pppp" not in e.value.detail, e.value.detail
 
 
-glibc_only = pytest.mark.skipif(not transfer.on_glibc(), reason="glibc's malloc only")
+glibc_only = pytest.mark.skipif(not limits.on_glibc(), reason="glibc's malloc only")
 LEFT_ALONE = {"MALLOC_ARENA_TEST": "8"}  # glibc's own default on 64-bit: malloc as it is, and the engine keeps off it
 STREAM = """
 import asyncio, resource, sys
 from pathlib import Path
-from dali_pipe import transfer
-transfer.own_process()  # as our commands do (a user's own process keeps glibc's defaults)
+from dali_pipe import limits, transfer
+limits.own_process()  # as our commands do (a user's own process keeps glibc's defaults)
 engine = transfer.Engine(concurrency=4, connect_timeout=5, read_timeout=10, attempts=2)
 engine.run(engine.size("data", "s/0.bin"))  # the store and its connections made before counting
 engine.ranges = False  # one streamed GET per object, as from a server that answers ranges whole (rclone's)
@@ -367,7 +368,7 @@ async def four():
     await asyncio.gather(*(engine.download("data", f"s/{i}.bin", Path(sys.argv[1], f"{i}.bin"), int(sys.argv[2]))
                            for i in range(4)))
 engine.run(four())
-print(transfer._memory_kept, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+print(limits._memory_kept, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 engine.close()
 """
 
@@ -448,32 +449,6 @@ def test_the_sync_command_keeps_to_one_malloc_arena_and_a_library_engine_does_no
     assert arenas["sync"] == 1 and arenas["engine"] > 1, arenas
 
 
-@glibc_only
-@pytest.mark.parametrize("env", [{"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=131072"}, {"MALLOC_ARENA_MAX": "4"},
-                                 {"MALLOC_TOP_PAD_": ""}, LEFT_ALONE])
-def test_malloc_tuned_by_the_user_is_left_alone(env):
-    """Set, even empty (glibc reads an empty MALLOC_TOP_PAD_ as 0), the user's malloc settings win."""
-    import subprocess
-    import sys
-
-    code = "from dali_pipe.transfer import keep_freed_memory; print(keep_freed_memory(one_arena=True))"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         env={**{k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}, **env})
-    assert out.stdout.strip() == "False"
-
-
-@pytest.mark.parametrize("refusal", [ValueError, OSError, AttributeError])
-def test_no_glibc_no_mallopt(monkeypatch, refusal):
-    """musl, macOS, Windows: nothing asked of a C library that has no such knobs."""
-    def not_glibc(name):
-        raise refusal("unrecognized configuration name")
-
-    monkeypatch.setattr(transfer, "_memory_kept", None)
-    monkeypatch.setattr(transfer.os, "confstr", not_glibc, raising=False)
-    monkeypatch.setattr(transfer.ctypes, "CDLL", lambda *a: pytest.fail("mallopt called without glibc"))
-    assert transfer.keep_freed_memory(one_arena=True) is False
-
-
 @pytest.mark.parametrize("mode", ["asyncio", "threads"])
 def test_the_benchmarks_floor_client_copies_every_byte_of_the_prefix(s3, tmp_path, monkeypatch, mode):
     """tools/sync_floor.py, the least a Python client of obstore does (bench_sync.py --floors times it beside
@@ -525,24 +500,3 @@ def test_the_benchmarks_floor_client_copies_every_byte_of_the_prefix(s3, tmp_pat
     assert refused.returncode == 1 and "set AWS_ENDPOINT_URL" in refused.stderr, refused.stderr
 
 
-@pytest.mark.parametrize("ours", [False, True])
-def test_only_our_commands_tune_the_process(ours):
-    """An engine in a user's own process (the library, imported) leaves malloc and the open-file limit as they
-    are, and takes fewer requests where the limit is short; in our commands (own_process) it raises the soft
-    limit towards the hard one and keeps freed memory."""
-    import resource
-
-    code = ("import resource; from dali_pipe import transfer; "
-            + ("transfer.own_process(); " if ours else "")
-            + "e = transfer.Engine(concurrency=256, connect_timeout=1, read_timeout=1, attempts=1); "
-            "print(resource.getrlimit(resource.RLIMIT_NOFILE)[0], e.concurrency, transfer._memory_kept); e.close()")
-    _, top = resource.getrlimit(resource.RLIMIT_NOFILE)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != "GLIBC_TUNABLES"}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env,
-                         preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (300, top)))
-    soft, concurrency, kept = out.stdout.split()
-    if ours:
-        assert int(soft) > 300 and concurrency == "256" and kept == str(transfer.on_glibc())
-    else:
-        assert soft == "300" and concurrency == "86" and kept == "None", out.stdout
-        assert "leaves room for 86 S3 requests in flight" in out.stderr

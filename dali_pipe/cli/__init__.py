@@ -24,8 +24,8 @@ from pathlib import Path
 from ..config import TRAIN_GROUPS, DataSettings, Settings, UsageError, default_cache_dir, resolve, validate
 from ..demo import demo_dataset
 from ..errors import RunFailed, UserError, dali_missing
+from ..limits import own_process
 from ..redact import RedactingStream, redact
-from ..transfer import own_process
 from ..workdir import fix_for, is_disk_full, output_failure
 from .parser import build_parser, parse, settings_from
 

@@ -12,6 +12,7 @@ import time
 from concurrent.futures import CancelledError, wait
 from pathlib import Path
 
+from ..awsenv import TransferError
 from ..https import HttpError, Stopped, download, is_http, shown
 from ..redact import redact
 from ..sync import (
@@ -21,7 +22,7 @@ from ..sync import (
     listing,
     parse_s3_uri,
 )
-from ..transfer import Bounds, Engine, TransferError, temp_path
+from ..transfer import Bounds, Engine, temp_path
 from ..workdir import is_write_failure
 from .verdicts import (
     Remote,

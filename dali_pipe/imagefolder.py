@@ -31,8 +31,9 @@ import numpy as np
 
 from .forms import IMG_EXTENSIONS, find_classes, is_image_name, pair_folders, pair_val
 from .manifest import MANIFEST_NAME, Manifest, ManifestError, absolute_paths, sort_classes, stratified_split
+from .s3 import SyncError
 from .samples import Samples, member, strings
-from .sync import SyncError, SyncStats, sync_files
+from .sync import SyncStats, sync_files
 from .workdir import write_atomic
 
 LISTING_NAME = ".imagefolder-files.json"  # in the local copy of an s3:// ImageFolder: the keys its last sync listed

@@ -38,9 +38,17 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from .awsenv import NO_CREDENTIALS, TransferError, endpoint, endpoint_credentials
-from .errors import UserError
-from .redact import redact
+from .s3 import (
+    CONNECT_TIMEOUT,
+    MAX_ATTEMPTS,
+    READ_TIMEOUT,
+    ManifestMissing,
+    SyncError,
+    TransferError,
+    endpoint,
+    explain,
+    parse_s3_uri,
+)
 from .transfer import Engine, part_name
 from .tsv import MANIFEST_NAME, ManifestError, check_columns, check_header, read_table, safe_relpath
 from .workdir import (
@@ -57,17 +65,8 @@ from .workdir import (
 
 STATE_NAME = ".sync-state.json"
 JOURNAL_NAME = ".sync-state.journal"  # the files fetched since the state was last written whole
-CONNECT_TIMEOUT, READ_TIMEOUT, MAX_ATTEMPTS = 5.0, 20.0, 3  # one request: at most ~5 + 3 x 20 s
 POLL = 0.05  # seconds between looks at the downloads that finished
 STALL_SECONDS = 40.0  # the whole sync stops after this long without a byte; in-flight reads end within READ_TIMEOUT
-
-
-class SyncError(UserError):
-    """The sync cannot proceed; the message names the bucket/key/row and what to do."""
-
-
-class ManifestMissing(SyncError):
-    """The prefix holds no dataset.tsv (it may be a pack: the sync command then fetches that)."""
 
 
 @dataclass
@@ -86,99 +85,10 @@ class SyncStats:
                 f"{self.missing} missing in S3, {self.listed} listed, {self.seconds:.1f} s")
 
 
-def parse_s3_uri(uri: str) -> tuple[str, str]:
-    if not uri.startswith("s3://"):
-        raise SyncError(f"{redact(uri)!r} is not an s3:// URI; use s3://bucket/prefix")
-    bucket, _, prefix = uri[5:].partition("/")
-    if not bucket:
-        raise SyncError(f"{redact(uri)!r} names no bucket; use s3://bucket/prefix")
-    return bucket, prefix.strip("/")
-
-
-def local_target(uri: str, cache_dir: Path) -> Path:
-    """Where `uri` is synced under the cache dir: CACHE/s3/BUCKET/PREFIX. A bucket or prefix segment that is no
-    folder name ("..", ".", an empty one from "//") is refused: S3 takes it as part of a key, but here it made
-    the copy land outside CACHE/s3/BUCKET (`s3://b/../../x` at CACHE/x) or share another prefix's folder."""
-    bucket, prefix = parse_s3_uri(uri)
-    odd = [seg for seg in [bucket] + (prefix.split("/") if prefix else []) if seg in ("", ".", "..")]
-    if odd:
-        raise SyncError(f"{redact(uri)!r}: its bucket or prefix holds a {odd[0]!r} segment, which no local folder "
-                        "can stand for; name the prefix without '.', '..' and '//' segments")
-    return Path(cache_dir) / "s3" / bucket / prefix
-
-
-def make_client(workers: int, max_attempts: int | None = None, connect_timeout: float | None = None,
-                read_timeout: float | None = None):
-    """An S3 client for `workers` threads; timeouts and tries default to this module's bounds."""
-    import boto3
-    from botocore.config import Config
-
-    cfg = Config(max_pool_connections=max(10, workers), connect_timeout=connect_timeout or CONNECT_TIMEOUT,
-                 read_timeout=read_timeout or READ_TIMEOUT, tcp_keepalive=True,
-                 retries={"max_attempts": max_attempts or MAX_ATTEMPTS, "mode": "standard"})
-    return boto3.session.Session().client("s3", config=cfg, **endpoint_credentials())
-
-
 def make_engine(workers: int) -> Engine:
     """The transfer engine for a sync: `workers` requests in flight, this module's timeouts and tries."""
     return Engine(concurrency=workers, connect_timeout=CONNECT_TIMEOUT, read_timeout=READ_TIMEOUT,
                   attempts=MAX_ATTEMPTS)
-
-
-def explain(err: Exception, bucket: str, key: str) -> str:
-    """A message for a failed S3 call (boto3's, or the transfer engine's TransferError) that names the
-    bucket/key and the fix, never a secret."""
-    if isinstance(err, OSError) and is_disk_full(err):
-        return f"no space left on the local disk for s3://{bucket}/{key}"
-    code = _code(err)
-    if code == "credentials":
-        found = f" ({err.detail})" if isinstance(err, TransferError) and err.detail != NO_CREDENTIALS else ""
-        return (f"no usable AWS credentials{found}. Set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE, "
-                "or run with an instance/SageMaker role that can read the bucket")
-    if code == "timeout":
-        return (f"{endpoint()} did not answer for s3://{bucket}/{key} (timed out after {MAX_ATTEMPTS} tries); "
-                "check AWS_ENDPOINT_URL, the region and the network")
-    if code == "connect":
-        return f"cannot reach {endpoint()}; check AWS_ENDPOINT_URL, the region and the network"
-    if code == "NoSuchBucket":
-        return f"bucket {bucket!r} does not exist (or is in another account/endpoint); check the s3:// URI"
-    if code in ("NoSuchKey", "404", "NotFound"):
-        return f"s3://{bucket}/{key} does not exist; check the prefix (it must hold {MANIFEST_NAME})"
-    if code in ("AccessDenied", "403", "InvalidAccessKeyId", "SignatureDoesNotMatch"):
-        return f"access to s3://{bucket}/{key} was denied ({code}); check the credentials and the bucket policy"
-    if code in ("SlowDown", "503"):
-        return (f"{endpoint()} kept throttling s3://{bucket}/{key} (503 SlowDown, {MAX_ATTEMPTS} tries); rerun "
-                "later or with fewer --workers")
-    if code == "size":
-        return f"s3://{bucket}/{key}: {err}; rerun the sync (the object may be changing)"
-    if code is not None:
-        return f"S3 error {code} on s3://{bucket}/{key}"
-    return f"{type(err).__name__} on s3://{bucket}/{key}: " + redact(str(err))[:200]  # redacted whole, then cut
-
-
-def _code(err: Exception) -> str | None:
-    """What went wrong, in the transfer engine's words (TransferError.code), whoever raised it."""
-    if isinstance(err, TransferError):
-        return err.code
-    if type(err).__module__.startswith("botocore"):
-        from botocore.exceptions import (
-            ClientError,
-            ConnectTimeoutError,
-            EndpointConnectionError,
-            NoCredentialsError,
-            PartialCredentialsError,
-            ReadTimeoutError,
-        )
-
-        if isinstance(err, (NoCredentialsError, PartialCredentialsError)):
-            return "credentials"
-        if isinstance(err, (ReadTimeoutError, ConnectTimeoutError)):
-            return "timeout"
-        if isinstance(err, EndpointConnectionError):
-            return "connect"
-        if isinstance(err, ClientError):
-            return err.response.get("Error", {}).get("Code") or "?"
-    return None
 
 
 def temp_name(path: Path) -> Path:

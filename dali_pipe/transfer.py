@@ -49,7 +49,9 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
-from .awsenv import (
+from .limits import requests_room, tune_for_transfers
+from .redact import redact
+from .s3 import (
     TransferError,
     botocore_credentials,
     bucket_region,
@@ -58,8 +60,6 @@ from .awsenv import (
     env_keys,
     from_botocore,
 )
-from .limits import requests_room, tune_for_transfers
-from .redact import redact
 
 PART = 8 << 20  # objects above this size are fetched in ranged GETs of this size
 CHUNK = 1 << 20  # a streamed body is written (hashed, counted as progress) in chunks of about this size

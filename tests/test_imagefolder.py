@@ -100,7 +100,7 @@ def test_an_imagefolder_on_s3_reads_what_the_bucket_holds(photo_root, s3, tmp_pa
     folder; an object removed from the bucket is not read again from the cache's copy."""
     from dali_pipe.config import DataSettings
     from dali_pipe.dataset import prepare
-    from dali_pipe.sync import make_client
+    from dali_pipe.s3 import make_client
 
     client = make_client(4)
     client.create_bucket(Bucket="pets-bucket")

@@ -13,7 +13,7 @@ import pytest
 from dali_pipe.cli.commands import main
 from dali_pipe.config import DataSettings
 from dali_pipe.inputs import FORMS, Form, by_name, detect, forms_text, read
-from dali_pipe.sync import ManifestMissing
+from dali_pipe.s3 import ManifestMissing
 
 ROOT = Path(__file__).resolve().parents[1]
 PER_CLASS = 4

@@ -289,7 +289,8 @@ def test_an_s3_pack_killed_during_its_upload_finishes_on_rerun(photo_root, s3, t
     then it is uploaded again; other settings replace the pack in S3, its stale objects removed, also when that
     upload was stopped after the old packed.json was gone. The bucket never holds a lock, temporary or progress
     file."""
-    from dali_pipe.sync import list_objects, make_client
+    from dali_pipe.s3 import make_client
+    from dali_pipe.sync import list_objects
 
     client = make_client(4)
     client.create_bucket(Bucket="data")
@@ -343,7 +344,7 @@ def test_shards_of_others_in_several_s3_folders_repack_each_from_its_own(photo_r
     folder: the val folder's samples make the val split, the train folder's the train split."""
     import webdataset as wds
 
-    from dali_pipe.sync import make_client
+    from dali_pipe.s3 import make_client
 
     photos = sorted(photo_root.glob("*/*.jpg"))
     client = make_client(4)

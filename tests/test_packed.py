@@ -141,7 +141,7 @@ def test_train_from_a_pack_on_s3(route, photo_root, s3_process, tmp_path, cache_
     """Packed to S3, read back: synced when it fits, streamed through the bounded cache when it does not
     (the free space is made too small)."""
     import dali_pipe.shards.packsync as packsync
-    from dali_pipe.sync import make_client
+    from dali_pipe.s3 import make_client
 
     make_client(4).create_bucket(Bucket="data")
     main(["pack", str(photo_root), "s3://data/packed", "--max-side", "96", "--shard-size", "60kB"])

@@ -58,7 +58,7 @@ def moto_with_pack(pack):
     old = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
-        from dali_pipe.sync import make_client
+        from dali_pipe.s3 import make_client
 
         client = make_client(4)
         client.create_bucket(Bucket="data")
@@ -399,7 +399,7 @@ def test_training_streams_a_pack_three_times_its_cache_through_faults(big_pack, 
     import resume_trace as rt
 
     import train
-    from dali_pipe.sync import make_client
+    from dali_pipe.s3 import make_client
 
     data, packed = big_pack
     meta = json.loads((packed / "packed.json").read_text())
@@ -638,7 +638,7 @@ def test_a_pack_sync_onto_a_disk_too_small_is_refused_before_any_download(s3, od
     then fail on the full disk with training's advice)."""
     from helpers import small_disk
 
-    from dali_pipe.sync import SyncError, make_client
+    from dali_pipe.s3 import SyncError, make_client
 
     client = make_client(2)
     client.create_bucket(Bucket="data")
@@ -658,7 +658,7 @@ def test_training_readies_a_pack_on_s3_through_one_engine_with_the_listing_asked
         s3, odd_pack, tmp_path, monkeypatch):
     """A training run's --data s3://pack (fetch, here streamed): packed.json, the prefix's one LIST (asked for before
     packed.json's answer is waited for) and the index files through one engine; the index files land matching."""
-    from dali_pipe.sync import make_client
+    from dali_pipe.s3 import make_client
     from dali_pipe.transfer import Engine
 
     client = make_client(2)

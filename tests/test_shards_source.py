@@ -189,8 +189,9 @@ def test_shards_of_others_on_s3_each_sample_once(photo_root, s3_process, tmp_pat
     from corpus import peer_shards
     from helpers import datamodule
 
+    from dali_pipe.s3 import make_client
     from dali_pipe.spec import ImageSpec
-    from dali_pipe.sync import list_objects, make_client
+    from dali_pipe.sync import list_objects
 
     labels = peer_shards(photo_root, tmp_path / "peer", val_every=None)
     client = make_client(4)
@@ -293,7 +294,7 @@ def test_an_s3_brace_pattern_may_span_folders(photo_root, s3, tmp_path):
     the val folder's shard is the validation set; a shard the pattern names and S3 lacks is named. The plain prefix
     finds the train/ and val/ sub-prefixes' shards (a .tar.gz among them, decompressed into the cache dir) and
     names the object beside them that is not read."""
-    from dali_pipe.sync import make_client
+    from dali_pipe.s3 import make_client
 
     photo = next(photo_root.glob("*/*.jpg")).read_bytes()
     client = make_client(4)

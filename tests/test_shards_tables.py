@@ -125,7 +125,7 @@ def test_bad_rows_are_listed_and_ambiguous_columns_named(hf, tmp_path):
 def test_parquet_on_s3_is_synced_then_read(hf, s3, tmp_path):
     """An s3:// prefix of the Hub's layout (moto's server): synced to the cache dir, then read as the local copy."""
     from dali_pipe.dataset import prepare
-    from dali_pipe.sync import make_client
+    from dali_pipe.s3 import make_client
 
     client = make_client(4)
     client.create_bucket(Bucket="hub")

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from dali_pipe.sync import SyncError, make_client, sync
+from dali_pipe.s3 import SyncError, make_client
+from dali_pipe.sync import sync
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -108,7 +109,7 @@ def test_a_prefix_that_no_folder_can_stand_for_is_refused_before_anything_is_wri
     written."""
     import train
     from dali_pipe.config import UsageError
-    from dali_pipe.sync import local_target
+    from dali_pipe.s3 import local_target
 
     with pytest.raises(SyncError, match=rf"holds a {seg!r} segment, which no local folder can stand for"):
         local_target(uri, tmp_path / "cache")
@@ -345,7 +346,8 @@ def test_an_endpoint_that_never_answers_fails_fast_and_names_it(tmp_path, monkey
 
 def test_messages_name_the_endpoint_boto3_uses(monkeypatch):
     """With AWS_ENDPOINT_URL and AWS_ENDPOINT_URL_S3 both set, messages name the S3 one, the one boto3 sends to."""
-    from dali_pipe.sync import endpoint, make_client
+    from dali_pipe.s3 import make_client
+    from dali_pipe.sync import endpoint
 
     monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:1")
     monkeypatch.setenv("AWS_ENDPOINT_URL_S3", "http://127.0.0.1:2")
@@ -486,7 +488,6 @@ def test_cli_sync_of_a_pack_asks_for_packed_json_once_through_one_engine(s3, pho
     import hashlib
     import json
 
-    from dali_pipe import sync as sync_mod
     from dali_pipe import transfer
     from dali_pipe.cli.commands import main
     from dali_pipe.transfer import Engine
@@ -500,7 +501,9 @@ def test_cli_sync_of_a_pack_asks_for_packed_json_once_through_one_engine(s3, pho
     monkeypatch.setattr(Engine, "list", lambda self, bucket, prefix: lists.append(prefix) or asked.append("LIST")
                         or real_list(self, bucket, prefix))
     monkeypatch.setattr(Engine, "__init__", lambda self, **kw: engines.append(kw) or real_init(self, **kw))
-    monkeypatch.setattr(sync_mod, "make_client", lambda *a, **kw: pytest.fail("a boto3 client was made"))
+    import boto3.session
+
+    monkeypatch.setattr(boto3.session.Session, "client", lambda *a, **kw: pytest.fail("a boto3 client was made"))
     dest = tmp_path / "local"
     monkeypatch.setattr(transfer, "PART", 16 << 10)  # the 60 kB shards in ranged GETs of 16 kB
     assert main(["sync", "s3://data/packed", str(dest), "--no-progress", "--workers", "1"]) == 0
@@ -580,7 +583,8 @@ def test_a_sync_asks_for_the_listing_beside_the_manifest_and_drops_it_when_the_m
     import asyncio
 
     from dali_pipe import sync as sync_mod
-    from dali_pipe.sync import ManifestMissing, make_engine
+    from dali_pipe.s3 import ManifestMissing
+    from dali_pipe.sync import make_engine
     from dali_pipe.transfer import Engine
 
     _upload(photo_root)

@@ -14,8 +14,7 @@ import pytest
 from faultproxy import FaultProxy
 
 from dali_pipe import limits, transfer
-from dali_pipe.awsenv import TransferError
-from dali_pipe.sync import make_client
+from dali_pipe.s3 import TransferError, make_client
 from dali_pipe.transfer import Engine, temp_path
 
 TOOLS = Path(__file__).resolve().parents[1] / "tools"
@@ -292,7 +291,7 @@ def test_a_pack_sync_with_keys_in_the_environment_loads_neither_botocore_numpy_n
     import subprocess
     import sys
 
-    from dali_pipe.sync import make_client
+    from dali_pipe.s3 import make_client
 
     client = make_client(2)
     client.create_bucket(Bucket="data")
@@ -382,7 +381,7 @@ def test_a_streamed_download_reuses_the_memory_its_chunks_free(s3, tmp_path):
     import subprocess
     import sys
 
-    from dali_pipe.sync import make_client
+    from dali_pipe.s3 import make_client
 
     client = make_client(2)
     client.create_bucket(Bucket="data")

@@ -267,7 +267,7 @@ def compare_moto(args, work: Path, report: dict) -> None:
     import logging
 
     from dali_pipe.demo import make_photo_dataset
-    from dali_pipe.sync import make_client
+    from dali_pipe.s3 import make_client
 
     src = make_photo_dataset(work / "src", classes=7, per_class=args.files // 7, side=tuple(args.side))
     logging.getLogger("werkzeug").setLevel(logging.ERROR)

@@ -10,9 +10,10 @@ from pathlib import Path
 
 from ..config import validate
 from ..limits import keep_freed_memory
+from ..s3 import ManifestMissing
 from ..shards.format import PACKED_NAME
 from ..shards.packsync import fetch_to
-from ..sync import ManifestMissing, SyncStats, ask_listing, make_engine, read_object, sync
+from ..sync import SyncStats, ask_listing, make_engine, read_object, sync
 from ..tsv import MANIFEST_NAME
 from . import command_imports, data_check, described
 from . import main as train_main

@@ -23,20 +23,12 @@ from ..https import is_http
 from ..inputs import detect, form_problem, forms_text
 from ..manifest import Manifest
 from ..pack import PackError, finished, pack_manifest, pack_settings, pack_shards, read_progress, same_pack
+from ..s3 import SyncError, explain, local_target, make_client, parse_s3_uri
 from ..shards.cache import http_copies, local_name
 from ..shards.format import PACKED_NAME
 from ..shards.packsync import sync_shards
 from ..shards.verdicts import Remote
-from ..sync import (
-    SyncError,
-    explain,
-    list_objects,
-    local_target,
-    make_client,
-    parse_s3_uri,
-    read_object,
-    sync_objects,
-)
+from ..sync import list_objects, read_object, sync_objects
 from ..workdir import lock, remove, unlock, write_atomic
 
 REPLACED = ".replaced-packed.json"  # in the staging folder: the packed.json of the pack being replaced in S3

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from model.loading import load_processor, load_trained
 
-from .. import sync as s3
+from .. import sync as syncing
 from ..config import Settings, SyncSettings
 from ..datamodule import DaliDataModule
 from ..errors import UserError
@@ -73,10 +73,10 @@ def list_images(data: str, cache_dir: str) -> tuple[Path, list[str]]:
     """(root, image paths relative to it, or absolute): a manifest's image_path rows (a dataset dir, a .tsv
     file or s3://bucket/prefix), one image file, a list file's lines, or every image file under a folder."""
     if data.startswith("s3://"):
-        root = s3.local_target(data, Path(cache_dir))
+        root = syncing.local_target(data, Path(cache_dir))
         if getattr(detect(data, cache_dir), "name", None) == "imagefolder":  # class folders of images, no dataset.tsv
             return root, sync_image_folder(data, root, workers=SyncSettings.workers)[1]
-        s3.sync(data, root, workers=SyncSettings.workers, skip_missing=True)
+        syncing.sync(data, root, workers=SyncSettings.workers, skip_missing=True)
         tsv = root / MANIFEST_NAME
     else:
         p = Path(data)

@@ -12,8 +12,8 @@ import os
 from pathlib import Path
 
 from ..forms import LayoutError, UnfinishedPackError, is_shard_name, url_problem
+from ..s3 import local_target
 from ..shards.shardset import ShardSourceError
-from ..sync import local_target
 from . import arrow, imagefolder, manifest, pack, parquet, shards
 from .form import Form, S3Look, local_root
 

@@ -9,8 +9,9 @@ from pathlib import Path
 from typing import Callable
 
 from ..config import DataSettings
+from ..s3 import local_target, make_client, parse_s3_uri
 from ..shards.listing import list_first, list_top
-from ..sync import local_target, make_client, parse_s3_uri, read_object
+from ..sync import read_object
 
 
 def never(_data: str) -> bool:

@@ -63,9 +63,7 @@ from pathlib import Path
 from ..config import parse_size
 from ..errors import UserError
 from ..https import cache_name, is_http
-from ..sync import (
-    local_target,
-)
+from ..s3 import local_target
 from ..transfer import Bounds
 from ..workdir import lock, remove, remove_dead_temps, unlock
 from .fetchers import SHARD_BOUNDS, fetcher_for, where

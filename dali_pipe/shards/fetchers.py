@@ -12,16 +12,10 @@ import time
 from concurrent.futures import CancelledError, wait
 from pathlib import Path
 
-from ..awsenv import TransferError
 from ..https import HttpError, Stopped, download, is_http, shown
 from ..redact import redact
-from ..sync import (
-    SyncError,
-    endpoint,
-    explain,
-    listing,
-    parse_s3_uri,
-)
+from ..s3 import SyncError, TransferError, explain, parse_s3_uri
+from ..sync import endpoint, listing
 from ..transfer import Bounds, Engine, temp_path
 from ..workdir import is_write_failure
 from .verdicts import (

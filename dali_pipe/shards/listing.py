@@ -25,7 +25,7 @@ from ..forms import (
     unfinished_pack,
 )
 from ..https import HttpError, head, is_http, read_small, shown
-from ..sync import SyncError, explain, make_client, parse_s3_uri
+from ..s3 import SyncError, explain, make_client, parse_s3_uri
 from .format import (
     PACKED_NAME,
 )

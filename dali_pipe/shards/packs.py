@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..config import DataSettings
-from ..sync import local_target
+from ..s3 import local_target
 from ..workdir import remove_dead_temps
 from .format import (
     FAST_SUM,

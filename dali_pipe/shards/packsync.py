@@ -12,19 +12,8 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
 from ..config import default_cache_dir
-from ..sync import (
-    AskedListing,
-    SyncError,
-    SyncStats,
-    byte_bar,
-    engine_for,
-    listing,
-    listing_asked,
-    local_target,
-    parse_s3_uri,
-    read_object,
-    sync_objects,
-)
+from ..s3 import SyncError, local_target, parse_s3_uri
+from ..sync import AskedListing, SyncStats, byte_bar, engine_for, listing, listing_asked, read_object, sync_objects
 from ..transfer import Engine
 from ..workdir import human_bytes, lock, remove_dead_temps, unlock
 from .cache import FETCH_PARALLEL, local_name

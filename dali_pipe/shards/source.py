@@ -56,7 +56,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from ..https import HttpError, Stopped, is_http, open_stream, shown
-from ..sync import SyncError, explain, make_client, parse_s3_uri
+from ..s3 import SyncError, explain, make_client, parse_s3_uri
 from ..workdir import human_bytes, remove_dead_temps
 from .fetchers import SHARD_BOUNDS
 from .format import (

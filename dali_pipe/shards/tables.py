@@ -45,9 +45,10 @@ from pathlib import Path
 from ..errors import UserError
 from ..forms import is_save_to_disk, parquet_files, split_of
 from ..manifest import sort_classes
+from ..s3 import local_target, make_client, parse_s3_uri
 from ..samples import TableGroup
 from ..scan import DaliDecoder, check_bytes
-from ..sync import list_objects, local_target, make_client, parse_s3_uri, sync_objects
+from ..sync import list_objects, sync_objects
 from ..tsv import safe_relpath
 from ..workdir import remove_dead_temps
 from .format import file_sha256

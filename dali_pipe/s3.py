@@ -1,0 +1,236 @@
+"""S3 as every part of the project meets it: its URIs (`parse_s3_uri`, and where a prefix is copied under the cache
+dir, `local_target`), where it is and who we are, as AWS's own tools read it (the endpoint: AWS_ENDPOINT_URL_S3,
+else AWS_ENDPOINT_URL, keys in its URL taken as credentials; the keys in the environment, else botocore's
+credential chain: profiles, SSO, the container's and the instance's roles, one session per process and
+setting; a bucket's region), boto3 clients for what the transfer engine does not do, and every failure in plain
+words (`explain`: the bucket, the key and the fix, never a secret).
+"""
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+from urllib.parse import unquote, urlsplit, urlunsplit
+
+from .errors import UserError
+from .redact import redact
+from .tsv import MANIFEST_NAME
+from .workdir import (
+    is_disk_full,
+)
+
+NO_CREDENTIALS = "no AWS credentials were found"
+
+
+class TransferError(Exception):
+    """An S3 request failed; `code` is S3's error code (NoSuchKey, AccessDenied, SlowDown, ...) or ours:
+    'timeout', 'connect', 'credentials', 'size' (the object's bytes differ from its listed size), 'http'."""
+
+    def __init__(self, code: str, detail: str, status: int | None = None):
+        super().__init__(detail)
+        self.code, self.detail, self.status = code, detail, status
+
+
+def endpoint_url() -> str | None:
+    """AWS_ENDPOINT_URL_S3, else AWS_ENDPOINT_URL (botocore's order), as set (credentials and all)."""
+    return os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or None
+
+
+def endpoint_credentials() -> dict:
+    """An AWS_ENDPOINT_URL(_S3) of the form http://KEY:SECRET@host:port: the endpoint without them, and
+    them as the access key and secret (botocore would send them in the Host header otherwise)."""
+    url = endpoint_url()
+    if not url or "@" not in url:
+        return {}
+    u = urlsplit(url)
+    if u.username is None:
+        return {}
+    return {"endpoint_url": urlunsplit(u._replace(netloc=u.netloc.rsplit("@", 1)[1])),
+            "aws_access_key_id": unquote(u.username), "aws_secret_access_key": unquote(u.password or "")}
+
+
+def endpoint() -> str:
+    """The endpoint S3 requests go to (AWS_ENDPOINT_URL_S3 before AWS_ENDPOINT_URL), redacted."""
+    return redact(endpoint_url() or "the AWS S3 endpoint")
+
+
+def env_keys() -> tuple[str, str, str | None] | None:
+    """The credentials in AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY and AWS_SESSION_TOKEN (or the older
+    AWS_SECURITY_TOKEN): (key, secret, token), read as botocore's first provider reads them, which wins
+    over every other (AWS_PROFILE too) and is never refreshed. None when they are absent or incomplete, or
+    AWS_CREDENTIAL_EXPIRATION makes them expire: then botocore's chain decides (and names what is wrong).
+    Read here because importing botocore and walking its chain costs about 0.2 s per sync."""
+    env = os.environ
+    if not env.get("AWS_ACCESS_KEY_ID") or not env.get("AWS_SECRET_ACCESS_KEY") or env.get("AWS_CREDENTIAL_EXPIRATION"):
+        return None
+    token = env.get("AWS_SECURITY_TOKEN") or env.get("AWS_SESSION_TOKEN") or None
+    return env["AWS_ACCESS_KEY_ID"], env["AWS_SECRET_ACCESS_KEY"], token
+
+
+_botocore_lock = threading.Lock()
+
+
+_botocore: dict = {}  # {what the chain reads (the AWS_* environment, HOME, the profile files' stat): a session}
+
+
+def botocore_session():
+    """One botocore session per process and AWS setting (botocore alone: boto3 would import s3transfer
+    too); a changed AWS_* variable or HOME, or an edited ~/.aws/credentials or config, makes a new one,
+    as a new process would (a session keeps the credentials it found)."""
+    import botocore.session
+
+    env = tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("AWS_") or k == "HOME"))
+    files = []
+    for var, default in (("AWS_SHARED_CREDENTIALS_FILE", "~/.aws/credentials"), ("AWS_CONFIG_FILE", "~/.aws/config")):
+        try:
+            st = os.stat(os.path.expanduser(os.environ.get(var) or default))
+            files.append((st.st_mtime_ns, st.st_size, st.st_ino))
+        except OSError:
+            files.append(None)
+    key = (env, tuple(files))
+    with _botocore_lock:
+        if key not in _botocore:
+            _botocore.clear()
+            _botocore[key] = botocore.session.get_session()
+        return _botocore[key]
+
+
+def from_botocore(ask):
+    """`ask(session)` of botocore's session; what botocore refuses (a key without its secret, a profile that is
+    not there, an unreadable expiry) as a TransferError('credentials') naming it."""
+    from botocore.exceptions import BotoCoreError
+
+    try:
+        return ask(botocore_session())
+    except (BotoCoreError, ValueError) as e:
+        raise TransferError("credentials", redact(str(e))[:300]) from None
+
+
+def botocore_credentials():
+    """botocore's credential chain, walked once per session (the session keeps what it found: an instance
+    role's credentials are fetched once, then refreshed by botocore as they expire)."""
+    creds = from_botocore(lambda session: session.get_credentials())
+    if creds is None:
+        raise TransferError("credentials", NO_CREDENTIALS)
+    return creds
+
+
+def bucket_region(session, bucket: str) -> str | None:
+    """The region of an AWS bucket (botocore follows S3's redirect), or None when it cannot be told."""
+    from botocore.config import Config
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    try:
+        client = session.create_client("s3", config=Config(connect_timeout=5, read_timeout=20, retries={"max_attempts": 2}))
+        head = client.head_bucket(Bucket=bucket)
+        return head.get("BucketRegion") or head["ResponseMetadata"]["HTTPHeaders"].get("x-amz-bucket-region")
+    except ClientError as e:
+        return e.response.get("ResponseMetadata", {}).get("HTTPHeaders", {}).get("x-amz-bucket-region")
+    except BotoCoreError:
+        return None
+
+
+CONNECT_TIMEOUT = 5.0  # one request: at most ~5 + 3 x 20 s
+
+
+READ_TIMEOUT = 20.0
+
+
+MAX_ATTEMPTS = 3
+
+
+class SyncError(UserError):
+    """The sync cannot proceed; the message names the bucket/key/row and what to do."""
+
+
+class ManifestMissing(SyncError):
+    """The prefix holds no dataset.tsv (it may be a pack: the sync command then fetches that)."""
+
+
+def parse_s3_uri(uri: str) -> tuple[str, str]:
+    if not uri.startswith("s3://"):
+        raise SyncError(f"{redact(uri)!r} is not an s3:// URI; use s3://bucket/prefix")
+    bucket, _, prefix = uri[5:].partition("/")
+    if not bucket:
+        raise SyncError(f"{redact(uri)!r} names no bucket; use s3://bucket/prefix")
+    return bucket, prefix.strip("/")
+
+
+def local_target(uri: str, cache_dir: Path) -> Path:
+    """Where `uri` is synced under the cache dir: CACHE/s3/BUCKET/PREFIX. A bucket or prefix segment that is no
+    folder name ("..", ".", an empty one from "//") is refused: S3 takes it as part of a key, but here it made
+    the copy land outside CACHE/s3/BUCKET (`s3://b/../../x` at CACHE/x) or share another prefix's folder."""
+    bucket, prefix = parse_s3_uri(uri)
+    odd = [seg for seg in [bucket] + (prefix.split("/") if prefix else []) if seg in ("", ".", "..")]
+    if odd:
+        raise SyncError(f"{redact(uri)!r}: its bucket or prefix holds a {odd[0]!r} segment, which no local folder "
+                        "can stand for; name the prefix without '.', '..' and '//' segments")
+    return Path(cache_dir) / "s3" / bucket / prefix
+
+
+def make_client(workers: int, max_attempts: int | None = None, connect_timeout: float | None = None,
+                read_timeout: float | None = None):
+    """An S3 client for `workers` threads; timeouts and tries default to this module's bounds."""
+    import boto3
+    from botocore.config import Config
+
+    cfg = Config(max_pool_connections=max(10, workers), connect_timeout=connect_timeout or CONNECT_TIMEOUT,
+                 read_timeout=read_timeout or READ_TIMEOUT, tcp_keepalive=True,
+                 retries={"max_attempts": max_attempts or MAX_ATTEMPTS, "mode": "standard"})
+    return boto3.session.Session().client("s3", config=cfg, **endpoint_credentials())
+
+
+def explain(err: Exception, bucket: str, key: str) -> str:
+    """A message for a failed S3 call (boto3's, or the transfer engine's TransferError) that names the
+    bucket/key and the fix, never a secret."""
+    if isinstance(err, OSError) and is_disk_full(err):
+        return f"no space left on the local disk for s3://{bucket}/{key}"
+    code = _code(err)
+    if code == "credentials":
+        found = f" ({err.detail})" if isinstance(err, TransferError) and err.detail != NO_CREDENTIALS else ""
+        return (f"no usable AWS credentials{found}. Set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE, "
+                "or run with an instance/SageMaker role that can read the bucket")
+    if code == "timeout":
+        return (f"{endpoint()} did not answer for s3://{bucket}/{key} (timed out after {MAX_ATTEMPTS} tries); "
+                "check AWS_ENDPOINT_URL, the region and the network")
+    if code == "connect":
+        return f"cannot reach {endpoint()}; check AWS_ENDPOINT_URL, the region and the network"
+    if code == "NoSuchBucket":
+        return f"bucket {bucket!r} does not exist (or is in another account/endpoint); check the s3:// URI"
+    if code in ("NoSuchKey", "404", "NotFound"):
+        return f"s3://{bucket}/{key} does not exist; check the prefix (it must hold {MANIFEST_NAME})"
+    if code in ("AccessDenied", "403", "InvalidAccessKeyId", "SignatureDoesNotMatch"):
+        return f"access to s3://{bucket}/{key} was denied ({code}); check the credentials and the bucket policy"
+    if code in ("SlowDown", "503"):
+        return (f"{endpoint()} kept throttling s3://{bucket}/{key} (503 SlowDown, {MAX_ATTEMPTS} tries); rerun "
+                "later or with fewer --workers")
+    if code == "size":
+        return f"s3://{bucket}/{key}: {err}; rerun the sync (the object may be changing)"
+    if code is not None:
+        return f"S3 error {code} on s3://{bucket}/{key}"
+    return f"{type(err).__name__} on s3://{bucket}/{key}: " + redact(str(err))[:200]  # redacted whole, then cut
+
+
+def _code(err: Exception) -> str | None:
+    """What went wrong, in the transfer engine's words (TransferError.code), whoever raised it."""
+    if isinstance(err, TransferError):
+        return err.code
+    if type(err).__module__.startswith("botocore"):
+        from botocore.exceptions import (
+            ClientError,
+            ConnectTimeoutError,
+            EndpointConnectionError,
+            NoCredentialsError,
+            PartialCredentialsError,
+            ReadTimeoutError,
+        )
+
+        if isinstance(err, (NoCredentialsError, PartialCredentialsError)):
+            return "credentials"
+        if isinstance(err, (ReadTimeoutError, ConnectTimeoutError)):
+            return "timeout"
+        if isinstance(err, EndpointConnectionError):
+            return "connect"
+        if isinstance(err, ClientError):
+            return err.response.get("Error", {}).get("Code") or "?"
+    return None

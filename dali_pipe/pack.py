@@ -29,6 +29,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import math
 import os
 import random
 import sys
@@ -117,6 +118,10 @@ def _normalise_job(job):
 
 
 # -- what is packed --------------------------------------------------------------------------------
+MIN_SHARDS = 8  # each split is cut into at least this many shards (where it has as many images): with one
+# shard, streaming has nothing to fetch ahead of the reader, and ranks or readers nothing to share
+
+
 @dataclass(frozen=True)
 class Item:
     """One sample to pack."""
@@ -381,6 +386,8 @@ def pack_items(items: list[Item], classes: list[str], dst: Path, *, settings: di
     bar = tqdm(total=len(todo), unit="img", desc="pack", disable=not progress or not todo, file=sys.stderr,
                mininterval=1.0)
     writers: dict[str, ShardWriter | None] = {split: None for split in splits}
+    cap = {split: max(1, math.ceil(len(samples) / MIN_SHARDS)) for split, samples in splits.items()}
+    by_count = False  # whether a shard was closed by `cap` before --shard-size (said at the end)
     jobs = [(n, s.source, settings["max_side"], settings["quality"]) for n, (_, _, s) in enumerate(todo)]
     pool = get_context("spawn").Pool(workers) if workers > 1 and len(jobs) > 1 else None
     try:
@@ -396,7 +403,9 @@ def pack_items(items: list[Item], classes: list[str], dst: Path, *, settings: di
                 number = len(prog["splits"].setdefault(split, []))
                 writers[split] = ShardWriter(dst, f"{split}-{number:06d}")
             writers[split].add(keys[item.rel], result[0], item.label, classes[item.label], item.image_path, i)
-            if writers[split].size >= settings["shard_size"]:
+            full = writers[split].size >= settings["shard_size"]
+            if full or len(writers[split].entries) >= cap[split]:
+                by_count = by_count or not full
                 _finish(dst, prog, split, writers)
         for split in splits:
             if writers[split] is not None:
@@ -413,6 +422,11 @@ def pack_items(items: list[Item], classes: list[str], dst: Path, *, settings: di
     n_bad = report(dict(failed))
     packed = {split: sum(s["samples"] for s in prog["splits"].get(split, [])) for split in splits}
     _write_packed(dst, classes, prog, packed, settings, n_bad)
+    if by_count and progress:
+        print(f"pack: each split in {MIN_SHARDS} shards or more (at most "
+              + ", ".join(f"{cap[s]} {s}" for s in splits if splits[s]) + " images a shard), so that streaming has "
+              f"shards to fetch ahead and several readers shards to share; --shard-size "
+              f"({settings['shard_size']:,} bytes) was not reached", file=sys.stderr)
     return PackStats(packed, n_bad, sum(len(v) for v in prog["splits"].values()), skipped)
 
 

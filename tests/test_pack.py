@@ -406,3 +406,19 @@ def test_the_progress_file_is_appended_a_line_a_shard_and_a_cut_line_is_skipped(
     assert read_progress(tmp_path) == {"settings": {"seed": 1}, "splits": {"train": [shard]}, "failed": {}}
     (tmp_path / PROGRESS_NAME).write_text(json.dumps({"split": "train", "shard": shard}) + "\n")
     assert read_progress(tmp_path) is None  # no settings line: not a progress file of ours
+
+
+def test_a_small_dataset_is_cut_into_eight_shards_a_split_and_says_so(photo_root, tmp_path, cache_dir, capsys):
+    """Under the default --shard-size (150 MB) 48 photos would make one shard a split, with which streaming has
+    nothing to fetch ahead and two readers nothing to share: each split gets 8 shards (or one per image where
+    it has fewer), the pack says why, and webdataset reads every image once."""
+    import webdataset as wds
+
+    main(["pack", str(photo_root), str(tmp_path / "p"), "--workers", "1"])
+    meta = json.loads((tmp_path / "p" / "packed.json").read_text())
+    counts = {split: [s["samples"] for s in v["shards"]] for split, v in meta["splits"].items()}
+    assert counts == {"train": [6] * 7 + [1], "val": [1] * 5}, counts
+    assert "each split in 8 shards or more (at most 6 train, 1 val images a shard)" in capsys.readouterr().err
+    keys = [s["__key__"] for s in wds.WebDataset(sorted(str(p) for p in (tmp_path / "p").glob("*.tar")),
+                                                 shardshuffle=False)]
+    assert len(keys) == len(set(keys)) == 48

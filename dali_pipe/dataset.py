@@ -163,7 +163,6 @@ def check_batch(n: int, batch_size: int, num_shards: int) -> None:
                                  f"images each of the {num_shards} rank(s) gets; {fix}.")
 
 
-
 FINGERPRINT_NAMES = {"samples": "the data (files, labels or split)", "classes": "the classes",
                      "image_size": "the image size", "world_size": "the number of "
                      "processes (the Trainer's devices x num_nodes)",

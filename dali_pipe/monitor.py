@@ -36,9 +36,6 @@ from .prescribe import budget_line, budget_verdicts, diagnose, time_budget
 from .sampler import Sampler, StepLog, nvml_handle
 from .workdir import remove_dead_temps
 
-# -- the time budget ----------------------------------------------------------------------------
-
-
 # -- measuring the budget inside any Trainer -------------------------------------------------------
 FETCH_SUFFIX = "].train_dataloader_next"  # the training loop's batch fetch, as "[ITS LOOP CLASS].train_dataloader_next"
 STEP_ACTION = "run_training_batch"

@@ -106,8 +106,6 @@ GPU_BUSY = 90.0
 CPU_SATURATED = 80.0
 
 
-
-
 OTHER_LOAD_WARN = 0.25  # cores' worth of load from other processes that makes a measurement suspect
 
 

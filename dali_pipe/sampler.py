@@ -13,7 +13,6 @@ import numpy as np
 STALL_FACTOR = 3.0  # a step this many times the median is a stall
 
 
-
 def nvml_handle(device_index: int):
     """The NVML handle of CUDA device `device_index`, found by its UUID or PCI bus id: NVML counts
     devices physically, CUDA after CUDA_VISIBLE_DEVICES, so their indices can differ."""

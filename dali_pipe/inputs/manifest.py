@@ -28,5 +28,3 @@ FORM = Form(
     is_local=lambda p: (p / MANIFEST_NAME).is_file(),
     is_s3=lambda look: MANIFEST_NAME in look.names,
     read=read, prepare=prepare, download=download, synced=True)
-
-

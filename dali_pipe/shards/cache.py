@@ -83,12 +83,6 @@ STREAM_SHARE = 0.5  # default --stream-cache: this share of the cache disk's fre
 HEALS = 2  # times one shard may be fetched again in a run after it went missing or changed in the cache
 
 
-# -- verdicts: (path, size, mtime) -> checksum, so an unchanged shard is hashed once ---------------
-
-
-# -- one object: ranged parallel GETs through the engine, bounded, checked --------------------
-
-
 # -- the streaming cache -------------------------------------------------------------------------
 class StreamCacheError(ShardError):
     """--stream-cache cannot hold what the epoch plan reads at once, or the disk cannot hold --stream-cache."""
@@ -508,8 +502,3 @@ def _local_names(urls: list[str]) -> dict[str, str]:
         seen[base] = n + 1
         names[u] = base if n == 0 else f"{n}-{base}"
     return names
-
-
-# -- a pack on S3: synced whole, or made ready for streaming -------------------------------------
-
-

@@ -79,13 +79,6 @@ VAL_WORDS = {"val", "valid", "validation"}
 TEST_WORDS = {"test", "testing"}
 
 
-
-# -- opening --------------------------------------------------------------------------------------
-
-
-# -- checking members ----------------------------------------------------------------------------
-
-
 # -- shards written by others -------------------------------------------------------------------
 
 
@@ -387,8 +380,3 @@ def _peer_split(shards: list[Shard], val_fraction: float, seed: int) -> tuple[st
         return "", rule
     return (f"data: {len(tests)} test shard(s) ({', '.join(tests[:3])}{', ...' if len(tests) > 3 else ''}) are neither "
             "trained on nor validated; evaluate them with --split test"), rule
-
-
-# -- reporting ------------------------------------------------------------------------------------
-
-

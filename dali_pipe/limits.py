@@ -68,11 +68,12 @@ def own_process() -> None:
     _process_ours = True
 
 
-def tune_for_transfers() -> None:
-    """What an engine does to its process when it starts: in our commands, malloc keeps freed memory (the sync
-    command asked for one arena first); in a user's own process, nothing."""
+def tune_for_transfers(one_arena: bool = False) -> None:
+    """What an engine does to its process when it starts (and the sync command, with `one_arena`, before any
+    thread): in our commands, malloc keeps freed memory; in a user's own process (one that calls our `main()`
+    from its own code included), nothing."""
     if _process_ours:
-        keep_freed_memory()
+        keep_freed_memory(one_arena)
 
 
 def on_glibc() -> bool:

@@ -143,3 +143,33 @@ def test_a_url_of_another_scheme_and_a_path_of_no_form_are_none_of_them(tmp_path
     (tmp_path / "notes.txt").write_text("hello")
     assert detect(str(tmp_path)) is None and detect(str(tmp_path / "notes.txt")) is None
     assert detect(str(tmp_path / "missing")) is None
+
+
+def test_on_s3_a_form_is_told_past_the_first_page_and_hidden_shards_are_none(written, s3, tmp_path):
+    """A dataset.tsv beside 1000 class folders (what `manifest` writes for ImageNet's numbered classes) is past
+    the first page of the prefix's listing: it is asked for by name, so the prefix is a dataset.tsv folder, not
+    an ImageFolder. A hidden shard (.x.tar) is no shard on S3, as locally; a Parquet dataset with
+    dataset_info.json beside its files is synced as Parquet (before: as save_to_disk, so only the JSON came)."""
+    import boto3
+
+    client = boto3.client("s3")
+    client.create_bucket(Bucket="edge")
+    photo = next(written["imagefolder"].rglob("*.jpg")).read_bytes()
+    for i in range(1000):
+        client.put_object(Bucket="edge", Key=f"ds/{i:03d}/a.jpg", Body=photo)
+    client.put_object(Bucket="edge", Key="ds/dataset.tsv", Body=b"image_path\tlabel\n000/a.jpg\tx\n001/a.jpg\ty\n")
+    assert detect("s3://edge/ds") is by_name("manifest")
+    shard = next(written["shards"].glob("train-*.tar"))
+    client.upload_file(str(shard), "edge", "hidden/.upload-000000.tar")
+    assert detect("s3://edge/hidden") is None
+    client.upload_file(str(shard), "edge", "hidden/train-000000.tar")
+    assert detect("s3://edge/hidden") is by_name("shards")
+    got = read(DataSettings(data="s3://edge/hidden", cache_dir=str(tmp_path / "c"), val_fraction=0.0))
+    assert [s.name for s in got.shards] == ["s3://edge/hidden/train-000000.tar"]
+    for f in sorted((written["parquet"] / "data").glob("*.parquet")):
+        client.upload_file(str(f), "edge", f"pq/{f.name}")
+    client.put_object(Bucket="edge", Key="pq/dataset_info.json", Body=b"{}")
+    assert detect("s3://edge/pq") is by_name("parquet")
+    assert main(["sync", "s3://edge/pq", str(tmp_path / "pq")]) == 0
+    assert sorted(p.name for p in (tmp_path / "pq").iterdir() if not p.name.startswith(".")) == [
+        "dataset_info.json", "train-00000-of-00001.parquet", "validation-00000-of-00001.parquet"]

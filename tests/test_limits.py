@@ -61,3 +61,20 @@ def test_only_our_commands_tune_the_process(ours):
     else:
         assert soft == "300" and concurrency == "86" and kept == "None", out.stdout
         assert "leaves room for 86 S3 requests in flight" in out.stderr
+
+
+def test_our_main_called_from_a_users_own_code_leaves_malloc_alone(s3, photo_root, tmp_path):
+    """`main(["sync", ...])` from a user's script is library use: the sync runs, malloc is left as it is (before,
+    the sync command set its thresholds and one arena for the user's whole process)."""
+    import boto3
+
+    client = boto3.client("s3")
+    client.create_bucket(Bucket="bkt")
+    photo = next(photo_root.rglob("*.jpg"))
+    client.upload_file(str(photo), "bkt", "ds/c/a.jpg")
+    client.put_object(Bucket="bkt", Key="ds/dataset.tsv", Body=b"image_path\tlabel\nc/a.jpg\tc\n")
+    code = ("import sys; from dali_pipe import limits; from dali_pipe.cli.commands import main; "
+            f"main(['sync', 's3://bkt/ds', {str(tmp_path / 'd')!r}, '--no-progress']); print(limits._memory_kept)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "None" and (tmp_path / "d" / "c" / "a.jpg").is_file()

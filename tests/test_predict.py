@@ -86,3 +86,24 @@ def test_predict_labels_every_image_of_a_folder_training_would_refuse(trained, p
                  str(tmp_path / "p")]) == 0
     rows = (tmp_path / "p" / "predictions.tsv").read_text().splitlines()[1:]
     assert sorted(r.split("\t")[0] for r in rows) == ["holdout/z.jpg", "train/a/x.jpg", "val/a/y.jpg"]
+
+
+def test_the_images_of_an_s3_dataset_and_of_an_s3_image_folder_are_listed(s3, photo_root, tmp_path):
+    """predict's list of an s3:// prefix: a dataset.tsv folder's rows, an ImageFolder's images, each synced into
+    the cache dir first (a module split once left this path calling a function that had moved)."""
+    import boto3
+
+    from dali_pipe.cli.predict import list_images
+
+    client = boto3.client("s3")
+    client.create_bucket(Bucket="bkt")
+    photos = sorted(photo_root.glob("*/*.jpg"))[:3]
+    for p in photos:
+        client.upload_file(str(p), "bkt", f"ds/{p.parent.name}/{p.name}")
+        client.upload_file(str(p), "bkt", f"folder/{p.parent.name}/{p.name}")
+    rows = "".join(f"{p.parent.name}/{p.name}\n" for p in photos)
+    client.put_object(Bucket="bkt", Key="ds/dataset.tsv", Body=("image_path\n" + rows).encode())
+    expected = sorted(f"{p.parent.name}/{p.name}" for p in photos)
+    for prefix in ("ds", "folder"):
+        root, rels = list_images(f"s3://bkt/{prefix}", str(tmp_path / "cache"))
+        assert sorted(rels) == expected and all((root / r).is_file() for r in rels), prefix

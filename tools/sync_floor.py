@@ -8,7 +8,7 @@ Each lists the prefix, then GETs every object into DEST, N at a time (default 8;
 the objects in turn), as the sync's engine (dali_pipe/transfer.py) does: an object up to 8 MiB in one GET and
 one write, a larger one streamed in 1 MiB chunks written at their offsets (the engine's ranged GETs are not
 done: the benchmark's server answers a Range with 200). Malloc is tuned as the sync tunes it
-(transfer.keep_freed_memory). Nothing else: no manifest or packed.json, no checksum, no temporary names, no
+(limits.keep_freed_memory). Nothing else: no manifest or packed.json, no checksum, no temporary names, no
 deadlines of its own, no progress; folder markers of folders that hold objects are skipped (a marker of an empty
 folder fails the run: its name, as obstore lists it, finds nothing). It ends with os._exit, skipping the
 interpreter's teardown. The endpoint and keys come from AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID and
@@ -56,7 +56,7 @@ def main() -> None:
     bucket, _, prefix = uri.removeprefix("s3://").partition("/")
     prefix = prefix.rstrip("/") + "/" if prefix else ""
 
-    mallopt = ctypes.CDLL(None).mallopt  # transfer.keep_freed_memory(one_arena=True), without its module's imports
+    mallopt = ctypes.CDLL(None).mallopt  # limits.keep_freed_memory(one_arena=True), without its module's imports
     mallopt(-3, 32 << 20), mallopt(-1, 64 << 20), mallopt(-8, 1)
     store = S3Store(bucket, endpoint=os.environ["AWS_ENDPOINT_URL"],
                     region=os.environ.get("AWS_DEFAULT_REGION", "us-east-1"),

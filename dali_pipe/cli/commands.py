@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from ..config import validate
-from ..limits import keep_freed_memory
+from ..limits import tune_for_transfers
 from ..s3 import ManifestMissing
 from ..shards.format import PACKED_NAME
 from ..shards.packsync import fetch_to
@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
                         "(see --help)")
     validate(s, COMMANDS[command], problems, data_check=data_check)
     if command == "sync":
-        keep_freed_memory(one_arena=True)  # this process only moves bytes: glibc keeps what it frees for them
+        tune_for_transfers(one_arena=True)  # this process only moves bytes: glibc keeps what it frees for them
         engine = make_engine(s.sync.workers)  # one for the manifest or packed.json and the small files
         asking = ThreadPoolExecutor(1, thread_name_prefix="packed-json")
         try:

@@ -12,7 +12,6 @@ from pathlib import Path
 
 from model.loading import load_processor, load_trained
 
-from .. import sync as syncing
 from ..config import Settings, SyncSettings
 from ..datamodule import DaliDataModule
 from ..errors import UserError
@@ -20,8 +19,10 @@ from ..forms import IMG_EXTENSIONS, LayoutError
 from ..imagefolder import sync_image_folder
 from ..inputs import detect
 from ..manifest import MANIFEST_NAME, PathResolver, Sample, read_table, safe_relpath
+from ..s3 import local_target
 from ..scan import CACHE_NAME, scan, sniff, write_report
 from ..spec import ImageSpec
+from ..sync import sync
 from ..tsv import row as tsv_row
 from ..workdir import writing
 from .infer import prepared, run_model
@@ -73,10 +74,10 @@ def list_images(data: str, cache_dir: str) -> tuple[Path, list[str]]:
     """(root, image paths relative to it, or absolute): a manifest's image_path rows (a dataset dir, a .tsv
     file or s3://bucket/prefix), one image file, a list file's lines, or every image file under a folder."""
     if data.startswith("s3://"):
-        root = syncing.local_target(data, Path(cache_dir))
+        root = local_target(data, Path(cache_dir))
         if getattr(detect(data, cache_dir), "name", None) == "imagefolder":  # class folders of images, no dataset.tsv
             return root, sync_image_folder(data, root, workers=SyncSettings.workers)[1]
-        syncing.sync(data, root, workers=SyncSettings.workers, skip_missing=True)
+        sync(data, root, workers=SyncSettings.workers, skip_missing=True)
         tsv = root / MANIFEST_NAME
     else:
         p = Path(data)

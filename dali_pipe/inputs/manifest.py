@@ -26,5 +26,5 @@ FORM = Form(
     name="manifest", title="dataset.tsv folder", reader="files",
     example="DIR/dataset.tsv with an image_path column (label, split optional)",
     is_local=lambda p: (p / MANIFEST_NAME).is_file(),
-    is_s3=lambda look: MANIFEST_NAME in look.names,
+    is_s3=lambda look: look.holds(MANIFEST_NAME),  # (asked by name: a listing's first page may not reach it)
     read=read, prepare=prepare, download=download, synced=True)

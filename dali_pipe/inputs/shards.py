@@ -20,10 +20,14 @@ def is_path(data: str) -> bool:
         not data.startswith("s3://") and is_shard_name(data) and Path(data).is_file())
 
 
+def _shard(name: str) -> bool:
+    return is_shard_name(name) and not name.startswith(".")  # (a hidden one is no shard: forms.shard_files)
+
+
 def is_s3(look: S3Look) -> bool:
-    if any(is_shard_name(n) for n in look.names):
+    if any(_shard(n) for n in look.names):
         return True
-    return any(any(is_shard_name(n) for n in look.names_in(sub))  # train/ and val/ sub-prefixes of shards
+    return any(any(_shard(n) for n in look.names_in(sub))  # train/ and val/ sub-prefixes of shards
                for sub in look.folders if sub.lower() in SHARD_FOLDERS)
 
 

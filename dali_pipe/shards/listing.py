@@ -164,13 +164,13 @@ def _list_s3(data: str) -> Found:
         base = f"{prefix}/" if prefix else ""
         subs: list[str] = []
         remote = list_top(client, bucket, base, folders=subs)
-        names = sorted(n for n in remote if is_shard_name(n))
+        names = sorted(n for n in remote if is_shard_name(n) and not n.startswith("."))  # (as shard_files)
         found = [(f"s3://{bucket}/{base}{n}", remote[n]) for n in names]
         used_subs = []
         if not found:  # train/ and val/ sub-prefixes of shards
             for sub in sorted(f for f in subs if f.lower() in SHARD_FOLDERS):
                 inside = list_top(client, bucket, f"{base}{sub}/")
-                shard_names = sorted(n for n in inside if is_shard_name(n))
+                shard_names = sorted(n for n in inside if is_shard_name(n) and not n.startswith("."))
                 if shard_names:
                     used_subs.append(sub)
                     found += [(f"s3://{bucket}/{base}{sub}/{n}", inside[n]) for n in shard_names]

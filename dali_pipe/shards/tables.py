@@ -122,7 +122,8 @@ def download_tables(uri: str, dest: str | Path, *, workers: int, progress: bool 
     base = f"{prefix}/" if prefix else ""
     keys = list(list_objects(make_client(4), bucket, base))
     meta = [k for k in keys if k.rsplit("/", 1)[-1] in ("dataset_dict.json", "state.json", "dataset_info.json")]
-    names = meta + [k for k in keys if k.endswith(".arrow")] if meta else parquet_keys(keys)
+    saved = "dataset_dict.json" in keys or {"state.json", "dataset_info.json"} <= set(keys)  # (forms.is_save_to_disk)
+    names = meta + [k for k in keys if k.endswith(".arrow")] if saved else parquet_keys(keys) + meta
     if not names:
         raise TableSourceError(f"{uri} holds no .parquet files and no save_to_disk files")
     dest = Path(dest)

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Gzipped shards against plain ones, measured: the same real-photo samples written by webdataset's
-ShardWriter as `.tar` and as `.tar.gz`, opened as training opens them (`shards.source.open_shards`:
+ShardWriter as `.tar` and as `.tar.gz`, opened as training opens them (`inputs.read`:
 index, check, and for .tar.gz the one decompression into CACHE/gunzip), opened again (a rerun: cached
 verdicts), and read once through the shard reader (the bytes DALI is handed, in the epoch plan's
 order); with the disk each takes (the data as stored, what the cache dir holds after, and the two

@@ -44,7 +44,7 @@ time.sleep(10**6)
 """
 UPLOAD = """
 import sys; from pathlib import Path; sys.path.insert(0, {root!r})
-from dali_pipe.sync import make_client
+from dali_pipe.s3 import make_client
 c = make_client(8)
 if 'bench' not in [b['Name'] for b in c.list_buckets().get('Buckets', [])]:
     c.create_bucket(Bucket='bench')

@@ -151,7 +151,7 @@ def start_server(latency_ms: float, env: dict) -> tuple[subprocess.Popen, str]:
 
 def upload(folder: Path, prefix: str, env: dict) -> None:
     code = ("import sys; from pathlib import Path; sys.path.insert(0, %r)\n"
-            "from dali_pipe.sync import make_client\n"
+            "from dali_pipe.s3 import make_client\n"
             "c = make_client(8)\n"
             "names = [b['Name'] for b in c.list_buckets().get('Buckets', [])]\n"
             "'bench' in names or c.create_bucket(Bucket='bench')\n"

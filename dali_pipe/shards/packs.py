@@ -22,8 +22,8 @@ from .shardset import Shard, ShardSet, ShardSourceError, progress_bar
 
 
 def open_packed(data: str, cache_dir: str | Path) -> ShardSet:
-    """The pack at --data read from local disk (after `shards.cache.fetch` for s3://), with its structural
-    checks but no check of its members (that is `open_shards`)."""
+    """The pack at --data read from local disk (after `shards.packsync.fetch` for s3://), with its structural
+    checks but no check of its members (that is `open_pack(members=True)`)."""
     return open_pack(DataSettings(data=data, cache_dir=str(cache_dir), scan="off"), members=False)
 
 

@@ -8,7 +8,7 @@ one hold the rest of what the docstring below describes: where the shards are (s
 
 - a pack (`python -m dali_pipe pack`): `packed.json` with the classes, the split, and per shard its
   index file, sample count, size, sha256 and the image_path of each sample; a folder or s3:// prefix
-  (`shards.cache.fetch` brings it local);
+  (`shards.packsync.fetch` brings it local);
 - shards written by others (webdataset's `ShardWriter`, img2dataset, any WebDataset tool) with no
   packed.json and no dataset.tsv, as `.tar`, `.tar.gz` or `.tgz`: a folder of them (or, when it holds
   none itself, its train/, val/ and test/ subfolders of them), one shard file, a brace pattern

@@ -186,3 +186,21 @@ def test_only_the_registry_names_a_form():
     for mod, deps in GRAPH.items():
         if mod != "dali_pipe.inputs" and mod not in forms:
             assert not deps & forms, (mod, deps & forms)
+
+
+def test_what_the_tools_import_is_there():
+    """Every `from dali_pipe... import NAME` in tools/, in code and in the scripts they run as strings, names
+    something that exists (a module split once left a benchmark's upload script importing a name that had moved)."""
+    import importlib
+    import re
+
+    pattern = re.compile(r"from (dali_pipe(?:\.\w+)*) import ([\w, ]+)")
+    missing = []
+    for path in sorted((ROOT / "tools").glob("*.py")):
+        for mod, names in pattern.findall(path.read_text()):
+            module = importlib.import_module(mod)
+            for n in (n.split(" as ")[0].strip() for n in names.split(",")):
+                package = hasattr(module, "__path__") and importlib.util.find_spec(f"{mod}.{n}") is not None
+                if n and not hasattr(module, n) and not package:
+                    missing.append(f"{path.name}: {mod}.{n}")
+    assert not missing, missing

@@ -8,6 +8,7 @@ words (`explain`: the bucket, the key and the fix, never a secret).
 from __future__ import annotations
 
 import os
+import re
 import threading
 from pathlib import Path
 from urllib.parse import unquote, urlsplit, urlunsplit
@@ -234,3 +235,53 @@ def _code(err: Exception) -> str | None:
         if isinstance(err, ClientError):
             return err.response.get("Error", {}).get("Code") or "?"
     return None
+
+
+def list_with_boto3(bucket: str, prefix: str, *, connect_timeout: float, read_timeout: float,
+                    attempts: int) -> dict[str, tuple[int, str]]:
+    """The listing for a prefix holding keys that object_store refuses (boto3's paginator)."""
+    import boto3
+    from botocore.config import Config
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    given = endpoint_credentials()
+    client = boto3.session.Session().client(
+        "s3", config=Config(connect_timeout=connect_timeout, read_timeout=read_timeout,
+                            retries={"max_attempts": attempts, "mode": "standard"}), **given)
+    found: dict[str, tuple[int, str]] = {}
+    try:
+        for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
+            for obj in page.get("Contents", []):
+                found[obj["Key"][len(prefix):]] = (obj["Size"], obj["ETag"].strip('"'))
+    except ClientError as e:
+        raise TransferError(e.response.get("Error", {}).get("Code", "http"), redact(str(e))[:300]) from None
+    except BotoCoreError as e:
+        raise TransferError("timeout" if "timeout" in type(e).__name__.lower() else "connect",
+                            redact(str(e))[:300]) from None
+    return found
+
+
+def classify(err: BaseException) -> TransferError:
+    """obstore's error (its text carries S3's XML error and reqwest's kind) as a TransferError."""
+    if isinstance(err, TransferError):
+        return err
+    text = str(err)
+    code = re.search(r"<Code>([A-Za-z0-9.]+)</Code>", text)
+    status = re.search(r"status code: (\d{3})", text)
+    st = int(status.group(1)) if status else None
+    first = redact(text.split("\n", 1)[0])[:300]  # redacted whole: a cut could split a secret from its marker
+    if code:
+        return TransferError(code.group(1), first, st)
+    if isinstance(err, FileNotFoundError) or st == 404:
+        return TransferError("NoSuchKey", first, 404)
+    if st in (401, 403) or type(err).__name__ in ("PermissionDeniedError", "UnauthenticatedError"):
+        return TransferError("AccessDenied", first, st)
+    if st is not None:
+        return TransferError(f"HTTP {st}", first, st)
+    if "non-partial response" in text:  # a server that answers a ranged GET with 200 (rclone's serve s3)
+        return TransferError("NotPartial", first)
+    if "kind: Timeout" in text or "TimedOut" in text or "timed out" in text:
+        return TransferError("timeout", first)
+    if "kind: Connect" in text or "Connection refused" in text or "dns error" in text:
+        return TransferError("connect", first)
+    return TransferError("http", first)

@@ -38,6 +38,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from .landing import part_name
 from .s3 import (
     CONNECT_TIMEOUT,
     MAX_ATTEMPTS,
@@ -49,7 +50,7 @@ from .s3 import (
     explain,
     parse_s3_uri,
 )
-from .transfer import Engine, part_name
+from .transfer import Engine
 from .tsv import MANIFEST_NAME, ManifestError, check_columns, check_header, read_table, safe_relpath
 from .workdir import (
     human_bytes,
@@ -202,21 +203,6 @@ def read_object(uri: str, name: str, engine: Engine | None = None) -> bytes | No
             if e.code in ("NoSuchKey", "404", "NotFound"):
                 return None
             raise SyncError(explain(e, bucket, key)) from None
-
-
-def list_objects(client, bucket: str, base: str) -> dict[str, tuple[int, str]]:
-    """{key relative to the prefix: (size, ETag)} in one paginated LIST, with a boto3 client (the
-    commands that upload; a sync lists through its engine: `listing`)."""
-    from botocore.exceptions import BotoCoreError, ClientError
-
-    remote: dict[str, tuple[int, str]] = {}
-    try:
-        for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=base):
-            for obj in page.get("Contents", []):
-                remote[obj["Key"][len(base):]] = (obj["Size"], obj["ETag"].strip('"'))
-    except (BotoCoreError, ClientError) as e:
-        raise SyncError(explain(e, bucket, base)) from None
-    return remote
 
 
 @dataclass(frozen=True)

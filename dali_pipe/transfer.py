@@ -40,25 +40,26 @@ import asyncio
 import collections
 import concurrent.futures
 import contextlib
-import itertools
+import io
 import os
-import re
 import threading
 from concurrent.futures import Future
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
+from .landing import create_file, hash_file, land, remove_quietly, write_at
 from .limits import requests_room, tune_for_transfers
-from .redact import redact
 from .s3 import (
     TransferError,
     botocore_credentials,
     bucket_region,
+    classify,
     endpoint_credentials,
     endpoint_url,
     env_keys,
     from_botocore,
+    list_with_boto3,
 )
 
 PART = 8 << 20  # objects above this size are fetched in ranged GETs of this size
@@ -70,7 +71,6 @@ IN_FLIGHT_BYTES = 256 << 20  # body bytes held in memory at once, across all req
 REQUEST_LIMIT = 300.0  # seconds one request may take at most (a part of PART bytes at under 30 kB/s)
 RETRY_WINDOW = 60.0  # seconds after a request's first try during which obstore may retry it
 CREDENTIALS_TTL = timedelta(minutes=5)  # how long obstore keeps a set of credentials before asking again
-_serial = itertools.count()
 
 
 @dataclass(frozen=True)
@@ -90,32 +90,6 @@ class Bounds:
     def deadline(self, size: int | None) -> float:
         """Seconds one attempt at an object of `size` bytes may take."""
         return self.attempt_deadline + (size or 0) / self.min_rate
-
-
-def classify(err: BaseException) -> TransferError:
-    """obstore's error (its text carries S3's XML error and reqwest's kind) as a TransferError."""
-    if isinstance(err, TransferError):
-        return err
-    text = str(err)
-    code = re.search(r"<Code>([A-Za-z0-9.]+)</Code>", text)
-    status = re.search(r"status code: (\d{3})", text)
-    st = int(status.group(1)) if status else None
-    first = redact(text.split("\n", 1)[0])[:300]  # redacted whole: a cut could split a secret from its marker
-    if code:
-        return TransferError(code.group(1), first, st)
-    if isinstance(err, FileNotFoundError) or st == 404:
-        return TransferError("NoSuchKey", first, 404)
-    if st in (401, 403) or type(err).__name__ in ("PermissionDeniedError", "UnauthenticatedError"):
-        return TransferError("AccessDenied", first, st)
-    if st is not None:
-        return TransferError(f"HTTP {st}", first, st)
-    if "non-partial response" in text:  # a server that answers a ranged GET with 200 (rclone's serve s3)
-        return TransferError("NotPartial", first)
-    if "kind: Timeout" in text or "TimedOut" in text or "timed out" in text:
-        return TransferError("timeout", first)
-    if "kind: Connect" in text or "Connection refused" in text or "dns error" in text:
-        return TransferError("connect", first)
-    return TransferError("http", first)
 
 
 class Engine:
@@ -287,10 +261,14 @@ class Engine:
                     for obj in batch:
                         found[obj["path"][len(prefix):]] = (obj["size"], (obj["e_tag"] or "").strip('"'))
         except InvalidPathError:  # a key object_store cannot name (an empty or dot segment): boto3 lists it
-            return await asyncio.to_thread(list_with_boto3, bucket, prefix, self)
+            return await asyncio.to_thread(self._boto3_listing, bucket, prefix)
         except Exception as e:
             raise classify(e) from None
         return found
+
+    def _boto3_listing(self, bucket: str, prefix: str) -> dict[str, tuple[int, str]]:
+        return list_with_boto3(bucket, prefix, connect_timeout=self.connect_timeout, read_timeout=self.read_timeout,
+                               attempts=self.attempts)
 
     async def read(self, bucket: str, key: str) -> bytes:
         """The bytes of one (small) object."""
@@ -302,6 +280,77 @@ class Engine:
                 return bytes(await result.bytes_async())
         except Exception as e:
             raise classify(e) from None
+
+    async def first_keys(self, bucket: str, prefix: str) -> list[str]:
+        """The first page (1000) of the keys below `prefix`, sub-folders included, relative to it: enough to
+        tell what a prefix holds without listing a million keys."""
+        import obstore
+        from obstore.exceptions import InvalidPathError
+
+        try:
+            async with self._slot():
+                async for batch in obstore.list(self.store(bucket), prefix or None, chunk_size=1000):
+                    return [obj["path"][len(prefix):] for obj in batch]
+        except InvalidPathError:  # a key object_store cannot name: the full listing (boto3's) tells
+            return sorted(await asyncio.to_thread(self._boto3_listing, bucket, prefix))[:1000]
+        except Exception as e:
+            raise classify(e) from None
+        return []
+
+    async def put(self, bucket: str, key: str, path: Path, metadata: dict[str, str] | None = None) -> None:
+        """Upload the file at `path` as one object (in PART-sized parts above PART bytes, as S3 needs for large
+        ones), with `metadata` as its user metadata (x-amz-meta-*); the object appears whole or not at all."""
+        import obstore
+
+        try:
+            async with self._slot():
+                await obstore.put_async(self.store(bucket), key, Path(path), attributes=metadata or None,
+                                        chunk_size=PART, max_concurrency=4)
+        except Exception as e:
+            raise classify(e) from None
+
+    async def put_bytes(self, bucket: str, key: str, data: bytes) -> None:
+        import obstore
+
+        try:
+            async with self._slot():
+                await obstore.put_async(self.store(bucket), key, data)
+        except Exception as e:
+            raise classify(e) from None
+
+    async def delete(self, bucket: str, key: str) -> None:
+        """Remove one object (gone already is done)."""
+        import obstore
+
+        try:
+            async with self._slot():
+                await obstore.delete_async(self.store(bucket), key)
+        except FileNotFoundError:
+            return
+        except Exception as e:
+            raise classify(e) from None
+
+    async def metadata(self, bucket: str, key: str) -> dict[str, str]:
+        """The user metadata of one object (a HEAD): what `put` was given."""
+        import obstore
+
+        try:
+            async with self._slot():
+                result = await obstore.get_async(self.store(bucket), key, options={"head": True})
+                return {k: v for k, v in result.attributes.items() if k not in STANDARD_ATTRIBUTES}
+        except Exception as e:
+            raise classify(e) from None
+
+    def reader(self, bucket: str, key: str):
+        """One object's body as a binary file read front to back (`read(n)`), for a caller on its own thread
+        that parses as it reads (a shard indexed in one pass); a failure while reading raises TransferError."""
+        import obstore
+
+        try:
+            result = obstore.get(self.store(bucket), key)
+        except Exception as e:
+            raise classify(e) from None
+        return io.BufferedReader(_Chunks(iter(result.stream(min_chunk_size=CHUNK))), buffer_size=CHUNK)
 
     async def size(self, bucket: str, key: str) -> int:
         """The size of one object (a HEAD)."""
@@ -328,15 +377,15 @@ class Engine:
                 async with self._holding(PART if size is None else size):  # until its bytes are written
                     async with self._slot():
                         data, got_etag = await _whole(store, key)
-                    fd = _create(tmp)
-                    n = _write_all(fd, memoryview(data), 0)
+                    fd = create_file(tmp)
+                    n = write_at(fd, memoryview(data), 0)
                     if digest is not None:
                         digest.update(data)
                     del data
                 if on_bytes is not None:
                     on_bytes(n)
             else:
-                fd = _create(tmp)
+                fd = create_file(tmp)
                 got_etag, n = etag, await self._ranged(store, key, fd, size, etag, on_bytes)
                 if n is None:  # the server ignores Range (it answers 200): one GET of the whole object, streamed
                     # no part was written (the refused first one, or none asked): a truncation to 0 of the new file
@@ -354,7 +403,7 @@ class Engine:
         except BaseException:
             if fd is not None:
                 os.close(fd)
-            _remove(tmp)
+            remove_quietly(tmp)
             raise
         os.close(fd)
         return n, (got_etag or "").strip('"') or None
@@ -423,7 +472,7 @@ class Engine:
                     n, etag = await self.download(bucket, key, tmp, size, on_bytes=on_bytes)
                     os.replace(tmp, dest)
                 except (TransferError, OSError) as e:
-                    _remove(tmp)
+                    remove_quietly(tmp)
                     done(i, 0, None, e)
                 else:
                     done(i, n, etag)
@@ -472,7 +521,7 @@ async def _stream_to(store, key: str, fd: int, etag: str | None, on_bytes,
             break
         except Exception as e:
             raise classify(e) from None
-        offset += await _on_thread(pool, _land, fd, chunk, offset, digest)
+        offset += await _on_thread(pool, land, fd, chunk, offset, digest)
         if on_bytes is not None:
             on_bytes(len(chunk))
     return offset - start, got or None
@@ -493,15 +542,6 @@ async def _on_thread(pool, fn, *args):
         raise
 
 
-def _land(fd: int, chunk, offset: int, digest) -> int:
-    """A streamed chunk written at `offset` (and fed to `digest`); returns its length."""
-    view = memoryview(chunk)
-    n = _write_all(fd, view, offset)
-    if digest is not None:
-        digest.update(view)
-    return n
-
-
 async def _whole(store, key: str):
     """One GET of a whole object: (its bytes, its ETag)."""
     import obstore
@@ -513,65 +553,29 @@ async def _whole(store, key: str):
         raise classify(e) from None
 
 
-def _create(path) -> int:
-    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+STANDARD_ATTRIBUTES = {"Content-Disposition", "Content-Encoding", "Content-Language", "Content-Type", "Cache-Control",
+                       "Storage-Class"}  # obstore's own attributes: the rest of an object's are its user metadata
 
 
-def _remove(path) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
+class _Chunks(io.RawIOBase):
+    """obstore's stream of an object's body (chunks of bytes) as a raw file (`readinto`), so io.BufferedReader
+    serves `read(n)`; obstore's errors while streaming come out as TransferError."""
 
+    def __init__(self, chunks):
+        self._chunks, self._left = chunks, memoryview(b"")
 
-def _write_all(fd: int, data: memoryview, offset: int) -> int:
-    """Write `data` at `offset` (pwrite: parts of one file land in any order); returns its length."""
-    done = 0
-    while done < len(data):
-        done += os.pwrite(fd, data[done:], offset + done)
-    return done
+    def readable(self) -> bool:
+        return True
 
-
-def temp_path(dest: Path) -> Path:
-    """A download's temporary name: hidden, in the final folder, unique, ending in our PID (so that a
-    later run can tell a dead writer's leftovers: workdir.remove_dead_temps)."""
-    return Path(part_name(str(dest)))
-
-
-def part_name(dest: str) -> str:
-    """`temp_path` for a str path (the sync makes one per file: pathlib's cost shows at a million)."""
-    folder, name = os.path.split(dest)
-    return os.path.join(folder, f".{name}.part-{next(_serial)}-{os.getpid()}")
-
-
-def list_with_boto3(bucket: str, prefix: str, engine: Engine) -> dict[str, tuple[int, str]]:
-    """The listing for a prefix holding keys that object_store refuses (boto3's paginator)."""
-    import boto3
-    from botocore.config import Config
-    from botocore.exceptions import BotoCoreError, ClientError
-
-    given = endpoint_credentials()
-    client = boto3.session.Session().client(
-        "s3", config=Config(connect_timeout=engine.connect_timeout, read_timeout=engine.read_timeout,
-                            retries={"max_attempts": engine.attempts, "mode": "standard"}), **given)
-    found: dict[str, tuple[int, str]] = {}
-    try:
-        for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
-            for obj in page.get("Contents", []):
-                found[obj["Key"][len(prefix):]] = (obj["Size"], obj["ETag"].strip('"'))
-    except ClientError as e:
-        raise TransferError(e.response.get("Error", {}).get("Code", "http"), redact(str(e))[:300]) from None
-    except BotoCoreError as e:
-        raise TransferError("timeout" if "timeout" in type(e).__name__.lower() else "connect",
-                            redact(str(e))[:300]) from None
-    return found
-
-
-def hash_file(path: str | Path, *digests):
-    """Each of `digests` (hashlib-like objects) fed the bytes of the file at `path`, read once in 1 MiB
-    blocks; the first returned."""
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            for d in digests:
-                d.update(chunk)
-    return digests[0]
+    def readinto(self, b) -> int:
+        while not self._left:
+            try:
+                self._left = memoryview(bytes(next(self._chunks)))
+            except StopIteration:
+                return 0
+            except Exception as e:
+                raise classify(e) from None
+        n = min(len(b), len(self._left))
+        b[:n] = self._left[:n]
+        self._left = self._left[n:]
+        return n

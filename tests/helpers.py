@@ -152,3 +152,12 @@ def copy_trained(trained: Path, dest: Path, *, model_only: bool = False) -> Path
     extra = ("checkpoints", "tensorboard") if model_only else ()
     shutil.copytree(trained, dest, ignore=shutil.ignore_patterns(".dali_pipe.lock", *extra))
     return Path(dest)
+
+
+def s3_listing(client, bucket: str, prefix: str) -> dict[str, tuple[int, str]]:
+    """{key relative to `prefix`: (size, ETag)}, as boto3 (the peer) lists the bucket."""
+    out = {}
+    for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
+        for obj in page.get("Contents", []):
+            out[obj["Key"][len(prefix):]] = (obj["Size"], obj["ETag"].strip('"'))
+    return out

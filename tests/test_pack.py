@@ -289,8 +289,9 @@ def test_an_s3_pack_killed_during_its_upload_finishes_on_rerun(photo_root, s3, t
     then it is uploaded again; other settings replace the pack in S3, its stale objects removed, also when that
     upload was stopped after the old packed.json was gone. The bucket never holds a lock, temporary or progress
     file."""
+    from helpers import s3_listing as list_objects
+
     from dali_pipe.s3 import make_client
-    from dali_pipe.sync import list_objects
 
     client = make_client(4)
     client.create_bucket(Bucket="data")
@@ -312,21 +313,18 @@ def test_an_s3_pack_killed_during_its_upload_finishes_on_rerun(photo_root, s3, t
     _pack(photo_root, "s3://data/packed", "--workers", "1")
     assert "nothing to do" not in capsys.readouterr().err
     assert client.get_object(Bucket="data", Key=f"packed/{first['name']}")["Body"].read() == good
-    import dali_pipe.cli.pack as pack_cli
-
-    real = pack_cli.make_client  # the client the pack command uploads with
+    from dali_pipe.transfer import Engine
 
     def dying(*a, **k):  # the replacing upload stops (a kill) once the old packed.json is gone
-        c = real(*a, **k)
-        c.upload_file = lambda *a, **k: (_ for _ in ()).throw(SystemExit("killed"))
-        return c
+        raise SystemExit("killed")
 
-    pack_cli.make_client = dying
+    real = Engine.put  # what the pack command uploads with
+    Engine.put = dying
     try:
         with pytest.raises(SystemExit):
             _pack(photo_root, "s3://data/packed", "--workers", "1", "--shard-size", "150kB")
     finally:
-        pack_cli.make_client = real
+        Engine.put = real
     from dali_pipe.forms import UnfinishedPackError
     from dali_pipe.inputs import detect
 

@@ -188,10 +188,10 @@ def test_shards_of_others_on_s3_each_sample_once(photo_root, s3_process, tmp_pat
 
     from corpus import peer_shards
     from helpers import datamodule
+    from helpers import s3_listing as list_objects
 
     from dali_pipe.s3 import make_client
     from dali_pipe.spec import ImageSpec
-    from dali_pipe.sync import list_objects
 
     labels = peer_shards(photo_root, tmp_path / "peer", val_every=None)
     client = make_client(4)

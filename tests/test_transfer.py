@@ -14,8 +14,9 @@ import pytest
 from faultproxy import FaultProxy
 
 from dali_pipe import limits, transfer
+from dali_pipe.landing import temp_path
 from dali_pipe.s3 import TransferError, make_client
-from dali_pipe.transfer import Engine, temp_path
+from dali_pipe.transfer import Engine
 
 TOOLS = Path(__file__).resolve().parents[1] / "tools"
 
@@ -409,6 +410,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dali_pipe.cli import cli
 from dali_pipe.cli.commands import main
 if sys.argv[1] == "sync":  # against an endpoint nothing listens on: it fails at once, past the engine's making
+    from dali_pipe.limits import own_process
+    own_process()  # as `python -m dali_pipe` does (as_a_command): the process is our command's
     cli(lambda: main(["sync", "--no-progress", "s3://data/x", sys.argv[2]]))
 else:
     from dali_pipe.sync import make_engine

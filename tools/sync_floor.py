@@ -35,7 +35,7 @@ def usage(problem: str) -> SystemExit:
 
 
 def write_all(fd: int, data, offset: int) -> int:
-    """All of `data` written at `offset` (a write may take less than it is given, as transfer._write_all knows)."""
+    """All of `data` written at `offset` (a write may take less than it is given, as landing.write_at knows)."""
     view, done = memoryview(data), 0
     while done < len(view):
         done += os.pwrite(fd, view[done:], offset + done)

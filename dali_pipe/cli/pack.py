@@ -9,6 +9,7 @@ old pack that the new one does not name go last).
 """
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import errno
 import json
@@ -23,80 +24,91 @@ from ..https import is_http
 from ..inputs import detect, form_problem, forms_text
 from ..manifest import Manifest
 from ..pack import PackError, finished, pack_manifest, pack_settings, pack_shards, read_progress, same_pack
-from ..s3 import SyncError, explain, local_target, make_client, parse_s3_uri
+from ..s3 import SyncError, TransferError, explain, local_target, parse_s3_uri
 from ..shards.cache import http_copies, local_name
 from ..shards.format import PACKED_NAME
 from ..shards.packsync import sync_shards
 from ..shards.verdicts import Remote
-from ..sync import list_objects, read_object, sync_objects
+from ..sync import engine_for, listing, read_object, sync_objects
 from ..workdir import lock, remove, unlock, write_atomic
 
 REPLACED = ".replaced-packed.json"  # in the staging folder: the packed.json of the pack being replaced in S3
 
 
 def upload(local: Path, uri: str, *, workers: int, previous: dict | None = None) -> int:
-    """Upload the finished pack: each file with parallel multipart PUTs (s3transfer), skipping those
-    already there with the same size and sha256; packed.json last, so readers never see half a pack.
-    `previous`: the packed.json of another pack at `uri`, which is replaced."""
-    from boto3.s3.transfer import TransferConfig
-    from botocore.exceptions import BotoCoreError, ClientError
-
+    """Upload the finished pack through the transfer engine: its files at once (`workers` requests in flight,
+    large ones in parts), skipping those already there with the same size and sha256 (each shard's sha256 is
+    its user metadata); packed.json last, so readers never see half a pack. `previous`: the packed.json of
+    another pack at `uri`, which is replaced."""
     bucket, prefix = parse_s3_uri(uri)
     base = f"{prefix}/" if prefix else ""
-    client = make_client(workers)
     meta = json.loads((local / PACKED_NAME).read_text())
     shards = [s for split in meta["splits"].values() for s in split["shards"]]
-    try:
+    with engine_for(None, workers) as engine:
         if previous is not None:  # no reader may trust the old packed.json while its shards are replaced
             write_atomic(local / REPLACED, json.dumps(previous))  # a rerun after a kill still knows it
-            client.delete_object(Bucket=bucket, Key=base + PACKED_NAME)
-    except (BotoCoreError, ClientError) as e:
-        raise SyncError(f"replacing the pack at {uri}: {explain(e, bucket, base + PACKED_NAME)}") from None
-    try:  # until packed.json lands, the prefix says it is a pack being uploaded (forms.unfinished_pack's S3 twin)
-        client.put_object(Bucket=bucket, Key=base + PROGRESS_NAME, Body=b'{"uploading": true}\n')
-    except (BotoCoreError, ClientError) as e:
-        raise SyncError(f"uploading the pack to {uri}: {explain(e, bucket, base + PROGRESS_NAME)}") from None
-    remote = list_objects(client, bucket, base)
-    config = TransferConfig(multipart_threshold=8 << 20, multipart_chunksize=8 << 20, max_concurrency=workers)
-    sent = 0
-    files = [(s["name"], s["sha256"]) for s in shards] + [(s["index"], None) for s in shards]
-    files += [("bad_images.tsv", None), (PACKED_NAME, None)]
-    for name, sha in files:
-        path = local / name
-        if not path.is_file():
-            continue
-        if name != PACKED_NAME and remote.get(name, (None,))[0] == path.stat().st_size:
-            if sha is None or client.head_object(Bucket=bucket, Key=base + name).get("Metadata", {}).get(
-                    "sha256") == sha:
-                continue
-        try:
-            client.upload_file(str(path), bucket, base + name, Config=config,
-                               ExtraArgs={"Metadata": {"sha256": sha}} if sha else None)
-        except (BotoCoreError, ClientError, OSError) as e:
-            raise SyncError(f"uploading {name}: {explain(e, bucket, base + name)} (rerun to finish)") from None
-        sent += 1
-    if previous is not None:
-        ours = {n for n, _ in files}
-        stale = sorted({n for split in previous.get("splits", {}).values() for s in split.get("shards", [])
-                        for n in (s.get("name"), s.get("index")) if n} - ours)
-        for name in stale:
-            try:
-                client.delete_object(Bucket=bucket, Key=base + name)
-            except (BotoCoreError, ClientError) as e:
-                raise SyncError(f"removing {name} of the replaced pack: {explain(e, bucket, base + name)}") from None
-        (local / REPLACED).unlink(missing_ok=True)
-    unmark(client, bucket, base)
-    return sent
+            _ask(engine, engine.delete(bucket, base + PACKED_NAME), f"replacing the pack at {uri}", bucket,
+                 base + PACKED_NAME)
+        # until packed.json lands, the prefix says it is a pack being uploaded (forms.unfinished_pack's S3 twin)
+        _ask(engine, engine.put_bytes(bucket, base + PROGRESS_NAME, b'{"uploading": true}\n'),
+             f"uploading the pack to {uri}", bucket, base + PROGRESS_NAME)
+        remote = listing(engine, bucket, base)
+        files = [(s["name"], s["sha256"]) for s in shards] + [(s["index"], None) for s in shards]
+        files += [("bad_images.tsv", None)]
+        todo = [(name, sha) for name, sha in files if (local / name).is_file() and not (
+            remote.get(name, (None,))[0] == (local / name).stat().st_size and (
+                sha is None or _recorded(engine, bucket, base + name, uri) == sha))]
+        engine.run(_all([_named(engine.put(bucket, base + name, local / name, {"sha256": sha} if sha else None),
+                                bucket, base + name) for name, sha in todo]))
+        _ask(engine, engine.put(bucket, base + PACKED_NAME, local / PACKED_NAME), f"uploading {PACKED_NAME}",
+             bucket, base + PACKED_NAME)
+        if previous is not None:
+            ours = {n for n, _ in files} | {PACKED_NAME}
+            stale = sorted({n for split in previous.get("splits", {}).values() for s in split.get("shards", [])
+                            for n in (s.get("name"), s.get("index")) if n} - ours)
+            for name in stale:
+                _ask(engine, engine.delete(bucket, base + name), f"removing {name} of the replaced pack", bucket,
+                     base + name)
+            (local / REPLACED).unlink(missing_ok=True)
+        unmark(engine, bucket, base)
+    return len(todo) + 1
 
 
-def unmark(client, bucket: str, base: str) -> None:
-    """Remove the upload's marker (packed.json is there: the pack is whole)."""
-    from botocore.exceptions import BotoCoreError, ClientError
-
+async def _all(coros: list) -> None:
+    """Every coroutine run at once (the engine bounds how many requests are in flight); the first failure
+    cancels the rest."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
     try:
-        client.delete_object(Bucket=bucket, Key=base + PROGRESS_NAME)
-    except (BotoCoreError, ClientError) as e:
-        raise SyncError(f"finishing the upload: {explain(e, bucket, base + PROGRESS_NAME)} (rerun to finish)") from None
+        await asyncio.gather(*tasks)
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+async def _named(coro, bucket: str, key: str) -> None:
+    """`coro`, its failure a SyncError naming the object it was uploading."""
+    try:
+        await coro
+    except TransferError as e:
+        raise SyncError(f"uploading {key.rsplit('/', 1)[-1]}: {explain(e, bucket, key)} (rerun to finish)") from None
+
+
+def _ask(engine, coro, what: str, bucket: str, key: str):
+    """engine.run(coro), its failure a SyncError saying `what` failed, naming the key and the fix."""
+    try:
+        return engine.run(coro)
+    except TransferError as e:
+        raise SyncError(f"{what}: {explain(e, bucket, key)} (rerun to finish)") from None
+
+
+def _recorded(engine, bucket: str, key: str, uri: str) -> str | None:
+    """The sha256 an upload recorded on the object `key` (its user metadata), or None."""
+    return _ask(engine, engine.metadata(bucket, key), f"checking {uri}", bucket, key).get("sha256")
+
+
+def unmark(engine, bucket: str, base: str) -> None:
+    """Remove the upload's marker (packed.json is there: the pack is whole)."""
+    _ask(engine, engine.delete(bucket, base + PROGRESS_NAME), "finishing the upload", bucket, base + PROGRESS_NAME)
 
 
 def remote_pack(uri: str) -> dict | None:
@@ -112,25 +124,16 @@ def remote_complete(uri: str, meta: dict) -> bool:
     """Every shard and index that packed.json `meta` names is in S3 with its size, and each shard with the
     sha256 that `upload` recorded in its metadata (one HEAD per shard: an object replaced by other bytes of
     the same size, or put there by another tool, is not this pack's)."""
-    from botocore.exceptions import BotoCoreError, ClientError
-
     bucket, prefix = parse_s3_uri(uri)
     base = f"{prefix}/" if prefix else ""
-    client = make_client(16)
-    remote = list_objects(client, bucket, base)
-    shards = [s for split in meta["splits"].values() for s in split["shards"]]
-    if not all(remote.get(s["name"], (None,))[0] == s["size"] and s["index"] in remote for s in shards):
-        return False
-
-    def recorded(s: dict) -> bool:
-        try:
-            head = client.head_object(Bucket=bucket, Key=base + s["name"])
-        except (BotoCoreError, ClientError) as e:
-            raise SyncError(f"checking {uri}: {explain(e, bucket, base + s['name'])}") from None
-        return head.get("Metadata", {}).get("sha256") == s.get("sha256")
-
-    with ThreadPoolExecutor(16) as pool:
-        return all(pool.map(recorded, shards))
+    with engine_for(None, 16) as engine:
+        remote = listing(engine, bucket, base)
+        shards = [s for split in meta["splits"].values() for s in split["shards"]]
+        if not all(remote.get(s["name"], (None,))[0] == s["size"] and s["index"] in remote for s in shards):
+            return False
+        with ThreadPoolExecutor(16) as pool:
+            return all(pool.map(lambda s: _recorded(engine, bucket, base + s["name"], uri) == s.get("sha256"),
+                                shards))
 
 
 def _replaced(staging: Path) -> dict | None:
@@ -200,7 +203,8 @@ def _run(s: Settings, staging: Path, manifest: Manifest | None = None) -> dict:
             if staged is None and previous is not None and same_pack(previous, settings) and remote_complete(
                     dst, previous):
                 bucket, prefix = parse_s3_uri(dst)
-                unmark(make_client(1), bucket, f"{prefix}/" if prefix else "")  # (a kill just after packed.json)
+                with engine_for(None, 1) as engine:  # (a kill just after packed.json left the marker)
+                    unmark(engine, bucket, f"{prefix}/" if prefix else "")
                 _clear(staging)
                 print(f"pack: {dst} already holds this pack ({_counts(previous)}); nothing to do", file=sys.stderr)
                 return {"done_before": True}

@@ -56,7 +56,10 @@ def detect(data: str, cache_dir: str | None = None) -> Form | None:
             if known is not None:
                 return known
         look = S3Look(data)
-        return next((f for f in FORMS if f.is_s3(look)), None)
+        try:
+            return next((f for f in FORMS if f.is_s3(look)), None)
+        finally:
+            look.close()
     p = Path(data)
     return local_form(p) if p.is_dir() else None
 

@@ -9,9 +9,9 @@ from pathlib import Path
 from typing import Callable
 
 from ..config import DataSettings
-from ..s3 import local_target, make_client, parse_s3_uri
-from ..shards.listing import list_first, list_top
-from ..sync import read_object
+from ..s3 import SyncError, TransferError, explain, local_target, make_client, parse_s3_uri
+from ..shards.listing import list_top
+from ..sync import make_engine, read_object
 
 
 def never(_data: str) -> bool:
@@ -67,7 +67,17 @@ class S3Look:
 
     @cached_property
     def _client(self):
+        # boto3, for the one listing obstore cannot make: one page with a delimiter (object_store lists with a
+        # delimiter only whole, every page: a million-image prefix would be listed in full to tell its form)
         return make_client(4)
+
+    @cached_property
+    def _engine(self):
+        return make_engine(4)
+
+    def close(self) -> None:
+        if "_engine" in self.__dict__:
+            self._engine.close()
 
     @cached_property
     def _top(self) -> tuple[dict, list[str]]:
@@ -88,14 +98,17 @@ class S3Look:
     @cached_property
     def keys(self) -> list[str]:
         """The first page of keys below the prefix, sub-folders included, relative to it."""
-        return list_first(self._client, self.bucket, self.base)
+        try:
+            return self._engine.run(self._engine.first_keys(self.bucket, self.base))
+        except TransferError as e:
+            raise SyncError(explain(e, self.bucket, self.base)) from None
 
     def names_in(self, folder: str) -> dict:
         return list_top(self._client, self.bucket, f"{self.base}{folder}/", pages=1)
 
     def holds(self, name: str) -> bool:
         """Whether the object NAME is directly under the prefix (asked with a GET of it: a small file)."""
-        return read_object(self.uri, name) is not None
+        return read_object(self.uri, name, self._engine) is not None
 
 
 def local_root(data: DataSettings) -> Path:

@@ -13,10 +13,11 @@ from concurrent.futures import CancelledError, wait
 from pathlib import Path
 
 from ..https import HttpError, Stopped, download, is_http, shown
+from ..landing import temp_path
 from ..redact import redact
 from ..s3 import SyncError, TransferError, explain, parse_s3_uri
 from ..sync import endpoint, listing
-from ..transfer import Bounds, Engine, temp_path
+from ..transfer import Bounds, Engine
 from ..workdir import is_write_failure
 from .verdicts import (
     Remote,

@@ -46,7 +46,7 @@ from urllib.parse import unquote
 import xxhash
 
 from ..errors import UserError
-from ..transfer import hash_file
+from ..landing import hash_file
 
 INDEX_VERSION = "v1.2"
 PACKED_NAME = "packed.json"

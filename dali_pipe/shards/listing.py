@@ -285,17 +285,6 @@ def shard_stem(name: str) -> str:
     return name[: -len(next(x for x in SHARD_SUFFIXES if low.endswith(x)))] if is_shard_name(name) else name
 
 
-def list_first(client, bucket: str, base: str) -> list[str]:
-    """The first page (1000) of the keys below s3://bucket/base, relative to it, sub-folders included."""
-    from botocore.exceptions import BotoCoreError, ClientError
-
-    try:
-        page = client.list_objects_v2(Bucket=bucket, Prefix=base)
-    except (BotoCoreError, ClientError) as e:
-        raise SyncError(explain(e, bucket, base)) from None
-    return [obj["Key"][len(base):] for obj in page.get("Contents", [])]
-
-
 def parquet_keys(keys) -> list[str]:
     """The .parquet files among object keys (relative to the prefix), where `forms.parquet_files` finds them
     in a folder: at the top, in data/, or in split folders."""

@@ -56,7 +56,8 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from ..https import HttpError, Stopped, is_http, open_stream, shown
-from ..s3 import SyncError, explain, make_client, parse_s3_uri
+from ..s3 import SyncError, TransferError, explain, parse_s3_uri
+from ..sync import engine_for
 from ..workdir import human_bytes, remove_dead_temps
 from .fetchers import SHARD_BOUNDS
 from .format import (
@@ -162,8 +163,6 @@ def _read_source(item: Listed, collector: Collector, deadline_s: float | None = 
     (S3_ATTEMPTS in all); nothing of it is stored but the copy. An HTTP body is read within `deadline_s`
     (default: an attempt's deadline, SHARD_BOUNDS.deadline of its size), once: a body that never ends
     hung the indexing for good."""
-    from botocore.exceptions import BotoCoreError, ClientError
-
     attempts = S3_ATTEMPTS if is_remote(item.path) else 1
     if deadline_s is None:
         deadline_s = SHARD_BOUNDS.deadline(item.size)
@@ -176,11 +175,8 @@ def _read_source(item: Listed, collector: Collector, deadline_s: float | None = 
                 indexed = _index_stream(counted, item, collector)
             if item.size is None or counted.n == item.size or last:
                 return indexed, counted.n
-        except ClientError as e:
-            bucket, key = parse_s3_uri(item.path)
-            raise SyncError(f"indexing {item.name}: {explain(e, bucket, key)}") from None
-        except BotoCoreError as e:
-            if last:
+        except TransferError as e:  # S3 (the engine): what asking again cannot change is said at once
+            if last or e.code not in ("timeout", "connect", "http", "SlowDown", "503", "InternalError"):
                 bucket, key = parse_s3_uri(item.path)
                 raise SyncError(f"indexing {item.name}: {explain(e, bucket, key)}") from None
         except Stopped as e:  # past its deadline: another attempt would take as long
@@ -196,13 +192,10 @@ def _read_source(item: Listed, collector: Collector, deadline_s: float | None = 
 
 @contextmanager
 def _open_source(item: Listed, deadline: float | None = None):
-    if item.path.startswith("s3://"):
+    if item.path.startswith("s3://"):  # one streaming GET through the engine, bounded by its request limit
         bucket, key = parse_s3_uri(item.path)
-        body = make_client(1).get_object(Bucket=bucket, Key=key)["Body"]
-        try:
+        with engine_for(None, 1) as engine, engine.reader(bucket, key) as body:
             yield body
-        finally:
-            body.close()
     elif is_http(item.path):
         body, _, _ = open_stream(item.path, deadline=deadline)
         with body:

@@ -45,10 +45,10 @@ from pathlib import Path
 from ..errors import UserError
 from ..forms import is_save_to_disk, parquet_files, split_of
 from ..manifest import sort_classes
-from ..s3 import local_target, make_client, parse_s3_uri
+from ..s3 import local_target, parse_s3_uri
 from ..samples import TableGroup
 from ..scan import DaliDecoder, check_bytes
-from ..sync import list_objects, sync_objects
+from ..sync import engine_for, listing, sync_objects
 from ..tsv import safe_relpath
 from ..workdir import remove_dead_temps
 from .format import file_sha256
@@ -120,24 +120,26 @@ def download_tables(uri: str, dest: str | Path, *, workers: int, progress: bool 
     them (what `list_tables` reads)."""
     bucket, prefix = parse_s3_uri(uri)
     base = f"{prefix}/" if prefix else ""
-    keys = list(list_objects(make_client(4), bucket, base))
-    meta = [k for k in keys if k.rsplit("/", 1)[-1] in ("dataset_dict.json", "state.json", "dataset_info.json")]
-    saved = "dataset_dict.json" in keys or {"state.json", "dataset_info.json"} <= set(keys)  # (forms.is_save_to_disk)
-    names = meta + [k for k in keys if k.endswith(".arrow")] if saved else parquet_keys(keys) + meta
-    if not names:
-        raise TableSourceError(f"{uri} holds no .parquet files and no save_to_disk files")
     dest = Path(dest)
-    for name in names:
-        try:
-            outside = safe_relpath(name, dest) != name
-        except ValueError:
-            outside = True
-        if outside:  # ('..', '.' or '//' in its key)
-            raise TableSourceError(f"{uri}: the key {name!r} would land outside {dest} or under another name; rename "
-                                   "it. Nothing was downloaded.")
-    for name in names:  # the Hub's data/ and a DatasetDict's split folders
-        (dest / name).parent.mkdir(parents=True, exist_ok=True)
-    return sync_objects(uri, dest, names, workers=workers, progress=progress)
+    with engine_for(None, workers) as engine:  # one LIST serves both: what to fetch, and their sizes and ETags
+        remote = listing(engine, bucket, base)
+        keys = list(remote)
+        meta = [k for k in keys if k.rsplit("/", 1)[-1] in ("dataset_dict.json", "state.json", "dataset_info.json")]
+        saved = "dataset_dict.json" in keys or {"state.json", "dataset_info.json"} <= set(keys)  # (is_save_to_disk)
+        names = meta + [k for k in keys if k.endswith(".arrow")] if saved else parquet_keys(keys) + meta
+        if not names:
+            raise TableSourceError(f"{uri} holds no .parquet files and no save_to_disk files")
+        for name in names:
+            try:
+                outside = safe_relpath(name, dest) != name
+            except ValueError:
+                outside = True
+            if outside:  # ('..', '.' or '//' in its key)
+                raise TableSourceError(f"{uri}: the key {name!r} would land outside {dest} or under another name; "
+                                       "rename it. Nothing was downloaded.")
+        for name in names:  # the Hub's data/ and a DatasetDict's split folders
+            (dest / name).parent.mkdir(parents=True, exist_ok=True)
+        return sync_objects(uri, dest, names, workers=workers, progress=progress, engine=engine, remote=remote)
 
 
 # -- columns and classes ---------------------------------------------------------------------------

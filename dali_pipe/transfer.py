@@ -63,6 +63,7 @@ from .s3 import (
 )
 
 PART = 8 << 20  # objects above this size are fetched in ranged GETs of this size
+PUT_PARTS = 4  # parts of one upload in flight at once
 CHUNK = 1 << 20  # a streamed body is written (hashed, counted as progress) in chunks of about this size
 WRITERS = 4  # threads that write (and hash) streamed bodies
 IN_FLIGHT_BYTES = 256 << 20  # body bytes held in memory at once, across all requests: a whole object read up
@@ -299,13 +300,15 @@ class Engine:
 
     async def put(self, bucket: str, key: str, path: Path, metadata: dict[str, str] | None = None) -> None:
         """Upload the file at `path` as one object (in PART-sized parts above PART bytes, as S3 needs for large
-        ones), with `metadata` as its user metadata (x-amz-meta-*); the object appears whole or not at all."""
+        ones, PUT_PARTS at once), with `metadata` as its user metadata (x-amz-meta-*); the object appears whole
+        or not at all. The parts it holds in memory count against IN_FLIGHT_BYTES, as a download's do."""
         import obstore
 
+        held = min(os.path.getsize(path), PUT_PARTS * PART)
         try:
-            async with self._slot():
+            async with self._holding(held), self._slot():
                 await obstore.put_async(self.store(bucket), key, Path(path), attributes=metadata or None,
-                                        chunk_size=PART, max_concurrency=4)
+                                        chunk_size=PART, max_concurrency=PUT_PARTS)
         except Exception as e:
             raise classify(e) from None
 

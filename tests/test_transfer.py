@@ -502,3 +502,31 @@ def test_the_benchmarks_floor_client_copies_every_byte_of_the_prefix(s3, tmp_pat
     assert refused.returncode == 1 and "set AWS_ENDPOINT_URL" in refused.stderr, refused.stderr
 
 
+
+
+def test_uploads_in_parts_hold_no_more_than_the_budget_and_land_whole_with_their_metadata(s3, tmp_path, monkeypatch):
+    """Four files of 11 MB put at once in parts of 5 MiB (S3's least part; four a file in flight): the parts held
+    stay within IN_FLIGHT_BYTES (room for one upload's), every object lands whole, and its user metadata reads
+    back, through the engine and through boto3 (the peer)."""
+    monkeypatch.setattr(transfer, "PART", 5 << 20)
+    monkeypatch.setattr(transfer, "IN_FLIGHT_BYTES", 4 * (5 << 20))
+    client = make_client(4)
+    client.create_bucket(Bucket="uploads")
+    bodies = {f"f{i:02d}.bin": os.urandom(11_000_000) for i in range(4)}
+    for name, body in bodies.items():
+        (tmp_path / name).write_bytes(body)
+    engine = Engine(concurrency=32, connect_timeout=2, read_timeout=20, attempts=3)
+    try:
+        async def all_of_them():
+            import asyncio
+
+            await asyncio.gather(*(engine.put("uploads", f"p/{n}", tmp_path / n, {"sha256": n}) for n in bodies))
+
+        engine.run(all_of_them())
+        assert 0 < engine.held_peak <= transfer.IN_FLIGHT_BYTES
+        assert engine.run(engine.metadata("uploads", "p/f03.bin")) == {"sha256": "f03.bin"}
+    finally:
+        engine.close()
+    for name, body in bodies.items():
+        got = client.get_object(Bucket="uploads", Key=f"p/{name}")
+        assert got["Body"].read() == body and got["Metadata"] == {"sha256": name}

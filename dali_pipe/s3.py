@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import re
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import unquote, urlsplit, urlunsplit
 
@@ -131,13 +132,27 @@ def bucket_region(session, bucket: str) -> str | None:
         return None
 
 
-CONNECT_TIMEOUT = 5.0  # one request: at most ~5 + 3 x 20 s
+@dataclass(frozen=True)
+class Bounds:
+    """The timeouts and retries of one kind of transfer, one value handed down to what makes its requests (the
+    engine: the first three; a whole-object fetch above it: the rest). Retries stack two deep at most: the
+    engine's per request (throttling, cut and stalled bodies), and `attempts` whole objects above them. Tests
+    pass their own (a silent endpoint named in seconds), never patch constants."""
+    connect_timeout: float = 5.0  # seconds to connect
+    read_timeout: float = 10.0  # seconds without a byte after which a request is retried
+    request_attempts: int = 3  # tries of one request, inside one attempt
+    attempts: int = 2  # whole-object attempts
+    stall: float = 30.0  # seconds without a byte after which an attempt is cancelled (a silent endpoint: 2 x this)
+    attempt_deadline: float = 120.0  # seconds an attempt may take at most, plus the time of its bytes at min_rate
+    min_rate: float = 2e6  # bytes/s: the slowest transfer an attempt is given time for
+
+    def deadline(self, size: int | None) -> float:
+        """Seconds one attempt at an object of `size` bytes may take."""
+        return self.attempt_deadline + (size or 0) / self.min_rate
 
 
-READ_TIMEOUT = 20.0
-
-
-MAX_ATTEMPTS = 3
+SYNC_BOUNDS = Bounds(connect_timeout=5.0, read_timeout=20.0, request_attempts=3, stall=40.0)  # a sync's: one
+# request ends within about 5 + 3 x 20 s; the whole sync stops after `stall` seconds without a byte from any request
 
 
 class SyncError(UserError):
@@ -169,15 +184,14 @@ def local_target(uri: str, cache_dir: Path) -> Path:
     return Path(cache_dir) / "s3" / bucket / prefix
 
 
-def make_client(workers: int, max_attempts: int | None = None, connect_timeout: float | None = None,
-                read_timeout: float | None = None):
+def make_client(workers: int, bounds: Bounds = SYNC_BOUNDS):
     """An S3 client for `workers` threads; timeouts and tries default to this module's bounds."""
     import boto3
     from botocore.config import Config
 
-    cfg = Config(max_pool_connections=max(10, workers), connect_timeout=connect_timeout or CONNECT_TIMEOUT,
-                 read_timeout=read_timeout or READ_TIMEOUT, tcp_keepalive=True,
-                 retries={"max_attempts": max_attempts or MAX_ATTEMPTS, "mode": "standard"})
+    cfg = Config(max_pool_connections=max(10, workers), connect_timeout=bounds.connect_timeout,
+                 read_timeout=bounds.read_timeout, tcp_keepalive=True,
+                 retries={"max_attempts": bounds.request_attempts, "mode": "standard"})
     return boto3.session.Session().client("s3", config=cfg, **endpoint_credentials())
 
 
@@ -192,7 +206,7 @@ def explain(err: Exception, bucket: str, key: str) -> str:
         return (f"no usable AWS credentials{found}. Set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE, "
                 "or run with an instance/SageMaker role that can read the bucket")
     if code == "timeout":
-        return (f"{endpoint()} did not answer for s3://{bucket}/{key} (timed out after {MAX_ATTEMPTS} tries); "
+        return (f"{endpoint()} did not answer for s3://{bucket}/{key} (timed out after {SYNC_BOUNDS.request_attempts} tries); "
                 "check AWS_ENDPOINT_URL, the region and the network")
     if code == "connect":
         return f"cannot reach {endpoint()}; check AWS_ENDPOINT_URL, the region and the network"
@@ -203,7 +217,7 @@ def explain(err: Exception, bucket: str, key: str) -> str:
     if code in ("AccessDenied", "403", "InvalidAccessKeyId", "SignatureDoesNotMatch"):
         return f"access to s3://{bucket}/{key} was denied ({code}); check the credentials and the bucket policy"
     if code in ("SlowDown", "503"):
-        return (f"{endpoint()} kept throttling s3://{bucket}/{key} (503 SlowDown, {MAX_ATTEMPTS} tries); rerun "
+        return (f"{endpoint()} kept throttling s3://{bucket}/{key} (503 SlowDown, {SYNC_BOUNDS.request_attempts} tries); rerun "
                 "later or with fewer --workers")
     if code == "size":
         return f"s3://{bucket}/{key}: {err}; rerun the sync (the object may be changing)"

@@ -12,7 +12,7 @@
   time per target (a second stops at once, naming the PID that holds it).
 - Bounded: connect and read timeouts and a small retry budget per request (throttling, cut and
   stalled bodies are retried), and one shared deadline for the whole sync: when no byte has arrived
-  from any request for STALL_SECONDS, the sync stops (its requests are dropped, none is retried), so
+  from any request for SYNC_BOUNDS.stall seconds, the sync stops (its requests are dropped, none is retried), so
   an endpoint that accepts connections but never answers fails in about a minute whatever the file
   count, with a message naming it. SIGTERM (or Ctrl-C) cancels the downloads, removes their
   temporary files and re-raises.
@@ -40,9 +40,8 @@ from pathlib import Path
 
 from .landing import part_name
 from .s3 import (
-    CONNECT_TIMEOUT,
-    MAX_ATTEMPTS,
-    READ_TIMEOUT,
+    SYNC_BOUNDS,
+    Bounds,
     ManifestMissing,
     SyncError,
     TransferError,
@@ -67,7 +66,6 @@ from .workdir import (
 STATE_NAME = ".sync-state.json"
 JOURNAL_NAME = ".sync-state.journal"  # the files fetched since the state was last written whole
 POLL = 0.05  # seconds between looks at the downloads that finished
-STALL_SECONDS = 40.0  # the whole sync stops after this long without a byte; in-flight reads end within READ_TIMEOUT
 
 
 @dataclass
@@ -86,10 +84,10 @@ class SyncStats:
                 f"{self.missing} missing in S3, {self.listed} listed, {self.seconds:.1f} s")
 
 
-def make_engine(workers: int) -> Engine:
-    """The transfer engine for a sync: `workers` requests in flight, this module's timeouts and tries."""
-    return Engine(concurrency=workers, connect_timeout=CONNECT_TIMEOUT, read_timeout=READ_TIMEOUT,
-                  attempts=MAX_ATTEMPTS)
+def make_engine(workers: int, bounds: Bounds = SYNC_BOUNDS) -> Engine:
+    """The transfer engine for a sync: `workers` requests in flight, `bounds`' timeouts and tries."""
+    return Engine(concurrency=workers, connect_timeout=bounds.connect_timeout, read_timeout=bounds.read_timeout,
+                  attempts=bounds.request_attempts)
 
 
 def temp_name(path: Path) -> Path:
@@ -311,11 +309,11 @@ class SyncState:
 
 
 def fetch_files(engine: Engine, bucket: str, base: str, dest: Path, todo: list[tuple[str, int, str]],
-                state: SyncState, stats: SyncStats, *, progress: bool) -> list[str]:
+                state: SyncState, stats: SyncStats, *, progress: bool, stall: float = SYNC_BOUNDS.stall) -> list[str]:
     """Download `todo` (rel, size, ETag) through the engine, each file renamed into place as it lands;
     returns the failures. A BaseException in this thread (SIGTERM, Ctrl-C) cancels the rest: no request
     starts after it, running ones are dropped, their temporary files removed. A silent endpoint (no byte
-    for STALL_SECONDS from any request) and a full disk stop the sync with one SyncError."""
+    for `stall` seconds from any request) and a full disk stop the sync with one SyncError."""
     failures: list[str] = []
     watch, results, finished = Watch(), deque(), threading.Event()
     root = str(dest)
@@ -344,9 +342,9 @@ def fetch_files(engine: Engine, bucket: str, base: str, dest: Path, todo: list[t
             if not results:
                 if future.done() and future.exception() is not None:
                     raise future.exception()
-                if watch.silent_for() > STALL_SECONDS:
+                if watch.silent_for() > stall:
                     raise SyncError(
-                        f"{endpoint()} sent no data for {STALL_SECONDS:.0f} s, so the sync stops: {stats.downloaded} "
+                        f"{endpoint()} sent no data for {stall:.0f} s, so the sync stops: {stats.downloaded} "
                         f"of {len(todo)} file(s) fetched (completed files are kept; rerun the sync to finish). Check "
                         "AWS_ENDPOINT_URL, the region and the network.") from None
                 finished.wait(POLL)  # the end of the last download wakes this at once
@@ -429,7 +427,8 @@ def folder_rows(missing: list[str], remote: dict) -> list[str]:
 
 
 def sync(uri: str, dest: Path | str, *, workers: int, skip_missing: bool = False, progress: bool = True,
-         engine: Engine | None = None, rows: bool = False, asked: AskedListing | None = None) -> SyncStats:
+         engine: Engine | None = None, rows: bool = False, asked: AskedListing | None = None,
+         bounds: Bounds = SYNC_BOUNDS) -> SyncStats:
     """Download s3://bucket/prefix/dataset.tsv and the files it lists into `dest`.
 
     Files listed but absent in S3 stop the sync (nothing is trained on a partial set) unless
@@ -440,7 +439,7 @@ def sync(uri: str, dest: Path | str, *, workers: int, skip_missing: bool = False
     start = time.perf_counter()
     bucket, prefix = parse_s3_uri(uri)
     dest = Path(dest)
-    with holding(dest), engine_for(engine, workers) as engine, listing_asked(engine, uri, asked) as asked:
+    with holding(dest), engine_for(engine, workers, bounds) as engine, listing_asked(engine, uri, asked) as asked:
         base = f"{prefix}/" if prefix else ""
         if progress:
             print(f"sync: reading s3://{bucket}/{base}{MANIFEST_NAME} from {endpoint()}", file=sys.stderr, flush=True)
@@ -478,7 +477,8 @@ def sync(uri: str, dest: Path | str, *, workers: int, skip_missing: bool = False
                 print(f"sync: {len(missing)} file(s) listed in {MANIFEST_NAME} are not in s3://{bucket}/{base} "
                       f"(--skip-missing), e.g. {missing[:3]}", file=sys.stderr)
             check_room(dest, todo)
-            failures = fetch_files(engine, bucket, base, dest, todo, state, stats, progress=progress)
+            failures = fetch_files(engine, bucket, base, dest, todo, state, stats, progress=progress,
+                                   stall=bounds.stall)
             stats.seconds = time.perf_counter() - start
             if failures:
                 raise SyncError(f"{len(failures)} of {len(todo)} download(s) failed (completed files are kept; "
@@ -492,12 +492,12 @@ def sync(uri: str, dest: Path | str, *, workers: int, skip_missing: bool = False
 
 
 @contextmanager
-def engine_for(engine: Engine | None, workers: int):
-    """The engine given, or one made (and closed) for this sync."""
+def engine_for(engine: Engine | None, workers: int, bounds: Bounds = SYNC_BOUNDS):
+    """The engine given, or one made (and closed) for this sync, with `bounds`' timeouts and tries."""
     if engine is not None:
         yield engine
         return
-    engine = make_engine(workers)
+    engine = make_engine(workers, bounds)
     try:
         yield engine
     finally:
@@ -505,7 +505,8 @@ def engine_for(engine: Engine | None, workers: int):
 
 
 def sync_objects(uri: str, dest: Path | str, names: list[str], *, workers: int, progress: bool = True,
-                 engine: Engine | None = None, remote: dict[str, tuple[int, str]] | None = None) -> SyncStats:
+                 engine: Engine | None = None, remote: dict[str, tuple[int, str]] | None = None,
+                 bounds: Bounds = SYNC_BOUNDS) -> SyncStats:
     """Download the objects `names` under s3://bucket/prefix into `dest` (a pack's files, others' shards).
     The same road as `sync` (large objects in ranged GETs), the same lock, skip by size + ETag, room
     check, bounds and SIGTERM behaviour. `remote`: the prefix's listing, when the caller made it already."""
@@ -513,7 +514,7 @@ def sync_objects(uri: str, dest: Path | str, names: list[str], *, workers: int, 
     bucket, prefix = parse_s3_uri(uri)
     dest = Path(dest)
     base = f"{prefix}/" if prefix else ""
-    with holding(dest), engine_for(engine, workers) as engine:
+    with holding(dest), engine_for(engine, workers, bounds) as engine:
         remote = listing(engine, bucket, base) if remote is None else remote
         missing = [n for n in names if n not in remote]
         if missing:
@@ -524,7 +525,7 @@ def sync_objects(uri: str, dest: Path | str, names: list[str], *, workers: int, 
         todo = [(n, *remote[n]) for n in names if not state.unchanged(n, *remote[n], dest / n)]
         stats.skipped = len(names) - len(todo)
         check_room(dest, todo)
-        failures = fetch_files(engine, bucket, base, dest, todo, state, stats, progress=progress)
+        failures = fetch_files(engine, bucket, base, dest, todo, state, stats, progress=progress, stall=bounds.stall)
         if failures:
             raise SyncError(f"{len(failures)} of {len(todo)} download(s) failed (completed files are kept; rerun "
                             "to finish):\n  " + "\n  ".join(failures[:5]))
@@ -535,7 +536,7 @@ def sync_objects(uri: str, dest: Path | str, names: list[str], *, workers: int, 
 
 
 def sync_files(uri: str, dest: Path | str, *, keep, workers: int, progress: bool = True,
-               engine: Engine | None = None) -> tuple[SyncStats, list[str]]:
+               engine: Engine | None = None, bounds: Bounds = SYNC_BOUNDS) -> tuple[SyncStats, list[str]]:
     """Download the objects under s3://bucket/prefix whose key (relative to the prefix) `keep` accepts into
     `dest`, in parallel, as `sync` does the files of a manifest (an ImageFolder's images, which no manifest
     lists): one LIST, unchanged files (size + ETag) skipped, each file landed atomically, the same lock,
@@ -545,7 +546,7 @@ def sync_files(uri: str, dest: Path | str, *, keep, workers: int, progress: bool
     bucket, prefix = parse_s3_uri(uri)
     dest = Path(dest)
     base = f"{prefix}/" if prefix else ""
-    with holding(dest), engine_for(engine, workers) as engine:
+    with holding(dest), engine_for(engine, workers, bounds) as engine:
         if progress:
             print(f"sync: listing s3://{bucket}/{base} from {endpoint()}", file=sys.stderr, flush=True)
         remote = listing(engine, bucket, base)
@@ -565,7 +566,7 @@ def sync_files(uri: str, dest: Path | str, *, keep, workers: int, progress: bool
         todo = [(rel, *remote[rel]) for rel in names if not state.unchanged(rel, *remote[rel], dest / rel)]
         stats.skipped = len(names) - len(todo)
         check_room(dest, todo)
-        failures = fetch_files(engine, bucket, base, dest, todo, state, stats, progress=progress)
+        failures = fetch_files(engine, bucket, base, dest, todo, state, stats, progress=progress, stall=bounds.stall)
         stats.seconds = time.perf_counter() - start
         if failures:
             raise SyncError(f"{len(failures)} of {len(todo)} download(s) failed (completed files are kept; rerun to "

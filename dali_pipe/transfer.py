@@ -13,7 +13,7 @@ through obstore (Python bindings of Rust's `object_store`) on one event loop thr
   bound (`concurrency`): a dataset of 1.2 M JPEGs and a pack of 150 MB shards take the same road.
 - Bounded: connect and read timeouts and `attempts` tries per request (obstore retries 5xx answers
   such as S3's 503 SlowDown, cut connections and stalled bodies, with exponential backoff); the
-  callers add their own deadlines (a whole sync stops after a silence, sync.STALL_SECONDS; a shard
+  callers add their own deadlines (a whole sync stops after a silence, SYNC_BOUNDS.stall; a shard
   attempt after its own, shards/cache.py). Cancelling a download (SIGTERM, Ctrl-C, a deadline) drops
   its requests and removes its temporary file.
 - The standard AWS environment: credentials from botocore's chain (keys, AWS_PROFILE and the config
@@ -44,7 +44,6 @@ import io
 import os
 import threading
 from concurrent.futures import Future
-from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
@@ -72,25 +71,6 @@ IN_FLIGHT_BYTES = 256 << 20  # body bytes held in memory at once, across all req
 REQUEST_LIMIT = 300.0  # seconds one request may take at most (a part of PART bytes at under 30 kB/s)
 RETRY_WINDOW = 60.0  # seconds after a request's first try during which obstore may retry it
 CREDENTIALS_TTL = timedelta(minutes=5)  # how long obstore keeps a set of credentials before asking again
-
-
-@dataclass(frozen=True)
-class Bounds:
-    """The timeouts and retries of one kind of transfer, one value handed down to what makes its requests (the
-    engine: the first three; a whole-object fetch above it: the rest). Retries stack two deep at most: the
-    engine's per request (throttling, cut and stalled bodies), and `attempts` whole objects above them. Tests
-    pass their own (a silent endpoint named in seconds), never patch constants."""
-    connect_timeout: float = 5.0  # seconds to connect
-    read_timeout: float = 10.0  # seconds without a byte after which a request is retried
-    request_attempts: int = 3  # tries of one request, inside one attempt
-    attempts: int = 2  # whole-object attempts
-    stall: float = 30.0  # seconds without a byte after which an attempt is cancelled (a silent endpoint: 2 x this)
-    attempt_deadline: float = 120.0  # seconds an attempt may take at most, plus the time of its bytes at min_rate
-    min_rate: float = 2e6  # bytes/s: the slowest transfer an attempt is given time for
-
-    def deadline(self, size: int | None) -> float:
-        """Seconds one attempt at an object of `size` bytes may take."""
-        return self.attempt_deadline + (size or 0) / self.min_rate
 
 
 class Engine:

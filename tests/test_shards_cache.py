@@ -17,6 +17,7 @@ import xxhash
 from faultproxy import FaultProxy
 
 from dali_pipe.cli.commands import main
+from dali_pipe.s3 import Bounds
 from dali_pipe.shards import cache as cache_mod
 from dali_pipe.shards import packsync
 from dali_pipe.shards import verdicts as verdicts_mod
@@ -25,7 +26,6 @@ from dali_pipe.shards.fetchers import Fetcher
 from dali_pipe.shards.packsync import fetch_to
 from dali_pipe.shards.reader import ShardReader
 from dali_pipe.shards.verdicts import Remote, ShardError, ShardFetchError, Verdicts, verify_local
-from dali_pipe.transfer import Bounds
 
 FAST = Bounds(connect_timeout=1.0, read_timeout=0.5, stall=1.0)  # a silent endpoint named in seconds
 

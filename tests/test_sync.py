@@ -322,21 +322,20 @@ def test_an_endpoint_that_never_answers_fails_fast_and_names_it(tmp_path, monkey
     import socket
     import time
 
-    import dali_pipe.sync as mod
+    from dali_pipe.s3 import Bounds
 
     silent = socket.socket()
     silent.bind(("127.0.0.1", 0))
     silent.listen(64)
     port = silent.getsockname()[1]
-    monkeypatch.setattr(mod, "READ_TIMEOUT", 0.5)
-    monkeypatch.setattr(mod, "MAX_ATTEMPTS", 2)
     for k, v in {"AWS_ENDPOINT_URL": f"http://admin:s3cr3tpass@127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "testing",
                  "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}.items():
         monkeypatch.setenv(k, v)
     t = time.perf_counter()
     try:
         with pytest.raises(SyncError) as e:
-            sync("s3://data/ds", tmp_path / "L", workers=2, progress=False)
+            sync("s3://data/ds", tmp_path / "L", workers=2, progress=False,
+                 bounds=Bounds(read_timeout=0.5, request_attempts=2))
     finally:
         silent.close()
     assert time.perf_counter() - t < 15
@@ -357,22 +356,22 @@ def test_messages_name_the_endpoint_boto3_uses(monkeypatch):
 
 def test_the_default_timeouts_bound_a_silent_endpoint_to_about_a_minute():
     """One request (the manifest, the LIST) and the whole download phase each end within about a minute."""
-    import dali_pipe.sync as mod
+    from dali_pipe.s3 import SYNC_BOUNDS as b
 
-    assert mod.CONNECT_TIMEOUT + mod.MAX_ATTEMPTS * mod.READ_TIMEOUT <= 65
-    assert mod.STALL_SECONDS + mod.READ_TIMEOUT <= 65
+    assert b.connect_timeout + b.request_attempts * b.read_timeout <= 65
+    assert b.stall + b.read_timeout <= 65
 
 
 def test_an_endpoint_silent_for_every_get_stops_the_whole_sync_at_one_deadline(s3, tmp_path, monkeypatch):
     """LIST and the manifest answer, then every GET of 200 files hangs (a proxy in front of moto): the sync
-    stops after one shared deadline (STALL_SECONDS, set small here), not one per file, without
+    stops after one shared deadline (its bounds' stall, set small here), not one per file, without
     retrying, and says so naming the endpoint; nothing partial is left."""
     import time
     from concurrent.futures import ThreadPoolExecutor
 
     from faultproxy import FaultProxy
 
-    import dali_pipe.sync as mod
+    from dali_pipe.s3 import Bounds
 
     server, url = s3
     client = make_client(16)
@@ -384,13 +383,11 @@ def test_an_endpoint_silent_for_every_get_stops_the_whole_sync_at_one_deadline(s
     proxy = FaultProxy(url).start()
     proxy.arm("hang", ".jpg", times=10**6)  # every GET of a photo
     monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
-    monkeypatch.setattr(mod, "READ_TIMEOUT", 0.5)
-    monkeypatch.setattr(mod, "STALL_SECONDS", 1.0)
     dest = tmp_path / "L"
     t = time.perf_counter()
     try:
         with pytest.raises(SyncError) as e:
-            sync("s3://data/ds", dest, workers=32, progress=False)
+            sync("s3://data/ds", dest, workers=32, progress=False, bounds=Bounds(read_timeout=0.5, stall=1.0))
     finally:
         proxy.stop()
     took = time.perf_counter() - t

@@ -36,7 +36,7 @@ else the sha256 (packs made before it, at about 1.2 GB/s); a verdict records the
 
 Faults: S3 throttling (503 SlowDown), a cut connection and a stalled body (read timeout) are
 retried by the transfer engine (obstore), then by one more whole attempt here;
-an attempt that moves no byte for `stall` seconds (transfer.Bounds), or runs past its deadline, is cancelled, so a
+an attempt that moves no byte for `stall` seconds (s3.Bounds), or runs past its deadline, is cancelled, so a
 silent endpoint is named after about a minute. HTTP(S) (`HttpFetcher`, over dali_pipe/https.py)
 has the same bounds: retries of refused connections, timeouts, 429 and 5xx per request, a cut
 body continued with a Range request (or read again where the server takes no ranges), an attempt
@@ -63,8 +63,7 @@ from pathlib import Path
 from ..config import parse_size
 from ..errors import UserError
 from ..https import cache_name, is_http
-from ..s3 import local_target
-from ..transfer import Bounds
+from ..s3 import Bounds, local_target
 from ..workdir import lock, remove, remove_dead_temps, unlock
 from .fetchers import SHARD_BOUNDS, fetcher_for, where
 from .verdicts import (

@@ -15,9 +15,9 @@ from pathlib import Path
 from ..https import HttpError, Stopped, download, is_http, shown
 from ..landing import temp_path
 from ..redact import redact
-from ..s3 import SyncError, TransferError, explain, parse_s3_uri
+from ..s3 import Bounds, SyncError, TransferError, explain, parse_s3_uri
 from ..sync import endpoint, listing
-from ..transfer import Bounds, Engine
+from ..transfer import Engine
 from ..workdir import is_write_failure
 from .verdicts import (
     Remote,
@@ -31,7 +31,7 @@ from .verdicts import (
 PART_CONCURRENCY = 8  # ranged GETs at once (transfer.PART bytes each), across the shards in flight
 
 
-SHARD_BOUNDS = Bounds()  # a shard's timeouts and retries (transfer.Bounds' defaults)
+SHARD_BOUNDS = Bounds()  # a shard's timeouts and retries (s3.Bounds' defaults)
 
 
 def split_url(url: str) -> tuple[str, str]:

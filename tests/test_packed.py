@@ -234,3 +234,30 @@ def test_gpu_recipe_trains_from_a_pack(packed, tmp_path, cache_dir):
                       "--output", str(tmp_path / "out")])
     assert res["global_step"] == 2 * (43 // 8)
     assert (tmp_path / "out" / "config.json").exists() and (tmp_path / "out" / "metrics.json").exists()
+
+
+def test_a_shard_changed_in_place_with_its_mtime_kept_is_named_when_read(photo_root, tmp_path, cache_dir):
+    """A byte of a pack's shard flipped, its size and mtime kept (what cp -p, rsync -a and bit rot keep): the
+    check before training trusts its cached verdict (kept by size and mtime) and passes, but the reader hashes
+    each shard as it first opens it and stops naming the shard; before, evaluate read the other bytes, exit 0."""
+    import os
+
+    from dali_pipe.shards.packs import open_packed
+    from dali_pipe.shards.reader import ShardReadError
+    from dali_pipe.shards.verdicts import verify_local
+
+    main(["pack", str(photo_root), str(tmp_path / "p"), "--max-side", "96", "--workers", "1"])
+    shards = open_packed(str(tmp_path / "p"), cache_dir)
+    verify_local(shards.train, cache_dir, progress=False)  # hashed once: the verdict is kept by size and mtime
+    assert _labels(_loader(shards.train, 8, False))  # and it reads
+    victim = shards.train.paths[2]
+    st = os.stat(victim)
+    with open(victim, "r+b") as f:
+        f.seek(700)  # inside the first image
+        byte = f.read(1)
+        f.seek(700)
+        f.write(bytes([byte[0] ^ 0x20]))
+    os.utime(victim, ns=(st.st_atime_ns, st.st_mtime_ns))
+    verify_local(shards.train, cache_dir, progress=False)  # the dodge: the cached verdict still vouches for it
+    with pytest.raises(ShardReadError, match=rf"{victim} changed after it was checked \(its xxh3 is not the one"):
+        _labels(_loader(shards.train, 8, False))

@@ -472,6 +472,10 @@ class CacheView:
         p = self.paths[shard]
         return self.cache.path(p, reader) if is_remote(p) else p
 
+    def checked(self, shard: int) -> bool:
+        """A fetched shard was checked as it landed; a local one is not."""
+        return is_remote(self.paths[shard])
+
     def lost(self, shard: int, reader, why: str) -> bool:
         """The reader found shard's local file missing or short (`why`): True when it is fetched again (a
         streamed shard), False for a local file, which only the user can restore."""

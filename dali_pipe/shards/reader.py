@@ -29,6 +29,7 @@ position across processes (see docs/s3-and-packs.md for the numbers).
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import threading
 from collections import OrderedDict
@@ -37,10 +38,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import UserError
-from .format import IndexFormatError, LabelFormatError, image_member, label_member, parse_cls, read_index
+from .format import IndexFormatError, LabelFormatError, fast_digest, image_member, label_member, parse_cls, read_index
 from .plan import Plan, epoch_plan
 
 OPEN_FILES = 32  # shard files kept open at once (a window's worth and more)
+VERIFY_CHUNK = 4 << 20  # bytes a shard is hashed in, as it is read once
 OPEN_GROUPS = 24  # table groups kept in memory at once (the plan has at most plan.WINDOW of a rank in progress)
 
 
@@ -109,6 +111,10 @@ class LocalStore:
     def path(self, shard: int, reader=None) -> str:
         return self.paths[shard]
 
+    def checked(self, shard: int) -> bool:
+        """Whether this store checked the shard's bytes as it made them local (a local file: no)."""
+        return False
+
     def advance(self, reader, epoch: int, position: int) -> None:
         """The reader has read up to `position` of `epoch` (nothing to do on local disk)."""
 
@@ -135,6 +141,7 @@ class ShardReader:
         self._files: OrderedDict[int, int] = OrderedDict()
         self._groups: OrderedDict[int, tuple[np.ndarray, np.ndarray]] = OrderedDict()  # tables: (bytes, offsets)
         self._tables = TableFiles()
+        self._verified: set[int] = set()  # shards whose bytes this reader hashed against their checksum
         self.batches = self.plan(0).batches  # the same every epoch
 
     def plan(self, epoch: int) -> Plan:
@@ -188,12 +195,43 @@ class ShardReader:
                         raise ShardReadError(f"{self.shards.paths[shard]} cannot be opened ({e.strerror}); it was "
                                              "there when training started: restore it, or pack the data "
                                              "again") from None
+            if shard not in self._verified and not self.store.checked(shard):
+                try:
+                    self._verify(shard, fd)
+                except BaseException:
+                    os.close(fd)
+                    raise
+                self._verified.add(shard)
             self._files[shard] = fd
             while len(self._files) > OPEN_FILES:
                 os.close(self._files.popitem(last=False)[1])
         else:
             self._files.move_to_end(shard)
         return fd
+
+    def _verify(self, shard: int, fd: int) -> None:
+        """The shard's bytes against the checksum it was packed (or indexed) with, read once when this reader
+        first opens it: the check before training trusts a verdict kept by size and mtime, which a shard
+        changed in place with its mtime kept (cp -p, rsync -a, bit rot) keeps, so the bytes are hashed here,
+        as the first epoch reads them anyway (XXH3 runs at about 9 GB/s: the read, not the hash, is the cost)."""
+        sums = [(name, got[shard]) for name, got in (("xxh3", self.shards.xxh3), ("sha256", self.shards.sha256))
+                if got is not None and got[shard]]
+        if not sums:
+            return
+        name, expected = sums[0]
+        digest = fast_digest() if name == "xxh3" else hashlib.sha256()
+        offset = 0
+        while chunk := os.pread(fd, VERIFY_CHUNK, offset):
+            digest.update(chunk)
+            offset += len(chunk)
+        size = self.shards.sizes[shard] if self.shards.sizes is not None else None
+        if (size is not None and offset != size) or digest.hexdigest() != expected:
+            why = f"{offset} bytes where {size} were checked" if size is not None and offset != size else \
+                f"its {name} is not the one it was checked with"
+            raise ShardReadError(f"{self.shards.paths[shard]} changed after it was checked ({why}), though its size "
+                                 "and modification time may not have (a copy that keeps them, or damage on disk): "
+                                 "copy or sync the shards again, or pack the data again; shards of others are "
+                                 "indexed again once the file's modification time changes (touch it)")
 
     def _close_finished(self, plan: Plan, position: int) -> None:
         """Close the shards this epoch has no more use for (the cache may then evict them)."""

@@ -107,3 +107,18 @@ def test_the_images_of_an_s3_dataset_and_of_an_s3_image_folder_are_listed(s3, ph
     for prefix in ("ds", "folder"):
         root, rels = list_images(f"s3://bkt/{prefix}", str(tmp_path / "cache"))
         assert sorted(rels) == expected and all((root / r).is_file() for r in rels), prefix
+
+
+def test_a_misspelt_path_is_told_before_torch_loads(tmp_path):
+    """predict --data naming nothing: said at once (before, after torch, Lightning and the model had loaded)."""
+    import subprocess
+    import sys
+
+    (tmp_path / "model").mkdir()
+    code = ("import sys; from dali_pipe.cli import NoDataError; from dali_pipe.cli.commands import main\n"
+            f"try:\n    main(['predict', '--model', {str(tmp_path / 'model')!r}, '--data', {str(tmp_path / 'photoz')!r},"
+            f" '--output', {str(tmp_path / 'out')!r}])\n"
+            "except NoDataError as e:\n    print(e); print(sorted(m for m in ('torch', 'pytorch_lightning') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert f"--data {str(tmp_path / 'photoz')!r} does not exist" in out.stdout and out.stdout.strip().endswith("[]")

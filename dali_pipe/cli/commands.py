@@ -4,6 +4,7 @@ without the repository's train.py at hand)."""
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -15,7 +16,7 @@ from ..shards.format import PACKED_NAME
 from ..shards.packsync import fetch_to
 from ..sync import SyncStats, ask_listing, make_engine, read_object, sync
 from ..tsv import MANIFEST_NAME
-from . import command_imports, data_check, described
+from . import NoDataError, command_imports, data_check, described
 from . import main as train_main
 from .infer import check_output
 from .parser import add_subcommand, new_parser, parse, settings_from
@@ -184,6 +185,10 @@ def main(argv: list[str] | None = None) -> int:
         run(s, manifest)
     elif command == "predict":
         check_output("predict", s.predict.predict_output, s.model.model)
+        data = s.data.data
+        if "://" not in data and "{" not in data and not os.path.lexists(data):  # told before torch loads (~5 s)
+            raise NoDataError(f"--data {data!r} does not exist; pass a folder of images, an image file, a list file "
+                              "of image paths (one per line), a .tsv manifest, or shards")
         with command_imports():
             from .predict import run  # lazy: as above
 

@@ -200,3 +200,25 @@ def test_folders_that_are_not_data_are_refused_by_name(photo_root, tmp_path):
     os.symlink(cls, other / "again")  # within train/: listed twice, as torchvision lists it
     m = read_image_folder(root, val_fraction=0.5, seed=0)
     assert len(m.train) == 36 + len(list(cls.glob("*.jpg")))
+
+
+def test_a_class_folder_without_images_is_told_before_torch_loads(photo_root, tmp_path):
+    """train.py on an ImageFolder with an empty class folder: the listing is read in the pre-flight, so the
+    mistake is said before torch and Lightning load (before, after them: 4-6 s)."""
+    import shutil
+    import subprocess
+    import sys
+
+    cat = sorted(photo_root.glob("*/*.jpg"))[:2]
+    (tmp_path / "d" / "cat").mkdir(parents=True)
+    (tmp_path / "d" / "dog").mkdir()
+    for p in cat:
+        shutil.copy(p, tmp_path / "d" / "cat" / p.name)
+    code = ("import sys, train\n"
+            f"try:\n    train.main(['--data', {str(tmp_path / 'd')!r}, '--model', 'tiny', '--output', {str(tmp_path / 'o')!r}])\n"
+            "except Exception as e:\n    print(type(e).__name__, e); print(sorted(m for m in ('torch', 'pytorch_lightning') "
+            "if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=Path(__file__).resolve().parents[1])
+    assert "1 class folder(s) hold no image ('dog'" in out.stdout, out.stdout + out.stderr[-2000:]
+    assert out.stdout.strip().endswith("[]")

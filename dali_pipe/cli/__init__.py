@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
 import gc
 import os
 import signal
@@ -78,12 +79,12 @@ class NoDataError(UserError):
 
 
 def described(data: DataSettings, what: str = "--data") -> "Manifest | None":  # noqa: F821
-    """The local dataset's manifest, read and checked before a command loads torch and Lightning (~10 s), so
-    that a data mistake (a misspelt header, a CSV file, a split without train rows, a listed file that is
-    missing) is told at once; the command's DataModule takes it and does not read it again. A path that does
-    not exist is said so, as `what`. None where there is no local manifest to read: s3:// (or https://) data
-    (its manifest is checked as it is synced, before the first GET), the other forms (checked as they are
-    opened), the demo."""
+    """The local dataset's manifest (a dataset.tsv folder's, or an ImageFolder's listing), read and checked
+    before a command loads torch and Lightning (~10 s), so that a data mistake (a misspelt header, a CSV file, a
+    split without train rows, a listed file that is missing, a class folder without images) is told at once;
+    the command's DataModule takes it and does not read it again. A path that does not exist is said so, as
+    `what`. None where there is nothing local to read as files: s3:// (or https://) data (its manifest is
+    checked as it is synced, before the first GET), shards and tables (checked as they are opened), the demo."""
     with command_imports():
         from ..inputs import detect, forms_text  # lazy: the registry loads numpy (0.3 s); --help answers at once
 
@@ -93,12 +94,9 @@ def described(data: DataSettings, what: str = "--data") -> "Manifest | None":  #
     root = Path(data.data)
     if form is None and not os.path.lexists(root):
         raise NoDataError(f"{what} {data.data!r} does not exist; {what} may be:" + forms_text("\n    "))
-    if form is None or form.name != "manifest":
+    if form is None or form.reader != "files":  # (shards and tables are checked as they are opened)
         return None
-    from ..manifest import read_manifest  # lazy: its columns take numpy, which sync and pack never need
-
-    return read_manifest(root, val_fraction=data.val_fraction, seed=data.seed, skip_missing=data.skip_missing,
-                         cache_dir=data.cache_dir or default_cache_dir())
+    return form.read(dataclasses.replace(data, cache_dir=data.cache_dir or str(default_cache_dir())))
 
 
 _COMMAND = False  # set by as_a_command(): this process is one of our commands, not a library user's

@@ -88,9 +88,14 @@ def described(data: DataSettings, what: str = "--data") -> "Manifest | None":  #
     with command_imports():
         from ..inputs import detect, forms_text  # lazy: the registry loads numpy (0.3 s); --help answers at once
 
-    if data.data is None or "://" in data.data:  # s3:// and https:// data: read as it is fetched
+    if data.data is None or data.data.startswith(("https://", "http://")):  # https:// data: read as it is fetched
         return None
     form = detect(data.data, data.cache_dir or str(default_cache_dir()))
+    if data.data.startswith("s3://"):  # (a few small requests; its files are synced with the heavy modules loaded)
+        if form is None:
+            raise NoDataError(f"{what} {data.data!r} holds none of the input forms, or nothing at all (check the "
+                              f"prefix's spelling); {what} may be:" + forms_text("\n    "))
+        return None
     root = Path(data.data)
     if form is None and not os.path.lexists(root):
         raise NoDataError(f"{what} {data.data!r} does not exist; {what} may be:" + forms_text("\n    "))

@@ -79,11 +79,12 @@ class Engine:
     `concurrency`: requests in flight at once, across everything the engine does. The timeouts and
     `attempts` bound each request."""
 
-    def __init__(self, *, concurrency: int, connect_timeout: float, read_timeout: float, attempts: int):
+    def __init__(self, *, concurrency: int, connect_timeout: float, read_timeout: float, attempts: int,
+                 request_limit: float = REQUEST_LIMIT):
         self.concurrency, self.attempts = requests_room(max(1, concurrency)), max(1, attempts)
         self.ranges: bool | None = None  # whether the server answers ranged GETs with 206; None: not asked yet
         self._asking: asyncio.Event | None = None  # set when the download that asks has its answer
-        self.connect_timeout, self.read_timeout = connect_timeout, read_timeout
+        self.connect_timeout, self.read_timeout, self.request_limit = connect_timeout, read_timeout, request_limit
         self._stores: dict[str, object] = {}
         self._lock = threading.Lock()
         tune_for_transfers()  # process-wide, so only in our commands (limits.own_process), never a user's
@@ -130,7 +131,7 @@ class Engine:
             credential_provider=credentials,
             client_options={"allow_http": True, "connect_timeout": timedelta(seconds=self.connect_timeout),
                             "read_timeout": timedelta(seconds=self.read_timeout),
-                            "timeout": timedelta(seconds=REQUEST_LIMIT)},
+                            "timeout": timedelta(seconds=self.request_limit)},
             retry_config={"max_retries": self.attempts - 1, "retry_timeout": timedelta(seconds=RETRY_WINDOW),
                           "backoff": {"init_backoff": timedelta(milliseconds=200), "max_backoff": timedelta(seconds=10),
                                       "base": 2}})
@@ -176,6 +177,8 @@ class Engine:
             pass
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(10)
+        if not self._thread.is_alive():
+            self._loop.close()  # its selector's descriptors go now, not at a later collection
         self._writers.shutdown(wait=True)  # idle by now: every download waits for its writes, even cancelled
 
     # -- requests (coroutines, run on the loop) ---------------------------------------------------

@@ -420,3 +420,24 @@ def test_a_small_dataset_is_cut_into_eight_shards_a_split_and_says_so(photo_root
     keys = [s["__key__"] for s in wds.WebDataset(sorted(str(p) for p in (tmp_path / "p").glob("*.tar")),
                                                  shardshuffle=False)]
     assert len(keys) == len(set(keys)) == 48
+
+
+def test_an_s3_pack_packed_again_replaces_every_object_and_no_upload_is_left_open(photo_root, s3, tmp_path, cache_dir):
+    """Packed to S3 at --quality 90, then again at 60: every object in S3 is the new pack's (an index of the
+    same size as the old one's was kept before, and reading it failed), and a rerun has nothing to do only when
+    they all are; a multipart upload a killed run left open under the prefix is aborted."""
+    from helpers import s3_listing
+
+    from dali_pipe.s3 import make_client
+
+    client = make_client(4)
+    client.create_bucket(Bucket="data")
+    client.create_multipart_upload(Bucket="data", Key="q/train-000000.tar")  # what a kill mid-upload leaves
+    for quality in ("90", "60"):
+        _pack(photo_root, "s3://data/q", "--workers", "1", "--quality", quality)
+    local = tmp_path / "local"
+    _pack(photo_root, local, "--workers", "1", "--quality", "60")
+    assert set(s3_listing(client, "data", "q/")) == _pack_files(local)
+    for name in _pack_files(local) - {"packed.json"}:
+        assert client.get_object(Bucket="data", Key=f"q/{name}")["Body"].read() == (local / name).read_bytes(), name
+    assert not client.list_multipart_uploads(Bucket="data", Prefix="q/").get("Uploads")

@@ -675,3 +675,39 @@ def test_training_readies_a_pack_on_s3_through_one_engine_with_the_listing_asked
     assert order == ["LIST", "pack/packed.json"] and len(engines) == 1, (order, engines)
     indexes = [q.name for q in odd_pack.iterdir() if q.suffix == ".idx"]
     assert indexes and all((local / n).read_bytes() == (odd_pack / n).read_bytes() for n in indexes)
+
+
+def test_a_kept_shard_changed_in_the_cache_with_its_mtime_kept_is_named_when_read(bucket, tmp_path):
+    """A rerun keeps the shards an earlier run left in the stream cache by their verdict (size and mtime); one of
+    them changed in place with its mtime kept is not fetched again, so the reader hashes it as it opens it (a
+    shard fetched in this run was checked as it landed) and stops naming it: before, the run trained on it."""
+    from dali_pipe.shards.reader import ShardReadError
+
+    _, shards = bucket
+    remotes = [_remote(shards, i, "xxh3") for i in range(len(shards.paths))]
+    cache = StreamCache(tmp_path / "c", remotes, sum(shards.sizes), bounds=FAST)
+    reader = ShardReader(shards, batch=4, seed=4, rank=0, world=1, training=True, store=cache.view(shards))
+    cache.view(shards).register(reader)
+    try:
+        reader(_Info(0, 0))
+        _all_landed(cache, len(shards.paths))
+    finally:
+        cache.close()
+        reader.close()
+    for path in shards.paths:  # every shard: the first batch of the rerun opens some of them
+        kept = tmp_path / "c" / path.rsplit("/", 1)[1]
+        st = os.stat(kept)
+        data = bytearray(kept.read_bytes())
+        data[700] ^= 0x20
+        kept.write_bytes(data)
+        os.utime(kept, ns=(st.st_atime_ns, st.st_mtime_ns))
+    again = StreamCache(tmp_path / "c", remotes, sum(shards.sizes), bounds=FAST)
+    reader = ShardReader(shards, batch=4, seed=4, rank=0, world=1, training=True, store=again.view(shards))
+    again.view(shards).register(reader)
+    try:
+        assert set(again.resident) == set(shards.paths)  # kept by their verdicts, not fetched
+        with pytest.raises(ShardReadError, match="changed after it was checked"):
+            reader(_Info(0, 0))
+    finally:
+        again.close()
+        reader.close()

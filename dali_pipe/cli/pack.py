@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import errno
+import hashlib
 import json
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -24,7 +25,7 @@ from ..https import is_http
 from ..inputs import detect, form_problem, forms_text
 from ..manifest import Manifest
 from ..pack import PackError, finished, pack_manifest, pack_settings, pack_shards, read_progress, same_pack
-from ..s3 import SyncError, TransferError, explain, local_target, parse_s3_uri
+from ..s3 import SyncError, TransferError, explain, local_target, make_client, parse_s3_uri
 from ..shards.cache import http_copies, local_name
 from ..shards.format import PACKED_NAME
 from ..shards.packsync import sync_shards
@@ -37,11 +38,13 @@ REPLACED = ".replaced-packed.json"  # in the staging folder: the packed.json of 
 
 def upload(local: Path, uri: str, *, workers: int, previous: dict | None = None) -> int:
     """Upload the finished pack through the transfer engine: its files at once (`workers` requests in flight,
-    large ones in parts), skipping those already there with the same size and sha256 (each shard's sha256 is
-    its user metadata); packed.json last, so readers never see half a pack. `previous`: the packed.json of
-    another pack at `uri`, which is replaced."""
+    large ones in parts), each with the pack's identity (a digest of its packed.json) and, for a shard, its
+    sha256 as user metadata; an object already there with this pack's identity (and sha256) is skipped, any
+    other is replaced (an index of another pack can have the same size). packed.json last, so readers never
+    see half a pack. `previous`: the packed.json of another pack at `uri`, which is replaced."""
     bucket, prefix = parse_s3_uri(uri)
     base = f"{prefix}/" if prefix else ""
+    ident = pack_identity((local / PACKED_NAME).read_bytes())
     meta = json.loads((local / PACKED_NAME).read_text())
     shards = [s for split in meta["splits"].values() for s in split["shards"]]
     with engine_for(None, workers) as engine:
@@ -52,14 +55,20 @@ def upload(local: Path, uri: str, *, workers: int, previous: dict | None = None)
         # until packed.json lands, the prefix says it is a pack being uploaded (forms.unfinished_pack's S3 twin)
         _ask(engine, engine.put_bytes(bucket, base + PROGRESS_NAME, b'{"uploading": true}\n'),
              f"uploading the pack to {uri}", bucket, base + PROGRESS_NAME)
+        abort_open_uploads(bucket, base)  # what a killed upload left (billed, and no object)
         remote = listing(engine, bucket, base)
-        files = [(s["name"], s["sha256"]) for s in shards] + [(s["index"], None) for s in shards]
-        files += [("bad_images.tsv", None)]
-        todo = [(name, sha) for name, sha in files if (local / name).is_file() and not (
-            remote.get(name, (None,))[0] == (local / name).stat().st_size and (
-                sha is None or _recorded(engine, bucket, base + name, uri) == sha))]
-        engine.run(_all([_named(engine.put(bucket, base + name, local / name, {"sha256": sha} if sha else None),
-                                bucket, base + name) for name, sha in todo]))
+        files = [(s["name"], {k: v for k, v in {"pack": ident, "sha256": s.get("sha256")}.items() if v}) for s in shards]
+        files += [(s["index"], {"pack": ident}) for s in shards] + [("bad_images.tsv", {"pack": ident})]
+        files = [(n, m) for n, m in files if (local / n).is_file()]
+        there = [n for n, _ in files if remote.get(n, (None,))[0] == (local / n).stat().st_size]
+        with ThreadPoolExecutor(16) as pool:  # one HEAD each: its metadata
+            recorded = dict(zip(there, pool.map(lambda n: _recorded(engine, bucket, base + n, uri), there)))
+        todo = [(n, m) for n, m in files if recorded.get(n) != m]
+        try:
+            engine.run(_all([_named(engine.put(bucket, base + n, local / n, m), bucket, base + n) for n, m in todo]))
+        except BaseException:
+            abort_open_uploads(bucket, base)  # a failed or stopped part upload is not left open
+            raise
         _ask(engine, engine.put(bucket, base + PACKED_NAME, local / PACKED_NAME), f"uploading {PACKED_NAME}",
              bucket, base + PACKED_NAME)
         if previous is not None:
@@ -72,6 +81,24 @@ def upload(local: Path, uri: str, *, workers: int, previous: dict | None = None)
             (local / REPLACED).unlink(missing_ok=True)
         unmark(engine, bucket, base)
     return len(todo) + 1
+
+
+def pack_identity(packed_json: bytes) -> str:
+    """What every object of one pack carries as its `pack` metadata: a digest of its packed.json."""
+    return hashlib.sha256(packed_json).hexdigest()[:32]
+
+
+def abort_open_uploads(bucket: str, base: str) -> None:
+    """Abort the multipart uploads left open under the prefix (by a killed or failed upload: S3 keeps their
+    parts, billed and invisible, until they are aborted). boto3: object_store lists no open uploads."""
+    try:
+        client = make_client(4)
+        for page in client.get_paginator("list_multipart_uploads").paginate(Bucket=bucket, Prefix=base):
+            for u in page.get("Uploads", []):
+                client.abort_multipart_upload(Bucket=bucket, Key=u["Key"], UploadId=u["UploadId"])
+    except Exception as e:  # noqa: BLE001 - best effort: the pack itself is whole either way
+        print(f"pack: could not abort the open uploads under s3://{bucket}/{base} ({type(e).__name__}); "
+              "a bucket lifecycle rule for incomplete multipart uploads removes them", file=sys.stderr)
 
 
 async def _all(coros: list) -> None:
@@ -101,9 +128,9 @@ def _ask(engine, coro, what: str, bucket: str, key: str):
         raise SyncError(f"{what}: {explain(e, bucket, key)} (rerun to finish)") from None
 
 
-def _recorded(engine, bucket: str, key: str, uri: str) -> str | None:
-    """The sha256 an upload recorded on the object `key` (its user metadata), or None."""
-    return _ask(engine, engine.metadata(bucket, key), f"checking {uri}", bucket, key).get("sha256")
+def _recorded(engine, bucket: str, key: str, uri: str) -> dict[str, str]:
+    """The metadata an upload recorded on the object `key` (its pack's identity; a shard's sha256)."""
+    return _ask(engine, engine.metadata(bucket, key), f"checking {uri}", bucket, key)
 
 
 def unmark(engine, bucket: str, base: str) -> None:
@@ -121,19 +148,24 @@ def remote_pack(uri: str) -> dict | None:
 
 
 def remote_complete(uri: str, meta: dict) -> bool:
-    """Every shard and index that packed.json `meta` names is in S3 with its size, and each shard with the
-    sha256 that `upload` recorded in its metadata (one HEAD per shard: an object replaced by other bytes of
-    the same size, or put there by another tool, is not this pack's)."""
+    """Every shard and index that packed.json `meta` names is in S3, each carrying this pack's identity (and a
+    shard its size and sha256) as `upload` recorded them (one HEAD each: an object replaced by other bytes, of
+    another pack, or put there by another tool, is not this pack's)."""
     bucket, prefix = parse_s3_uri(uri)
     base = f"{prefix}/" if prefix else ""
+    raw = read_object(uri, PACKED_NAME)
+    if raw is None:
+        return False
+    ident = pack_identity(raw)
     with engine_for(None, 16) as engine:
         remote = listing(engine, bucket, base)
         shards = [s for split in meta["splits"].values() for s in split["shards"]]
         if not all(remote.get(s["name"], (None,))[0] == s["size"] and s["index"] in remote for s in shards):
             return False
+        wanted = [(s["name"], {k: v for k, v in {"pack": ident, "sha256": s.get("sha256")}.items() if v}) for s in shards]
+        wanted += [(s["index"], {"pack": ident}) for s in shards]
         with ThreadPoolExecutor(16) as pool:
-            return all(pool.map(lambda s: _recorded(engine, bucket, base + s["name"], uri) == s.get("sha256"),
-                                shards))
+            return all(pool.map(lambda w: _recorded(engine, bucket, base + w[0], uri) == w[1], wanted))
 
 
 def _replaced(staging: Path) -> dict | None:

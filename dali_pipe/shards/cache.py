@@ -199,6 +199,7 @@ class StreamCache:
         self.resident: dict[str, int] = {}
         self.inflight: dict[str, int] = {}
         self.failed: dict[str, Exception] = {}
+        self.landed: set[str] = set()  # URLs fetched (and checked as they landed) in this run
         self.healed: dict[str, int] = {}  # URL -> times fetched again after it went missing or changed
         self.demands: dict[int, _Demand] = {}
         self.active: int | None = None
@@ -435,6 +436,7 @@ class StreamCache:
             return
         with self._cv:
             self.resident[url] = self.inflight.pop(url)
+            self.landed.add(url)  # checked as it landed, in this run
             self.fetched += 1
             self._cv.notify_all()
             save = time.monotonic() - self._saved > 2.0
@@ -473,8 +475,9 @@ class CacheView:
         return self.cache.path(p, reader) if is_remote(p) else p
 
     def checked(self, shard: int) -> bool:
-        """A fetched shard was checked as it landed; a local one is not."""
-        return is_remote(self.paths[shard])
+        """A shard fetched in this run was checked as it landed; one an earlier run left (kept by its verdict:
+        size and mtime) and a local one are not: the reader hashes those."""
+        return self.paths[shard] in self.cache.landed
 
     def lost(self, shard: int, reader, why: str) -> bool:
         """The reader found shard's local file missing or short (`why`): True when it is fetched again (a

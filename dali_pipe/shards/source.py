@@ -57,7 +57,7 @@ from urllib.parse import urlsplit
 
 from ..https import HttpError, Stopped, is_http, open_stream, shown
 from ..s3 import SyncError, TransferError, explain, parse_s3_uri
-from ..sync import engine_for
+from ..transfer import REQUEST_LIMIT, Engine
 from ..workdir import human_bytes, remove_dead_temps
 from .fetchers import SHARD_BOUNDS
 from .format import (
@@ -176,7 +176,8 @@ def _read_source(item: Listed, collector: Collector, deadline_s: float | None = 
             if item.size is None or counted.n == item.size or last:
                 return indexed, counted.n
         except TransferError as e:  # S3 (the engine): what asking again cannot change is said at once
-            if last or e.code not in ("timeout", "connect", "http", "SlowDown", "503", "InternalError"):
+            if last or not (e.code in ("timeout", "connect", "http", "SlowDown", "InternalError") or
+                            e.code.startswith("HTTP 5")):
                 bucket, key = parse_s3_uri(item.path)
                 raise SyncError(f"indexing {item.name}: {explain(e, bucket, key)}") from None
         except Stopped as e:  # past its deadline: another attempt would take as long
@@ -192,10 +193,16 @@ def _read_source(item: Listed, collector: Collector, deadline_s: float | None = 
 
 @contextmanager
 def _open_source(item: Listed, deadline: float | None = None):
-    if item.path.startswith("s3://"):  # one streaming GET through the engine, bounded by its request limit
+    if item.path.startswith("s3://"):  # one streaming GET through the engine, within the shard's deadline
         bucket, key = parse_s3_uri(item.path)
-        with engine_for(None, 1) as engine, engine.reader(bucket, key) as body:
-            yield body
+        b = SHARD_BOUNDS
+        engine = Engine(concurrency=1, connect_timeout=b.connect_timeout, read_timeout=b.read_timeout,
+                        attempts=b.request_attempts, request_limit=max(REQUEST_LIMIT, b.deadline(item.size)))
+        try:
+            with engine.reader(bucket, key) as body:
+                yield body
+        finally:
+            engine.close()
     elif is_http(item.path):
         body, _, _ = open_stream(item.path, deadline=deadline)
         with body:

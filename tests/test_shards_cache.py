@@ -564,13 +564,9 @@ def test_a_shard_gone_cut_or_changed_in_the_cache_is_fetched_again(bucket, pack,
         local.close()
 
 
-def test_a_rerun_keeps_every_shard_that_landed_whole(bucket, tmp_path, capsys):
-    """The verdicts file was not saved before a kill (it is saved every few seconds): the rerun hashes the
-    shards it finds instead of fetching them again, keeping every whole one and fetching only a damaged
-    one (before: a resumed stream fetched 5 of 17 shards again that were all there)."""
-    _, shards = bucket
-    remotes = [_remote(shards, i) for i in range(len(shards.paths))]
-    cache = StreamCache(tmp_path / "c", remotes, sum(shards.sizes), bounds=FAST)
+def _stream_all(shards, remotes, folder):
+    """A run that streams every shard into `folder` and stops (what a rerun finds there)."""
+    cache = StreamCache(folder, remotes, sum(shards.sizes), bounds=FAST)
     reader = ShardReader(shards, batch=4, seed=4, rank=0, world=1, training=True, store=cache.view(shards))
     cache.view(shards).register(reader)
     try:
@@ -579,6 +575,15 @@ def test_a_rerun_keeps_every_shard_that_landed_whole(bucket, tmp_path, capsys):
     finally:
         cache.close()
         reader.close()
+
+
+def test_a_rerun_keeps_every_shard_that_landed_whole(bucket, tmp_path, capsys):
+    """The verdicts file was not saved before a kill (it is saved every few seconds): the rerun hashes the
+    shards it finds instead of fetching them again, keeping every whole one and fetching only a damaged
+    one (before: a resumed stream fetched 5 of 17 shards again that were all there)."""
+    _, shards = bucket
+    remotes = [_remote(shards, i) for i in range(len(shards.paths))]
+    _stream_all(shards, remotes, tmp_path / "c")
     (tmp_path / "c" / verdicts_mod.VERDICTS_NAME).unlink()
     damaged = tmp_path / "c" / shards.paths[0].rsplit("/", 1)[1]
     data = bytearray(damaged.read_bytes())
@@ -685,15 +690,7 @@ def test_a_kept_shard_changed_in_the_cache_with_its_mtime_kept_is_named_when_rea
 
     _, shards = bucket
     remotes = [_remote(shards, i, "xxh3") for i in range(len(shards.paths))]
-    cache = StreamCache(tmp_path / "c", remotes, sum(shards.sizes), bounds=FAST)
-    reader = ShardReader(shards, batch=4, seed=4, rank=0, world=1, training=True, store=cache.view(shards))
-    cache.view(shards).register(reader)
-    try:
-        reader(_Info(0, 0))
-        _all_landed(cache, len(shards.paths))
-    finally:
-        cache.close()
-        reader.close()
+    _stream_all(shards, remotes, tmp_path / "c")
     for path in shards.paths:  # every shard: the first batch of the rerun opens some of them
         kept = tmp_path / "c" / path.rsplit("/", 1)[1]
         st = os.stat(kept)

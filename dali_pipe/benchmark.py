@@ -37,7 +37,7 @@ from .monitor import MonitorCallback
 from .prescribe import SHARE_WORDS, SHARES, budget_line, busy_cores, diagnose, time_budget
 from .sampler import Sampler, StepLog
 from .samples import Shards
-from .workdir import OutputError, remove_dead_temps
+from .workdir import OutputError, atomic, remove_dead_temps, write_atomic
 
 NO_MODEL_NOTE = ("synthetic left out: without a model it would only time a tensor that is already there; it is the "
                  "model's ceiling when there is one")
@@ -324,17 +324,13 @@ def ratio_lines(ratio: dict, *, cores: int, model: bool, packed: str | None = No
 def finish(report: dict, out: Path) -> dict:
     """Print the summary, then write benchmark.json and benchmark.png into `out` (each whole or not at all)."""
     print(table(report))
-    tmp = out / f".benchmark.json.tmp-{os.getpid()}"
     try:
         out.mkdir(parents=True, exist_ok=True)
         for left in (".benchmark.json.tmp-*", ".benchmark.png.tmp-*"):  # left by a run killed while writing
             remove_dead_temps(out, left)
-        tmp.write_text(json.dumps(report, indent=1))
-        os.replace(tmp, out / "benchmark.json")
+        write_atomic(out / "benchmark.json", json.dumps(report, indent=1))
         plot(report, out / "benchmark.png")
     except OSError as e:
-        for partial in (tmp, _png_temp(out / "benchmark.png")):
-            partial.unlink(missing_ok=True)
         raise OutputError(f"the benchmark ran, but its results could not be written to {out} ({e.strerror or e}); "
                           "free space there or pass another --output") from None
     print(f"benchmark: wrote {out / 'benchmark.json'} and {out / 'benchmark.png'}")
@@ -482,10 +478,11 @@ def plot(report: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig = figure(report)
-    tmp = _png_temp(path)
-    fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    os.replace(tmp, path)
+    try:
+        with atomic(path) as tmp:
+            fig.savefig(tmp, dpi=110, format="png")
+    finally:
+        plt.close(fig)
 
 
 def figure(report: dict):
@@ -542,12 +539,6 @@ def figure(report: dict):
     for i, w in enumerate(warnings):  # a figure seen without its log says that its figures are low, and why
         fig.text(0.01, 0.06 * (len(warnings) - i) - 0.045, "warning: " + w, color="#c9302c", fontsize=10)
     return fig
-
-
-def _png_temp(path: Path) -> Path:
-    """The hidden name a figure is drawn under before its rename: ours (our PID, so a later run removes it
-    once we are dead), ending in .png for matplotlib's format."""
-    return path.with_name(f".{path.name}.tmp-{os.getpid()}.png")
 
 
 BUDGET_COLORS = {"startup": "#b0b0b0", "data_wait": "#d9534f", "model_step": "#76b900", "checkpoint_saves": "#f0ad4e",

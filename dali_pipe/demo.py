@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from .workdir import lock, unlock
+from .workdir import atomic, lock, unlock, write_atomic
 
 PHOTOS = ("astronaut", "coffee", "chelsea", "rocket", "hubble_deep_field", "immunohistochemistry", "retina")
 
@@ -71,15 +71,12 @@ def make_photo_dataset(root: Path | str, *, classes: int = 4, per_class: int = 4
             im = im.resize((max(1, round(cw * f)), max(1, round(ch * f))), Image.BICUBIC)
             im = ImageEnhance.Brightness(im).enhance(rng.uniform(0.7, 1.3))
             im = ImageEnhance.Color(im).enhance(rng.uniform(0.6, 1.4))
-            tmp = root / f"{rel}.tmp-{os.getpid()}"
-            im.save(tmp, format="JPEG", quality=quality)
-            os.replace(tmp, root / rel)
+            with atomic(root / rel) as tmp:
+                im.save(tmp, format="JPEG", quality=quality)
     header = "image_path\tlabel" if with_label_column else "image_path"
     text = header + "\n" + "\n".join(rows) + "\n"
     if not tsv.exists() or tsv.read_text() != text:
-        tmp = tsv.with_name(f".{tsv.name}.tmp-{os.getpid()}")
-        tmp.write_text(text)
-        os.replace(tmp, tsv)
+        write_atomic(tsv, text)
     return root
 
 

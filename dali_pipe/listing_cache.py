@@ -8,14 +8,13 @@ that does not change between them. The files themselves are still looked at on e
 one lstat each, their sizes and mtimes for the scan): the cache holds no verdict about the disk.
 
 A cache that is missing, damaged, of another format or of other bytes is only a slower start; it is written
-atomically (a temporary file, then os.replace). Paths are stored (they are the dataset's own listing, as
+atomically (workdir.atomic). Paths are stored (they are the dataset's own listing, as
 dataset.tsv holds them, relative to the root): the cache sits beside the scan cache, in the cache dir.
 """
 from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
 import sys
 import zipfile
@@ -24,6 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from .samples import strings
+from .workdir import atomic, write_atomic
 
 FORMAT = 1  # bump when Text or the checks that make it change
 FOLDER = "manifests"  # under the cache dir
@@ -87,18 +87,15 @@ def save_text(path: Path, want: str, text) -> None:
     """Write `text` for the key `want` (atomically); a failure says so and costs only the next start's time."""
     meta = {"format": FORMAT, "key": want, "labels": len(text.label_names), "folders": len(text.folders),
             "duplicates": text.duplicates, "seed": text.seed if text.units is not None else None}
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        with open(tmp, "wb") as f:
+        with atomic(path) as tmp, open(tmp, "wb") as f:
             np.savez(f, meta=np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8),
                      **{k: _blob(getattr(text, k)) for k in _TEXT},
                      lines=np.asarray(text.lines, dtype=np.int64), label_index=text.label_index,
                      folder_index=text.folder_index,
                      units=text.units if text.units is not None else np.empty(0, dtype=np.float64))
-        os.replace(tmp, path)
     except OSError as e:
-        tmp.unlink(missing_ok=True)
         print(f"manifest: could not keep the checked manifest in {path} ({e.strerror}); the next start reads "
               "dataset.tsv again", file=sys.stderr)
 
@@ -131,10 +128,8 @@ def load_digest(path: Path, key: str) -> str | None:
 def save_digest(path: Path, key: str, digest: str) -> None:
     """Keep `digest` for `key` (one per manifest: the last settings); a failure costs only the next start's time."""
     target = _digest_path(path)
-    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(json.dumps({"key": key, "digest": digest}))
-        os.replace(tmp, target)
+        write_atomic(target, json.dumps({"key": key, "digest": digest}))
     except OSError:
-        tmp.unlink(missing_ok=True)
+        pass  # the next start computes the digest again

@@ -34,7 +34,7 @@ import pytorch_lightning as pl
 from .decoder import DecoderLog
 from .prescribe import budget_line, budget_verdicts, diagnose, time_budget
 from .sampler import Sampler, StepLog, nvml_handle
-from .workdir import remove_dead_temps
+from .workdir import remove_dead_temps, write_atomic
 
 # -- measuring the budget inside any Trainer -------------------------------------------------------
 FETCH_SUFFIX = "].train_dataloader_next"  # the training loop's batch fetch, as "[ITS LOOP CLASS].train_dataloader_next"
@@ -440,15 +440,11 @@ class MonitorCallback(pl.Callback):
                 experiment.add_text("monitor/diagnosis", "\n\n".join(lines), trainer.global_step)
         if self.output is not None:
             out = Path(self.output)
-            tmp = out / f".monitor.json.tmp-{os.getpid()}"
             try:  # the run's own results come first: a full disk here costs the report, never the run
-
                 out.mkdir(parents=True, exist_ok=True)
                 remove_dead_temps(out, ".monitor.json.tmp-*")  # left by a run killed while writing
-                tmp.write_text(json.dumps({**m, "timeline": self.timeline}, indent=1))
-                os.replace(tmp, out / "monitor.json")
+                write_atomic(out / "monitor.json", json.dumps({**m, "timeline": self.timeline}, indent=1))
             except OSError as e:
-                tmp.unlink(missing_ok=True)
                 print(f"MONITOR could not write {out / 'monitor.json'} ({e.strerror or e}); the lines above are the "
                       "report", flush=True)
 

@@ -65,7 +65,7 @@ from .shards.format import (
 from .shards.shardset import write_member_report
 from .shards.verdicts import Verdicts, verdict_key
 from .tsv import MANIFEST_NAME, read_table
-from .workdir import remove_dead_temps, write_atomic
+from .workdir import atomic, remove_dead_temps, write_atomic
 
 
 class PackError(UserError):
@@ -221,9 +221,8 @@ class ShardWriter:
         os.fsync(self._f.fileno())
         self._f.close()
         tar, idx = self.directory / f"{self.name}.tar", self.directory / f"{self.name}.idx"
-        self.idx_tmp.write_text(format_index(self.entries))
-        os.replace(self.tmp, tar)
-        os.replace(self.idx_tmp, idx)
+        with atomic(idx, self.idx_tmp) as idx_tmp, atomic(tar, self.tmp):  # the tar lands first, then its index
+            idx_tmp.write_text(format_index(self.entries))
         return {"name": tar.name, "index": idx.name, "samples": len(self.entries), "size": self.size,
                 "sha256": self._sums[0].hexdigest(), FAST_SUM: self._sums[1].hexdigest(),
                 "image_paths": self.image_paths, "next": self.next}

@@ -36,7 +36,7 @@ from .config import SCAN_MODES
 from .fanout import fan_out
 from .redact import redact
 from .tsv import row as tsv_row
-from .workdir import writing
+from .workdir import atomic
 
 _LEVEL = {"fast": 1, "full": 2}
 DECODABLE = {"JPEG", "PNG", "BMP", "TIFF", "WEBP", "PNM", "JPEG2000"}
@@ -341,14 +341,11 @@ class Verdicts:
     def save(self, path: Path | None) -> None:
         if path is None:
             return
-        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            with open(tmp, "wb") as f:
+            with atomic(path) as tmp, open(tmp, "wb") as f:
                 np.savez(f, **self.c, reasons=np.frombuffer(json.dumps(self.reasons).encode(), dtype=np.uint8))
-            os.replace(tmp, path)
         except OSError as e:  # only the next scan is slower: say so, and go on
-            tmp.unlink(missing_ok=True)
             print(f"scan: could not save the scan cache {path} ({e.strerror}); the next run checks every file again",
                   file=sys.stderr)
 
@@ -521,11 +518,9 @@ def write_report(bad: dict[str, str], root: Path, out: Path) -> Path:
     (a link's target may hold a token); the path stays as the manifest wrote it, to join back to it."""
     out.mkdir(parents=True, exist_ok=True)
     report = out / REPORT_NAME
-    tmp = report.with_name(f".{REPORT_NAME}.tmp-{os.getpid()}")
-    with writing(report, tmp), open(tmp, "w", encoding="utf-8", errors="surrogateescape") as f:
+    with atomic(report) as tmp, open(tmp, "w", encoding="utf-8", errors="surrogateescape") as f:
         f.write(REPORT_HEADER)
         for p in sorted(bad):
             rel = os.path.relpath(p, root) if p.startswith(str(root)) else p
             f.write(tsv_row((rel, redact(bad[p]))))
-    os.replace(tmp, report)
     return report

@@ -52,6 +52,7 @@ from .s3 import (
 from .transfer import Engine
 from .tsv import MANIFEST_NAME, ManifestError, check_columns, check_header, read_table, safe_relpath
 from .workdir import (
+    atomic,
     human_bytes,
     is_disk_full,
     lock,
@@ -88,11 +89,6 @@ def make_engine(workers: int, bounds: Bounds = SYNC_BOUNDS) -> Engine:
     """The transfer engine for a sync: `workers` requests in flight, `bounds`' timeouts and tries."""
     return Engine(concurrency=workers, connect_timeout=bounds.connect_timeout, read_timeout=bounds.read_timeout,
                   attempts=bounds.request_attempts)
-
-
-def temp_name(path: Path) -> Path:
-    """The temporary name a file is written under: hidden, in its final folder, with our PID."""
-    return path.with_name(f".{path.name}.part-{threading.get_ident()}-{os.getpid()}")
 
 
 class Watch:
@@ -159,7 +155,7 @@ def fetch_manifest(engine: Engine, bucket: str, base: str, dest: Path, rows: boo
     except TransferError as e:
         raise (ManifestMissing if e.code in ("NoSuchKey", "404") else SyncError)(explain(e, bucket, key)) from None
     staged = dest / f".{MANIFEST_NAME}.incoming-{os.getpid()}"
-    write_atomic(staged, text, temp_name(staged))
+    write_atomic(staged, text, part_name(staged))
     try:
         df = read_table(staged)
         check_header(df, staged)  # no image_path column: a typo of it, a CSV file, or none at all
@@ -298,7 +294,7 @@ class SyncState:
         """Write the whole state (atomically: a failed save, a full disk, keeps the previous file and the
         journal, to which the files recorded since are appended if they can be), then drop the journal."""
         try:
-            write_atomic(self.path, json.dumps(self.data), temp_name(self.path))
+            write_atomic(self.path, json.dumps(self.data), part_name(self.path))
             self._lines = []
             self.journal.unlink(missing_ok=True)
             self.error = None
@@ -449,7 +445,7 @@ def sync(uri: str, dest: Path | str, *, workers: int, skip_missing: bool = False
             if is_disk_full(e):
                 raise disk_full(dest, SyncStats(), []) from None
             raise
-        try:
+        with atomic(dest / MANIFEST_NAME, staged):  # the manifest lands last: a complete set
             remote = listing(engine, bucket, base, asked)
             state = SyncState(dest)
             stats = SyncStats(listed=len(wanted))
@@ -483,9 +479,6 @@ def sync(uri: str, dest: Path | str, *, workers: int, skip_missing: bool = False
             if failures:
                 raise SyncError(f"{len(failures)} of {len(todo)} download(s) failed (completed files are kept; "
                                 "rerun the sync to finish):\n  " + "\n  ".join(failures[:5]))
-            os.replace(staged, dest / MANIFEST_NAME)  # the manifest lands last: a complete set
-        finally:
-            staged.unlink(missing_ok=True)
     if progress:
         print(stats.summary(), file=sys.stderr)
     return stats

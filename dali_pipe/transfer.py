@@ -60,6 +60,7 @@ from .s3 import (
     from_botocore,
     list_with_boto3,
 )
+from .workdir import atomic
 
 PART = 8 << 20  # objects above this size are fetched in ranged GETs of this size
 PUT_PARTS = 4  # parts of one upload in flight at once
@@ -455,10 +456,9 @@ class Engine:
         async def worker():
             for i, (key, tmp, dest, size) in todo:
                 try:
-                    n, etag = await self.download(bucket, key, tmp, size, on_bytes=on_bytes)
-                    os.replace(tmp, dest)
+                    with atomic(dest, tmp):
+                        n, etag = await self.download(bucket, key, tmp, size, on_bytes=on_bytes)
                 except (TransferError, OSError) as e:
-                    remove_quietly(tmp)
                     done(i, 0, None, e)
                 else:
                     done(i, n, etag)

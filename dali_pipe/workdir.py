@@ -30,7 +30,7 @@ import hashlib
 import os
 import re
 import shutil
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 from .config import default_cache_dir
@@ -348,34 +348,40 @@ def write_failure(err: BaseException, directory: Path | str | None = None) -> st
     return text[0][:200] if text else type(err).__name__
 
 
+def temp_name(path: Path | str) -> Path:
+    """Where `path` is written whole before it lands: `.NAME.tmp-PID` beside it (hidden; remove_dead_temps knows
+    it once this process is gone). A download's parts land under landing.temp_path's names instead."""
+    path = Path(path)
+    return path.with_name(f".{path.name}.tmp-{os.getpid()}")
+
+
 @contextmanager
-def writing(path: Path | str, tmp: Path | str | None = None):
-    """Around the write of `path` (through `tmp`): a failure removes `tmp`, and a full disk's OSError,
-    which names no file when a write() fails, names `path` (the CLI prints it in one line)."""
+def atomic(path: Path | str, tmp: Path | str | None = None):
+    """The one way a file lands here: the block writes the path it is given (`tmp`, else temp_name(path)),
+    which is renamed onto `path` when the block ends, so a reader sees the old file or the new one, never
+    part of one. When anything fails the temporary file is removed and the error raised as it is, except
+    that a full disk's OSError, which names no file when a write() fails, names `path` (the CLI prints it
+    in one line)."""
+    tmp = tmp if tmp is not None else temp_name(path)  # as given (str or Path): a sync lands a million
     try:
-        yield
+        yield tmp
+        os.replace(tmp, path)
     except BaseException as e:
-        if tmp is not None:
-            Path(tmp).unlink(missing_ok=True)
+        if os.path.isdir(tmp) and not os.path.islink(tmp):
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            with suppress(FileNotFoundError):
+                os.unlink(tmp)
         if isinstance(e, OSError) and is_disk_full(e) and not e.filename:
             e.filename = str(path)
         raise
 
 
 def write_atomic(path: Path | str, data: bytes | str, tmp: Path | None = None) -> None:
-    """The one way a whole file is written here: under a temporary name beside `path` (hidden, with our PID:
-    `tmp`, else `.NAME.tmp-PID`, which remove_dead_temps knows once we are gone), renamed into place, so that a
-    reader sees the old file or the new one, never part of one; the temporary file is removed when anything
-    fails (the error is raised as it is). Text is written as UTF-8, a name that is not UTF-8 as its bytes."""
-    path = Path(path)
-    tmp = Path(tmp) if tmp is not None else path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data if isinstance(data, bytes) else data.encode("utf-8", "surrogateescape"))
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    """`data` as the whole of `path`, through atomic(): text as UTF-8, a name that is not UTF-8 as its
+    bytes."""
+    with atomic(path, tmp) as t, open(t, "wb") as f:
+        f.write(data if isinstance(data, bytes) else data.encode("utf-8", "surrogateescape"))
 
 
 @contextmanager

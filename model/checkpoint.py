@@ -47,7 +47,7 @@ from pytorch_lightning.utilities.exceptions import SIGTERMException
 
 from dali_pipe.datamodule import CheckedLoad
 from dali_pipe.errors import UserError
-from dali_pipe.workdir import fix_for, write_failure
+from dali_pipe.workdir import atomic, fix_for, temp_name, write_atomic, write_failure
 
 from .loading import load_config
 from .resume import LAST, SIDECAR, CheckpointDamagedError
@@ -72,6 +72,14 @@ def model_from(state: dict, name: str, classes: list[str]):
     return model
 
 
+def _save(torch, checkpoint: dict, path: Path) -> None:
+    """torch.save into `path`, on the disk when it returns (fsync)."""
+    with open(path, "wb") as f:
+        torch.save(checkpoint, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
 class DirectCheckpointIO(TorchCheckpointIO):
     """torch.save beside the target: a hidden name (SpotSafeCheckpoint's temporary name) is written as
     it is; any other (a ModelCheckpoint's) through `.NAME.tmp-PID` in the same folder, renamed when whole."""
@@ -81,18 +89,11 @@ class DirectCheckpointIO(TorchCheckpointIO):
 
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path if path.name.startswith(".") else path.with_name(f".{path.name}.tmp-{os.getpid()}")
-        try:
-            with open(tmp, "wb") as f:
-                torch.save(checkpoint, f)
-                f.flush()
-                os.fsync(f.fileno())
-            if tmp != path:
-                os.replace(tmp, path)
-        except BaseException:
-            if tmp != path:
-                tmp.unlink(missing_ok=True)
-            raise
+        if path.name.startswith("."):  # already a temporary name: the caller lands it
+            _save(torch, checkpoint, path)
+        else:
+            with atomic(path) as tmp:
+                _save(torch, checkpoint, tmp)
 
 
 def between_epochs(checkpoint: dict) -> None:
@@ -164,7 +165,7 @@ class SpotSafeCheckpoint(pl.Callback):
         if callable(check):
             check(weights=True)  # weights that are no longer finite never replace the last good checkpoint
         start = time.perf_counter()
-        tmp = self.dir / f".{LAST}.tmp-{os.getpid()}"
+        tmp = temp_name(self.dir / LAST)
         if self.saves and trainer.is_global_zero and not self.dir.is_dir():
             print(f"checkpoint: {self.dir} is gone (removed while the run trained, with the checkpoints saved "
                   "before); saving there again", file=sys.stderr, flush=True)
@@ -172,17 +173,14 @@ class SpotSafeCheckpoint(pl.Callback):
             self.dir.mkdir(parents=True, exist_ok=True)
             trainer.save_checkpoint(tmp, weights_only=False)  # every rank calls it (a barrier); rank 0 writes
             if trainer.is_global_zero:
-                with open(tmp, "rb") as f:
-                    os.fsync(f.fileno())
-                os.replace(tmp, self.dir / LAST)
+                with atomic(self.dir / LAST, tmp):  # written by Lightning's save above (rank 0's)
+                    with open(tmp, "rb") as f:
+                        os.fsync(f.fileno())
                 meta = {**self._meta(trainer), "size": (self.dir / LAST).stat().st_size}
-                side = self.dir / f".{SIDECAR}.tmp-{os.getpid()}"
-                side.write_text(json.dumps(meta))
-                os.replace(side, self.dir / SIDECAR)
+                write_atomic(self.dir / SIDECAR, json.dumps(meta))
         except (OSError, RuntimeError) as e:  # torch.save reports a full disk as a RuntimeError
             reason = write_failure(e, self.dir)
             tmp.unlink(missing_ok=True)
-            (self.dir / f".{SIDECAR}.tmp-{os.getpid()}").unlink(missing_ok=True)
             kept = "the previous checkpoint is kept" if (self.dir / LAST).is_file() else "no earlier checkpoint exists"
             fix = fix_for(reason, self.dir)
             raise CheckpointSaveError(f"could not write a checkpoint to {self.dir} ({reason}); {kept}. "

@@ -8,13 +8,12 @@ readable matrix.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from dali_pipe.workdir import writing
+from dali_pipe.workdir import atomic, write_atomic
 
 READABLE = 50  # up to this many classes the figure is a heatmap; beyond, a table of the top confusions
 
@@ -76,18 +75,13 @@ def write(metrics: dict, out: Path) -> None:
     import matplotlib.pyplot as plt
 
     out.mkdir(parents=True, exist_ok=True)
-    tmp = out / f".metrics.json.tmp-{os.getpid()}"
-    with writing(out / "metrics.json", tmp):
-        tmp.write_text(json.dumps(metrics, indent=1))
-    os.replace(tmp, out / "metrics.json")
+    write_atomic(out / "metrics.json", json.dumps(metrics, indent=1))
     fig = figure(metrics)
-    tmp = out / f".confusion.png.tmp-{os.getpid()}"
     try:
-        with writing(out / "confusion.png", tmp):
+        with atomic(out / "confusion.png") as tmp:
             fig.savefig(tmp, dpi=110, format="png")
     finally:
         plt.close(fig)
-    os.replace(tmp, out / "confusion.png")
 
 
 def figure(metrics: dict):

@@ -31,7 +31,7 @@ from pathlib import Path
 
 from dali_pipe.errors import UserError
 from dali_pipe.redact import redact
-from dali_pipe.workdir import plain_name, remove, write_failure
+from dali_pipe.workdir import move, plain_name, remove, write_failure
 
 from . import checkpoint, resume
 from .exported import TEMP
@@ -68,8 +68,8 @@ def write(model, processor, out: Path, metrics: dict, *, run: str | None, select
         previous = read_record(out)
         (out / RECORD).unlink(missing_ok=True)  # from here until the last move, OUT reads as unfinished
         for name in files:
-            os.replace(tmp / name, out / name)
-        os.replace(tmp / RECORD, out / RECORD)
+            move(tmp / name, out / name, out)
+        move(tmp / RECORD, out / RECORD, out)
         for name in stale(out, previous, files):  # what the previous export wrote and this one did not
             remove(out / name, out)
     except Exception as e:  # OSError, safetensors' SafetensorError: a full disk, a read-only OUT

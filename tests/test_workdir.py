@@ -15,12 +15,14 @@ from dali_pipe.workdir import (
     LEGACY_LOCK_NAME,
     BusyError,
     OutputError,
+    atomic,
     check_writable,
     human_bytes,
     lock,
     lock_path,
     remove_dead_temps,
     unlock,
+    write_atomic,
 )
 
 
@@ -160,6 +162,50 @@ def test_no_module_deletes_a_folder_but_through_the_checked_helper():
     callers = [str(p.relative_to(root)) for d in ("dali_pipe", "model") for p in (root / d).rglob("*.py")
                if "rmtree(" in p.read_text() and p.name != "workdir.py"]
     assert callers == [], callers
+
+
+def test_no_module_renames_a_file_into_place_but_through_the_one_helper():
+    """os.replace and os.rename are called in dali_pipe/workdir.py only (atomic(), move()): every file we write
+    lands the same way, whole or not at all, its temporary file removed on failure."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    callers = []
+    for p in [root / "train.py", *(q for d in ("dali_pipe", "model") for q in (root / d).rglob("*.py"))]:
+        for node in ast.walk(ast.parse(p.read_text())):
+            if (isinstance(node, ast.Attribute) and node.attr in ("replace", "rename")
+                    and isinstance(node.value, ast.Name) and node.value.id == "os" and p.name != "workdir.py"):
+                callers.append(f"{p.relative_to(root)}:{node.lineno}")
+    assert callers == [], callers
+
+
+def test_atomic_lands_whole_or_not_at_all(tmp_path):
+    """The file is its old self until the block ends, then the new one; a block that fails leaves the old file
+    and no temporary one; a full disk's error (which names no file) names the target."""
+    import errno
+
+    target = tmp_path / "metrics.json"
+    target.write_text("old")
+    with atomic(target) as tmp:
+        tmp.write_text("new")
+        assert target.read_text() == "old" and tmp.parent == tmp_path and tmp.name.startswith(".")
+    assert target.read_text() == "new" and sorted(p.name for p in tmp_path.iterdir()) == ["metrics.json"]
+
+    with pytest.raises(OSError) as e:
+        with atomic(target) as tmp:
+            tmp.write_text("half")
+            raise OSError(errno.ENOSPC, "No space left on device")
+    assert e.value.filename == str(target)
+    assert target.read_text() == "new" and sorted(p.name for p in tmp_path.iterdir()) == ["metrics.json"]
+
+    with pytest.raises(KeyboardInterrupt):
+        with atomic(tmp_path / "other", tmp_path / ".folder-tmp") as tmp:
+            (tmp / "x").mkdir(parents=True)  # a folder being written goes too
+            raise KeyboardInterrupt
+    write_atomic(tmp_path / "text.txt", "caf\u00e9")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.json", "text.txt"]
+    assert (tmp_path / "text.txt").read_bytes() == "caf\u00e9".encode()
 
 
 def test_write_failures_are_found_behind_the_errors_that_wrap_them(tmp_path):

@@ -24,7 +24,7 @@ from ..scan import CACHE_NAME, scan, sniff, write_report
 from ..spec import ImageSpec
 from ..sync import sync
 from ..tsv import row as tsv_row
-from ..workdir import writing
+from ..workdir import write_atomic
 from .infer import prepared, run_model
 
 IMAGE_EXTENSIONS = set(IMG_EXTENSIONS)  # torchvision's, as an ImageFolder lists them
@@ -175,8 +175,4 @@ def write_predictions(out: Path, names: list[str], logits, model, top_k: int) ->
             cells += [id2label.get(int(ids[row, j]), str(int(ids[row, j]))), f"{float(scores[row, j]):.6f}"]
         rows.append(tsv_row(cells))
     out.mkdir(parents=True, exist_ok=True)
-    tmp = out / f".predictions.tsv.tmp-{os.getpid()}"
-
-    with writing(out / "predictions.tsv", tmp):
-        tmp.write_text("".join(rows), encoding="utf-8", errors="surrogateescape")
-    os.replace(tmp, out / "predictions.tsv")
+    write_atomic(out / "predictions.tsv", "".join(rows))

@@ -18,7 +18,7 @@ from ..redact import redact
 from ..s3 import Bounds, SyncError, TransferError, explain, parse_s3_uri
 from ..sync import endpoint, listing
 from ..transfer import Engine
-from ..workdir import is_write_failure
+from ..workdir import atomic, is_write_failure
 from .verdicts import (
     Remote,
     ShardError,
@@ -32,6 +32,19 @@ PART_CONCURRENCY = 8  # ranged GETs at once (transfer.PART bytes each), across t
 
 
 SHARD_BOUNDS = Bounds()  # a shard's timeouts and retries (s3.Bounds' defaults)
+
+
+class Mismatch(Exception):
+    """A fetched copy that is not the object it should be (its size or checksum): it does not land."""
+
+    def __init__(self, problem: str):
+        super().__init__(problem)
+        self.problem = problem
+
+    @classmethod
+    def check(cls, problem: str | None) -> None:
+        if problem is not None:
+            raise cls(problem)
 
 
 def split_url(url: str) -> tuple[str, str]:
@@ -94,14 +107,14 @@ class Fetcher:
             tmp = temp_path(dest)
             try:
                 dest.parent.mkdir(parents=True, exist_ok=True)  # each time: a cache folder removed meanwhile comes back
-                digest = self._one(bucket, key, tmp, size, on_bytes, remote.etag, digest=remote.digest())
-                problem = check_file(tmp, size, remote.sha256, xxh3=remote.xxh3, digest=digest)
-                if problem is None:
-                    os.replace(tmp, dest)
-                    if verdicts is not None and remote.verdict is not None:
-                        verdicts.record(dest, remote.verdict)
-                    return size
-                mismatch = problem
+                with atomic(dest, tmp):
+                    digest = self._one(bucket, key, tmp, size, on_bytes, remote.etag, digest=remote.digest())
+                    Mismatch.check(check_file(tmp, size, remote.sha256, xxh3=remote.xxh3, digest=digest))
+                if verdicts is not None and remote.verdict is not None:
+                    verdicts.record(dest, remote.verdict)
+                return size
+            except Mismatch as e:
+                mismatch = e.problem
             except TimeoutError as e:
                 failure = str(e)
             except OSError as e:
@@ -116,8 +129,6 @@ class Fetcher:
                 if e.code in ("NoSuchKey", "404", "NotFound", "NoSuchBucket", "AccessDenied", "403", "credentials"):
                     raise ShardFetchError(f"{where(remote.url)}: {explain(e, bucket, key)}") from None
                 failure, mismatch = f"{e.code}: {e.detail}", None
-            finally:
-                tmp.unlink(missing_ok=True)
         if mismatch is not None and failure is None:
             raise ShardError(f"{where(remote.url)} does not match its size and checksum ({mismatch}), twice: the "
                              "object in S3 is damaged or was replaced after packing (or the network damages data); "
@@ -192,16 +203,16 @@ class HttpFetcher:
             stopping = _Either(stop, self._stop)
             try:
                 dest.parent.mkdir(parents=True, exist_ok=True)  # each time: a cache folder removed meanwhile comes back
-                with open(tmp, "wb") as f:
-                    download(remote.url, f, size=remote.size, deadline=time.monotonic() + deadline_s, stop=stopping,
-                             on_bytes=on_bytes)
-                problem = check_remote(tmp, remote)
-                if problem is None:
-                    os.replace(tmp, dest)
-                    if verdicts is not None and remote.verdict is not None:
-                        verdicts.record(dest, remote.verdict)
-                    return os.stat(dest).st_size
-                mismatch = problem
+                with atomic(dest, tmp):
+                    with open(tmp, "wb") as f:
+                        download(remote.url, f, size=remote.size, deadline=time.monotonic() + deadline_s,
+                                 stop=stopping, on_bytes=on_bytes)
+                    Mismatch.check(check_remote(tmp, remote))
+                if verdicts is not None and remote.verdict is not None:
+                    verdicts.record(dest, remote.verdict)
+                return os.stat(dest).st_size
+            except Mismatch as e:
+                mismatch = e.problem
             except Stopped as e:
                 if stopping.is_set():
                     raise ShardFetchError(f"{where(remote.url)}: the fetch was stopped") from None
@@ -218,8 +229,6 @@ class HttpFetcher:
                     raise ShardError(f"cannot write {where(remote.url)} into {dest.parent} ({e.strerror}); make "
                                      "that folder writable, or pass another --cache-dir") from None
                 raise
-            finally:
-                tmp.unlink(missing_ok=True)
         if mismatch is not None and failure is None:
             raise ShardError(f"{where(remote.url)} {mismatch}, twice: the object at the server changed after it "
                              "was indexed (or the network damages data); rerun to index it again")

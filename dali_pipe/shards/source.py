@@ -58,7 +58,7 @@ from urllib.parse import urlsplit
 from ..https import HttpError, Stopped, is_http, open_stream, shown
 from ..s3 import SyncError, TransferError, explain, parse_s3_uri
 from ..transfer import REQUEST_LIMIT, Engine
-from ..workdir import human_bytes, remove_dead_temps
+from ..workdir import atomic, human_bytes, remove_dead_temps
 from .fetchers import SHARD_BOUNDS
 from .format import (
     FAST_SUM,
@@ -215,13 +215,11 @@ def _open_source(item: Listed, deadline: float | None = None):
 def _index_stream(raw, item: Listed, collector: Collector):
     if item.copy is None:
         return index_tar(raw, collector.member, used_member)
-    tmp = item.copy.with_name(f".{item.copy.name}.tmp-{os.getpid()}")
     try:
         item.copy.parent.mkdir(parents=True, exist_ok=True)
-        with open(tmp, "wb") as out:
+        with atomic(item.copy) as tmp, open(tmp, "wb") as out:
             room = shutil.disk_usage(item.copy.parent).free - HEADROOM
             indexed = index_tar(Gunzip(raw), collector.member, used_member, copy_to=_Bounded(out, room, item))
-        os.replace(tmp, item.copy)
         return indexed
     except OSError as e:
         if e.errno in (errno.ENOSPC, errno.EDQUOT):
@@ -229,8 +227,6 @@ def _index_stream(raw, item: Listed, collector: Collector):
                                    "free space there, or pass another --cache-dir") from None
         raise ShardSourceError(f"cannot write the decompressed copy of {item.name} in {item.copy.parent} "
                                f"({e.strerror or e}); make it writable, or pass another --cache-dir") from None
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 class _Bounded:

@@ -50,7 +50,7 @@ from ..samples import TableGroup
 from ..scan import DaliDecoder, check_bytes
 from ..sync import engine_for, listing, sync_objects
 from ..tsv import safe_relpath
-from ..workdir import remove_dead_temps
+from ..workdir import atomic, remove_dead_temps
 from .format import file_sha256
 from .listing import parquet_keys
 from .members import LEVELS, cache_file, load_json
@@ -418,9 +418,8 @@ def extract(shards: ShardSet, cache_dir: str | Path) -> dict[tuple[int, int], tu
     for path, positions in by_file.items():
         st = os.stat(path)
         blob = cache_file(Path(cache_dir), f"blob\0{path}\0{st.st_size}\0{st.st_mtime_ns}", ".bin")
-        tmp = blob.with_name(f".{blob.name}.tmp-{os.getpid()}")
         spans, offset = {}, 0
-        try:
+        with atomic(blob) as tmp:
             with open(tmp, "wb") as out_f:
                 for i in positions:
                     s = shards.shards[i]
@@ -432,9 +431,6 @@ def extract(shards: ShardSet, cache_dir: str | Path) -> dict[tuple[int, int], tu
                         out_f.write(chunk.tobytes())
                         spans[(i, e)] = (offset, len(chunk))
                         offset += len(chunk)
-            os.replace(tmp, blob)
-        finally:
-            tmp.unlink(missing_ok=True)
         out.update({k: (str(blob), off, size) for k, (off, size) in spans.items()})
     files.close()
     print(f"pack: the images of {len(by_file)} table file(s) unpacked into {Path(cache_dir) / 'shards'} for "

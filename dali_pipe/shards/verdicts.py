@@ -4,7 +4,6 @@ mtime) in CACHE_DIR/shard-verdicts.json so an unchanged shard is hashed once: `V
 """
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
@@ -16,6 +15,7 @@ from pathlib import Path
 
 from ..errors import UserError
 from ..https import is_http
+from ..workdir import write_atomic
 from .format import FAST_SUM, fast_digest, file_sha256, file_xxh3
 
 VERDICTS_NAME = "shard-verdicts.json"
@@ -80,14 +80,11 @@ class Verdicts:
 
     def save(self) -> None:
         with self._lock:
-            tmp = self.path.with_name(f".{self.path.name}.tmp-{os.getpid()}")
             try:
                 self.path.parent.mkdir(parents=True, exist_ok=True)
-                tmp.write_text(json.dumps(self.data))
-                os.replace(tmp, self.path)
+                write_atomic(self.path, json.dumps(self.data))
             except OSError:  # a full or read-only disk: the verdicts are only a cache; the next run hashes again
-                with contextlib.suppress(OSError):
-                    tmp.unlink(missing_ok=True)
+                pass
 
 
 def _path_key(path: str | Path) -> str:

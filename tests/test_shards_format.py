@@ -203,3 +203,41 @@ def test_index_tokens_escape_exactly_what_str_isspace_calls_space():
     for code in range(0x110000):
         c = chr(code)
         assert bool(_NEEDS_ESCAPE.search(c)) == (c == "%" or c.isspace()), hex(code)
+
+
+def test_samples_whose_members_are_not_consecutive_are_found_as_webdataset_would_split_them(photo_root, tmp_path):
+    """`tar -C DIR -cf x.tar .` stores a folder's files in the order the disk lists them, so a sample's jpg and
+    cls may lie apart. webdataset itself then yields each piece as a sample of its own (no image, or no label);
+    index_tar names those keys, and reading such shards is refused naming a key and the fix (tar --sort=name);
+    the same members sorted read as one sample each."""
+    import webdataset as wds
+
+    from dali_pipe.config import DataSettings
+    from dali_pipe.inputs import read
+    from dali_pipe.shards.shardset import ShardSourceError
+
+    jpegs = sorted(photo_root.rglob("*.jpg"))[:3]
+    members = [(f"./k{i}.jpg", p.read_bytes()) for i, p in enumerate(jpegs)]
+    members += [(f"./k{i}.cls", str(i % 2).encode()) for i in range(3)]  # as a disk may list them: images first
+    for folder, order in (("scattered", members), ("sorted", sorted(members))):
+        (tmp_path / folder).mkdir()
+        with tarfile.open(tmp_path / folder / "x.tar", "w") as t:
+            for name, data in order:
+                info = tarfile.TarInfo(name)
+                info.size = len(data)
+                t.addfile(info, io.BytesIO(data))
+    theirs = list(wds.WebDataset(str(tmp_path / "scattered" / "x.tar"), shardshuffle=False))
+    assert len(theirs) == 6 and not any("jpg" in s and "cls" in s for s in theirs)  # the peer splits them too
+
+    with open(tmp_path / "scattered" / "x.tar", "rb") as f:
+        indexed = index_tar(f)
+    assert len(indexed.entries) == 6 and indexed.scattered == {"./k0": (0, 3), "./k1": (1, 4), "./k2": (2, 5)}
+    with pytest.raises(ShardSourceError) as e:
+        read(DataSettings(data=str(tmp_path / "scattered"), cache_dir=str(tmp_path / "cache")))
+    assert "x.tar: the members of 3 sample(s) are not next to each other" in str(e.value)
+    assert "'./k0' (pieces 1 and 4)" in str(e.value) and "tar --sort=name" in str(e.value)
+
+    with open(tmp_path / "sorted" / "x.tar", "rb") as f:
+        assert index_tar(f).scattered == {}
+    shards = read(DataSettings(data=str(tmp_path / "sorted"), cache_dir=str(tmp_path / "cache"), val_fraction=0.0))
+    assert sum(len(s.keys) for s in shards.shards) == 3

@@ -521,36 +521,39 @@ def test_https_shards_through_faults_each_sample_once(photo_root, http_root, tmp
     assert "secret" not in shown and not [p for p in tmp_path.rglob("*") if "secret" in p.name], shown
 
 
-def test_a_member_bomb_is_listed_bad_unread_in_bounded_memory(photo_root, tmp_path):
-    """A 3 MB .tar.gz holding a 600 MiB member: the member is
-    listed bad, never read into memory (peak RSS of the process well under the member), the other samples kept.
-    Before, the indexer read each member whole: 1.5 GiB took 5.2 GB of RAM before the scan said "not an image"."""
-    import gzip
+def _bomb_tar(photo_root, path, big: int) -> None:
+    """Five real samples, then a member `big` bytes long (zeros: a hole in a sparse file) and its cls."""
     import io
-    import subprocess
-    import sys
     import tarfile
 
-    big = 600 << 20
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w", format=tarfile.USTAR_FORMAT) as tar:
-        for s in _photo_samples(photo_root, range(5)):
-            for ext in ("jpg", "cls"):
-                data = s[ext] if ext == "jpg" else str(s[ext]).encode()
-                info = tarfile.TarInfo(f"{s['__key__']}.{ext}")
-                info.size = len(data)
-                tar.addfile(info, io.BytesIO(data))
-        info = tarfile.TarInfo("bomb.jpg")
-        info.size = big
-        tar.addfile(info, io.BytesIO(bytes(big)))
-        info = tarfile.TarInfo("bomb.cls")
-        info.size = 1
-        tar.addfile(info, io.BytesIO(b"1"))
-    gz = tmp_path / "bomb.tar.gz"
-    with open(gz, "wb") as f:
-        f.write(gzip.compress(buf.getvalue(), compresslevel=1))
-    del buf
-    assert gz.stat().st_size < 4 << 20
+    with open(path, "wb") as f:
+        with tarfile.open(fileobj=f, mode="w", format=tarfile.USTAR_FORMAT) as tar:
+            for s in _photo_samples(photo_root, range(5)):
+                for ext in ("jpg", "cls"):
+                    data = s[ext] if ext == "jpg" else str(s[ext]).encode()
+                    info = tarfile.TarInfo(f"{s['__key__']}.{ext}")
+                    info.size = len(data)
+                    tar.addfile(info, io.BytesIO(data))
+            f.seek(tar.offset)
+            info = tarfile.TarInfo("bomb.jpg")
+            info.size = big
+            f.write(info.tobuf(tarfile.USTAR_FORMAT))
+            f.seek(-(-big // 512) * 512, 1)  # the member's zeros, as a hole
+            info = tarfile.TarInfo("bomb.cls")
+            info.size = 1
+            f.write(info.tobuf(tarfile.USTAR_FORMAT) + b"1".ljust(512, b"\0") + bytes(1024))
+            tar.fileobj = io.BytesIO()  # the end is written: tarfile's close writes into nothing
+
+
+def test_a_member_bomb_is_listed_bad_unread_in_bounded_memory(photo_root, tmp_path):
+    """A tar holding a 600 MiB member: the member is listed bad, never read into memory (peak RSS of the process
+    well under the member), the other samples kept. Before, the indexer read each member whole: 1.5 GiB took
+    5.2 GB of RAM before the scan said "not an image"."""
+    import subprocess
+    import sys
+
+    gz = tmp_path / "bomb.tar"
+    _bomb_tar(photo_root, gz, 600 << 20)
     code = ("import json, resource, sys; from dali_pipe.config import DataSettings; "
             "from dali_pipe.inputs import read; "
             f"s = read(DataSettings(data={str(gz)!r}, cache_dir={str(tmp_path / 'cache')!r}, max_bad_fraction=0.5)); "
@@ -564,6 +567,36 @@ def test_a_member_bomb_is_listed_bad_unread_in_bounded_memory(photo_root, tmp_pa
     assert got["kept"] == 5 and got["bad"] == ["a member of 629145600 bytes, over the 256 MiB a member may hold "
                                                "(not read)"], got
     assert got["rss"] < 450, got  # MB: the member alone is 600
+
+
+def test_a_gzip_bomb_stops_at_its_stated_ratio_leaving_no_copy(photo_root, tmp_path):
+    """A 0.6 MB .tar.gz whose tar holds 600 MiB (its gzip trailer says so, truthfully or not: anyone can write
+    it) is stopped once its copy passes GUNZIP_RATIO_MAX times the compressed size (or GUNZIP_FLOOR), named as
+    a bomb with the fix; no partial copy stays. Before, only the free disk (less 1 GiB) stopped it."""
+    import gzip
+    import zlib
+
+    from dali_pipe.shards.source import GUNZIP_FLOOR, GUNZIP_RATIO_MAX
+
+    tar = tmp_path / "bomb.tar"
+    _bomb_tar(photo_root, tar, 600 << 20)
+    gz = tmp_path / "data" / "bomb.tar.gz"
+    gz.parent.mkdir()
+    with open(tar, "rb") as src, open(gz, "wb") as out:
+        z = zlib.compressobj(1, zlib.DEFLATED, 31)  # gzip framing
+        for chunk in iter(lambda: src.read(8 << 20), b""):
+            out.write(z.compress(chunk))
+        out.write(z.flush())
+    tar.unlink()
+    size = gz.stat().st_size
+    assert size * GUNZIP_RATIO_MAX < 600 << 20 and GUNZIP_FLOOR < 600 << 20
+    with gzip.open(gz) as g:  # the peer reads it whole: it is a valid gzip
+        assert g.read(512)
+    with pytest.raises(ShardSourceError) as e:
+        _open(gz.parent, tmp_path / "cache")
+    assert f"bomb.tar.gz decompresses to more than {GUNZIP_RATIO_MAX} times its" in str(e.value), e.value
+    assert "gunzip" in str(e.value)
+    assert [p for p in (tmp_path / "cache").rglob("*") if p.is_file() and p.stat().st_size > 1 << 20] == []
 
 
 def test_an_https_shard_whose_body_never_ends_stops_at_its_deadline(tmp_path):

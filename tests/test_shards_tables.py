@@ -135,3 +135,21 @@ def test_parquet_on_s3_is_synced_then_read(hf, s3, tmp_path):
     shards, _ = prepare(data, tmp_path / "out", num_threads=1)
     assert shards.kind == "parquet" and (len(shards.train), len(shards.val)) == (40, 8)
     assert all(not p.startswith("s3://") for p in shards.train.paths)
+
+
+def test_a_row_group_over_the_bound_is_refused_before_it_is_read(hf):
+    """A Parquet row group is read whole (its label and image columns): one whose metadata says it holds more
+    than the bound is refused naming the file, the group and the fix, before a byte of it is read; the groups
+    `datasets` wrote (5 photos each) are far under GROUP_MAX."""
+    import pyarrow.parquet as pq
+
+    from dali_pipe.shards.tables import GROUP_MAX, check_row_groups
+
+    md = pq.ParquetFile(hf / "hub/data/train-00000-of-00002.parquet").metadata
+    sizes = [md.row_group(g).total_byte_size for g in range(md.num_row_groups)]
+    assert check_row_groups(md, "train.parquet") == md.num_row_groups == 8 and max(sizes) < GROUP_MAX
+    with pytest.raises(TableSourceError) as e:
+        check_row_groups(md, "data/train.parquet", most=sorted(sizes)[-2])
+    g = sizes.index(max(sizes))
+    assert f"data/train.parquet: row group {g} holds {sizes[g]} bytes uncompressed" in str(e.value)
+    assert "row_group_size=" in str(e.value)

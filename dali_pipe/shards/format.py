@@ -39,7 +39,7 @@ import posixpath
 import re
 import tarfile
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import unquote
 
@@ -406,6 +406,8 @@ class IndexedTar:
     sha256: str
     xxh3: str  # the fast checksum (FAST_SUM) of the same bytes
     duplicates: dict[int, str]  # entry position -> the member extension that appeared twice in it
+    scattered: dict[str, tuple[int, int]] = field(default_factory=dict)  # a key whose members are not consecutive
+    # -> (its first entry's position, the position where it came back)
 
 
 def index_tar(stream, on_member=None, wanted=lambda ext: True, copy_to=None, max_member: int = MEMBER_MAX) -> IndexedTar:
@@ -419,6 +421,8 @@ def index_tar(stream, on_member=None, wanted=lambda ext: True, copy_to=None, max
     src = _Hashing(stream, copy_to)
     entries: list[IndexEntry] = []
     duplicates: dict[int, str] = {}
+    first: dict[str, int] = {}  # key -> its first entry's position
+    scattered: dict[str, tuple[int, int]] = {}
     try:
         with tarfile.open(fileobj=src, mode="r|") as tar:
             for m in tar:
@@ -428,6 +432,10 @@ def index_tar(stream, on_member=None, wanted=lambda ext: True, copy_to=None, max
                 if key is None or any(c.isspace() for c in ext):
                     continue
                 if not entries or entries[-1].key != key:
+                    if key in first:
+                        scattered.setdefault(key, (first[key], len(entries)))
+                    else:
+                        first[key] = len(entries)
                     entries.append(IndexEntry(key, {}))
                 members = entries[-1].members
                 if ext in members:
@@ -440,7 +448,7 @@ def index_tar(stream, on_member=None, wanted=lambda ext: True, copy_to=None, max
         src.drain()
     except (tarfile.TarError, EOFError) as e:
         raise TarFormatError(f"not a readable tar ({type(e).__name__}: {str(e)[:100]})") from None
-    return IndexedTar(entries, src.n, src.h.hexdigest(), src.fast.hexdigest(), duplicates)
+    return IndexedTar(entries, src.n, src.h.hexdigest(), src.fast.hexdigest(), duplicates, scattered)
 
 
 # -- packed.json -----------------------------------------------------------------------------------

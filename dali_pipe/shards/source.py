@@ -83,6 +83,10 @@ TEST_WORDS = {"test", "testing"}
 # -- shards written by others -------------------------------------------------------------------
 
 
+GUNZIP_RATIO_MAX = 100  # a .tar.gz of images decompresses to 1-3 times its size; past this it is stopped
+GUNZIP_FLOOR = 64 << 20  # ... but a small one may always reach this many bytes
+
+
 def _gz_room(items: list[Listed], cache_dir: Path) -> None:
     """Refuse, before decompressing anything, gzipped shards whose copies would not fit on the cache disk
     with HEADROOM to spare; a local one's size is read from its gzip trailer, a remote one's taken as its
@@ -141,6 +145,8 @@ def _index_peer(item: Listed, cache_dir: Path, level: str, max_pixels: int, num_
         indexed, stored = _read_source(item, collector)
     except TarFormatError as e:
         raise ShardSourceError(f"{item.name}: {e}; check the file, or leave it out of --data") from None
+    if indexed.scattered:
+        raise ShardSourceError(scattered_keys(item.name, indexed.scattered, len(indexed.entries)))
     if item.size is not None and stored != item.size:
         raise ShardSourceError(f"{item.name} changed while it was read ({stored} bytes, listed as {item.size}); "
                                "rerun when it no longer changes")
@@ -155,6 +161,17 @@ def _index_peer(item: Listed, cache_dir: Path, level: str, max_pixels: int, num_
             "stored": stored, "keys": [e.key for e in indexed.entries], "checked": checked}
     write_file(meta_path, json.dumps(meta))
     return {**meta, "index": str(idx), "path": str(item.copy or item.path)}
+
+
+def scattered_keys(name: str, scattered: dict[str, tuple[int, int]], entries: int) -> str:
+    """The message for a tar whose samples' members are not next to each other (`tar -C DIR -cf x.tar .`
+    stores a folder's files in the order the disk lists them): webdataset and DALI, like this reader, make a
+    sample of consecutive members only, so each sample would be split into pieces without an image or a label."""
+    shown = ", ".join(f"{k!r} (pieces {a + 1} and {b + 1})" for k, (a, b) in list(scattered.items())[:3])
+    return (f"{name}: the members of {len(scattered)} sample(s) are not next to each other in the tar, e.g. {shown}: "
+            f"webdataset and DALI read a sample from consecutive members only, so the tar reads as {entries} pieces, "
+            "these without an image or a label. Write the tar with its members sorted by name "
+            "(GNU tar: tar --sort=name -C DIR -cf SHARD.tar .), or pack the images with python -m dali_pipe pack")
 
 
 def _read_source(item: Listed, collector: Collector, deadline_s: float | None = None):
@@ -230,14 +247,21 @@ def _index_stream(raw, item: Listed, collector: Collector):
 
 
 class _Bounded:
-    """A copy being written that may not pass `room` bytes (what the disk has free, HEADROOM kept): a shard that
-    decompresses to more than its gzip trailer said (or than a remote one's size suggested) stops there."""
+    """A copy being written that may not pass `room` bytes (what the disk has free, HEADROOM kept), nor
+    GUNZIP_RATIO_MAX times the shard's compressed size: a shard that decompresses to more than its gzip trailer
+    said (which holds the size modulo 4 GiB, and anyone can write) stops at the first bound it reaches."""
 
     def __init__(self, f, room: int, item: Listed):
         self.f, self.room, self.item, self.n = f, room, item, 0
+        self.most = max(GUNZIP_FLOOR, (item.size or 0) * GUNZIP_RATIO_MAX) if item.size else None
 
     def write(self, data: bytes) -> None:
         self.n += len(data)
+        if self.most is not None and self.n > self.most:
+            raise ShardSourceError(
+                f"{self.item.name} decompresses to more than {GUNZIP_RATIO_MAX} times its {human_bytes(self.item.size)}"
+                " (stopped there): a gzip bomb, or not a shard of images, whose members barely compress; if it is "
+                "right, decompress it yourself (gunzip) and pass the .tar")
         if self.n > self.room:
             raise ShardSourceError(f"{self.item.name} decompresses to more than the {human_bytes(max(0, self.room))} "
                                    f"free for it in {self.item.copy.parent} (keeping {human_bytes(HEADROOM)} spare); "

@@ -60,6 +60,7 @@ from .source import unit_hash
 from .verdicts import Verdicts
 
 CHECK_VERSION = 1  # bump when what the check records changes
+GROUP_MAX = 1 << 30  # bytes: a Parquet row group larger than this (uncompressed) is refused before it is read
 
 
 class TableSourceError(UserError):
@@ -226,8 +227,23 @@ def _schema(f: TableFile):
 
 def _groups(f: TableFile, files: TableFiles) -> int:
     if f.fmt == "parquet":
-        return files.handle(f.path, "parquet").metadata.num_row_groups
-    return len(files.handle(f.path, "arrow"))
+        return check_row_groups(files.handle(f.path, "parquet").metadata, f.rel)
+    return len(files.handle(f.path, "arrow"))  # memory-mapped: a batch is read where it lies, never copied
+
+
+def check_row_groups(metadata, rel: str, most: int = GROUP_MAX) -> int:
+    """The number of row groups of a Parquet file, each of which is read whole into memory (its label and image
+    columns): one whose metadata says it holds more than `most` bytes uncompressed is refused before it is read,
+    naming the file, the group and the fix. (Each page of a group is bounded by the format itself: 2 GiB.)"""
+    for g in range(metadata.num_row_groups):
+        size = metadata.row_group(g).total_byte_size
+        if size > most:
+            raise TableSourceError(
+                f"{rel}: row group {g} holds {size} bytes uncompressed (as its metadata says), over the "
+                f"{most >> 20} MiB a row group may hold in memory; write the file with smaller row groups "
+                "(pyarrow.parquet.write_table(table, path, row_group_size=1000), or datasets' to_parquet(path, "
+                "batch_size=1000))")
+    return metadata.num_row_groups
 
 
 def _labels_and_paths(f: TableFile, files: TableFiles, group: int, image: str, label: str):

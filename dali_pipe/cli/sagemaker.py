@@ -46,6 +46,7 @@ from ..config import FIELDS, TRAIN_GROUPS, RunSettings, flag_of
 from ..errors import RunFailed, RunMismatchError, UserError
 from ..naming import named
 from ..redact import redact, redact_argv
+from ..workdir import write_atomic
 from .hosts import HostsError, current, join
 
 FAILURE_LIMIT = 1024
@@ -244,7 +245,7 @@ def write_failure(output_dir: Path, reason: str) -> None:
         text = text[: FAILURE_LIMIT - 3] + "..."
     try:
         output_dir.mkdir(parents=True, exist_ok=True)
-        (output_dir / "failure").write_text(text)
+        write_atomic(output_dir / "failure", text)
     except OSError as e:
         print(f"sagemaker: could not write {output_dir / 'failure'} ({e.strerror or e})", file=sys.stderr)
 

@@ -196,9 +196,9 @@ def json_label(raw: bytes | None) -> str | None:
         return None
     if not isinstance(meta, dict):
         return None
-    for field in ("label", "class_name"):
-        if isinstance(meta.get(field), (str, int)) and not isinstance(meta.get(field), bool):
-            return str(meta[field])
+    for name in ("label", "class_name"):
+        if isinstance(meta.get(name), (str, int)) and not isinstance(meta.get(name), bool):
+            return str(meta[name])
     return None
 
 

@@ -15,7 +15,7 @@ from ..config import default_cache_dir
 from ..s3 import SyncError, local_target, parse_s3_uri
 from ..sync import AskedListing, SyncStats, byte_bar, engine_for, listing, listing_asked, read_object, sync_objects
 from ..transfer import Engine
-from ..workdir import human_bytes, lock, remove_dead_temps, unlock
+from ..workdir import human_bytes, lock, remove_dead_temps, unlock, write_atomic
 from .cache import FETCH_PARALLEL, local_name
 from .fetchers import fetcher_for, listed
 from .format import FAST_SUM, PACKED_NAME, PackedFormatError, parse_packed
@@ -87,7 +87,7 @@ def fetch_to(data: str, local: Path, *, mode: str, workers: int, progress: bool 
         got.downloaded += fetched
         got.skipped += len(shards) - fetched
         got.bytes += size
-    (local / PACKED_NAME).write_bytes(raw)  # last: the local copy is complete
+    write_atomic(local / PACKED_NAME, raw)  # last: the local copy is complete
     if stats is not None:
         got.seconds = time.perf_counter() - start
         stats.__dict__.update(got.__dict__)

@@ -135,9 +135,10 @@ def bucket_region(session, bucket: str) -> str | None:
 @dataclass(frozen=True)
 class Bounds:
     """The timeouts and retries of one kind of transfer, one value handed down to what makes its requests (the
-    engine: the first three; a whole-object fetch above it: the rest). Retries stack two deep at most: the
-    engine's per request (throttling, cut and stalled bodies), and `attempts` whole objects above them. Tests
-    pass their own (a silent endpoint named in seconds), never patch constants."""
+    engine: the first three, for S3 and http(s):// objects alike; a whole-object fetch above it: the rest).
+    Retries stack two deep at most: the engine's per request (throttling, cut and stalled bodies), and
+    `attempts` whole objects above them. Tests pass their own (a silent endpoint named in seconds), never patch
+    constants."""
     connect_timeout: float = 5.0  # seconds to connect
     read_timeout: float = 10.0  # seconds without a byte after which a request is retried
     request_attempts: int = 3  # tries of one request, inside one attempt

@@ -1,5 +1,9 @@
-"""The S3 transfer engine: objects from S3 into local files, many small ones and large ones alike,
-through obstore (Python bindings of Rust's `object_store`) on one event loop thread.
+"""The transfer engine: objects from S3, or from an http(s):// server, into local files, many small ones and
+large ones alike, through obstore (Python bindings of Rust's `object_store`) on one event loop thread.
+
+- One client for every object store: `Engine.store(name)` makes the store a name stands for, an S3 bucket's
+  S3Store or an http(s):// URL's HTTPStore (dali_pipe/stores.py: `locate`, the options both take). Local
+  paths are read as files (nothing to transfer).
 
 - One path: every object is one GET (objects above PART bytes: ranged GETs of PART bytes, up to
   the engine's concurrency at once, each written at its offset, each answer's ETag checked against
@@ -47,6 +51,7 @@ from concurrent.futures import Future
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
+from .https import is_http
 from .landing import create_file, hash_file, land, remove_quietly, write_at
 from .limits import requests_room, tune_for_transfers
 from .s3 import (
@@ -60,6 +65,7 @@ from .s3 import (
     from_botocore,
     list_with_boto3,
 )
+from .stores import HTTP_STORES, Chunks, client_options, http_store, retry_config
 from .workdir import atomic
 
 PART = 8 << 20  # objects above this size are fetched in ranged GETs of this size
@@ -70,12 +76,10 @@ IN_FLIGHT_BYTES = 256 << 20  # body bytes held in memory at once, across all req
 # to PART, or two CHUNKs per streamed body; so memory is bounded whatever --workers (256 objects of up to
 # PART in flight would otherwise hold 2 GB)
 REQUEST_LIMIT = 300.0  # seconds one request may take at most (a part of PART bytes at under 30 kB/s)
-RETRY_WINDOW = 60.0  # seconds after a request's first try during which obstore may retry it
 CREDENTIALS_TTL = timedelta(minutes=5)  # how long obstore keeps a set of credentials before asking again
-
-
 class Engine:
-    """obstore's S3 stores (one per bucket) and the event loop that drives them, on a thread of its own.
+    """obstore's stores (one per S3 bucket; per folder or URL of an http(s):// server) and the event loop that
+    drives them, on a thread of its own.
 
     `concurrency`: requests in flight at once, across everything the engine does. The timeouts and
     `attempts` bound each request."""
@@ -100,10 +104,17 @@ class Engine:
 
     # -- configuration -------------------------------------------------------------------------
     def store(self, bucket: str):
-        """The obstore S3Store of `bucket` (made once): endpoint, region, credentials, bounds."""
+        """The obstore store of `bucket` (made once): an S3 bucket's S3Store (endpoint, region, credentials,
+        bounds), or for an http(s):// URL (a store name from `locate`) an HTTPStore with the same bounds."""
         with self._lock:
             if bucket not in self._stores:
-                self._stores[bucket] = self._make_store(bucket)
+                if is_http(bucket):
+                    made = [name for name in self._stores if is_http(name)]
+                    if len(made) >= HTTP_STORES:  # (a store in use stays alive while its request runs)
+                        del self._stores[made[0]]
+                    self._stores[bucket] = http_store(bucket, client_options(self.connect_timeout, self.read_timeout, self.request_limit), retry_config(self.attempts))
+                else:
+                    self._stores[bucket] = self._make_store(bucket)
             return self._stores[bucket]
 
     def _make_store(self, bucket: str):
@@ -129,13 +140,8 @@ class Engine:
             region = from_botocore(lambda session: bucket_region(session, bucket)) or region
         return S3Store(
             bucket, endpoint=url, region=region, virtual_hosted_style_request=url is None,
-            credential_provider=credentials,
-            client_options={"allow_http": True, "connect_timeout": timedelta(seconds=self.connect_timeout),
-                            "read_timeout": timedelta(seconds=self.read_timeout),
-                            "timeout": timedelta(seconds=self.request_limit)},
-            retry_config={"max_retries": self.attempts - 1, "retry_timeout": timedelta(seconds=RETRY_WINDOW),
-                          "backoff": {"init_backoff": timedelta(milliseconds=200), "max_backoff": timedelta(seconds=10),
-                                      "base": 2}})
+            credential_provider=credentials, client_options=client_options(self.connect_timeout, self.read_timeout, self.request_limit),
+            retry_config=retry_config(self.attempts))
 
     # -- running coroutines from other threads ---------------------------------------------------
     def submit(self, coro) -> Future:
@@ -328,16 +334,48 @@ class Engine:
         except Exception as e:
             raise classify(e) from None
 
-    def reader(self, bucket: str, key: str):
+    def reader(self, bucket: str, key: str, deadline: float | None = None):
         """One object's body as a binary file read front to back (`read(n)`), for a caller on its own thread
-        that parses as it reads (a shard indexed in one pass); a failure while reading raises TransferError."""
+        that parses as it reads (a shard indexed in one pass); a failure while reading raises TransferError, and
+        so does a read past `deadline` (time.monotonic() seconds; code 'deadline'): a body that never ends."""
         import obstore
 
         try:
             result = obstore.get(self.store(bucket), key)
         except Exception as e:
             raise classify(e) from None
-        return io.BufferedReader(_Chunks(iter(result.stream(min_chunk_size=CHUNK))), buffer_size=CHUNK)
+        return io.BufferedReader(Chunks(iter(result.stream(min_chunk_size=CHUNK)), deadline), buffer_size=CHUNK)
+
+    async def head(self, bucket: str, key: str) -> tuple[int, str | None]:
+        """(size, validator) of one object (a HEAD): its ETag, else its Last-Modified, else None (what a cached
+        index of it is valid for)."""
+        import obstore
+
+        try:
+            async with self._slot():
+                meta = await obstore.head_async(self.store(bucket), key)
+        except Exception as e:
+            raise classify(e) from None
+        modified = meta.get("last_modified")
+        stamp = modified.isoformat() if modified is not None and modified.timestamp() > 0 else None  # 0: none sent
+        return int(meta["size"]), meta.get("e_tag") or stamp
+
+    async def read_small(self, bucket: str, key: str, limit: int) -> tuple[bytes, str]:
+        """(the bytes, the Content-Type) of a small object; TransferError('size') when it holds more than `limit`
+        bytes (its body is then not read)."""
+        import obstore
+
+        try:
+            async with self._slot():
+                result = await obstore.get_async(self.store(bucket), key)
+                kind = str(result.attributes.get("Content-Type") or "")
+                if result.meta["size"] > limit:
+                    raise TransferError("size", f"{result.meta['size']} bytes, more than the {limit} expected")
+                if "text/html" in kind.lower():  # a page, not the object: its body is not wanted
+                    return b"", kind
+                return bytes(await result.bytes_async()), kind
+        except Exception as e:
+            raise classify(e) from None
 
     async def size(self, bucket: str, key: str) -> int:
         """The size of one object (a HEAD)."""
@@ -493,6 +531,8 @@ async def _stream_to(store, key: str, fd: int, etag: str | None, on_bytes,
         stream = result.stream(min_chunk_size=CHUNK)
         got = (result.meta.get("e_tag") or "").strip('"')
     except Exception as e:
+        if "Range request not supported" in str(e):  # HTTPStore's word for a ranged GET answered with 200
+            raise TransferError("NotPartial", "the server answers ranged GETs whole") from None
         raise classify(e) from None
     if etag and got and got != etag.strip('"'):
         raise TransferError("PreconditionFailed", f"{key} changed during the download (ETag {got}, "
@@ -541,27 +581,3 @@ async def _whole(store, key: str):
 
 STANDARD_ATTRIBUTES = {"Content-Disposition", "Content-Encoding", "Content-Language", "Content-Type", "Cache-Control",
                        "Storage-Class"}  # obstore's own attributes: the rest of an object's are its user metadata
-
-
-class _Chunks(io.RawIOBase):
-    """obstore's stream of an object's body (chunks of bytes) as a raw file (`readinto`), so io.BufferedReader
-    serves `read(n)`; obstore's errors while streaming come out as TransferError."""
-
-    def __init__(self, chunks):
-        self._chunks, self._left = chunks, memoryview(b"")
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, b) -> int:
-        while not self._left:
-            try:
-                self._left = memoryview(bytes(next(self._chunks)))
-            except StopIteration:
-                return 0
-            except Exception as e:
-                raise classify(e) from None
-        n = min(len(b), len(self._left))
-        b[:n] = self._left[:n]
-        self._left = self._left[n:]
-        return n

@@ -475,7 +475,7 @@ def test_https_shards_through_faults_each_sample_once(photo_root, http_root, tmp
     from helpers import datamodule
 
     from dali_pipe.shards.cache import local_name
-    from dali_pipe.shards.fetchers import HttpFetcher
+    from dali_pipe.shards.fetchers import Fetcher
     from dali_pipe.shards.verdicts import Remote, ShardError
     from dali_pipe.spec import ImageSpec
 
@@ -516,7 +516,7 @@ def test_https_shards_through_faults_each_sample_once(photo_root, http_root, tmp
     signed = f"{url}/val/shard-000000.tar?X-Amz-Signature=0123secret4567&X-Amz-Credential=AKIDsecret"
     s = _open(signed, cache)
     with pytest.raises(ShardError, match="changed after it was indexed") as err:  # its sha256 check fails
-        HttpFetcher().fetch(Remote(signed, s.shards[0].size, "0" * 64), tmp_path / "copy" / local_name(signed))
+        Fetcher().fetch(Remote(signed, s.shards[0].size, "0" * 64), tmp_path / "copy" / local_name(signed))
     shown = str(err.value) + capsys.readouterr().err + s.shards[0].name
     assert "secret" not in shown and not [p for p in tmp_path.rglob("*") if "secret" in p.name], shown
 
@@ -599,10 +599,12 @@ def test_a_gzip_bomb_stops_at_its_stated_ratio_leaving_no_copy(photo_root, tmp_p
     assert [p for p in (tmp_path / "cache").rglob("*") if p.is_file() and p.stat().st_size > 1 << 20] == []
 
 
-def test_an_https_shard_whose_body_never_ends_stops_at_its_deadline(tmp_path):
-    """A server that sends a tar header claiming a 6 GiB member and then bytes forever, without a length: the
-    indexing stops at its deadline, once (no retry would end sooner), naming the shard and why, in bounded time
-    (before: it hung for good)."""
+@pytest.mark.parametrize("body", ["endless", "silent", "chunked"])
+def test_an_https_shard_whose_body_never_ends_stops_at_its_deadline(tmp_path, body):
+    """A server that sends a tar header claiming a 6 GiB member and then bytes forever (a Content-Length of 64 GiB),
+    or nothing more: the indexing stops at its deadline, once (no retry would end sooner), naming the shard and why,
+    in bounded time (before: it hung for good). The same endless body sent chunked, without a length, is refused at
+    once with the fix: the transfer client (obstore) reads no body without a Content-Length."""
     import tarfile
     import threading
     import time
@@ -615,15 +617,19 @@ def test_an_https_shard_whose_body_never_ends_stops_at_its_deadline(tmp_path):
 
         def do_GET(self):
             self.send_response(200)
-            self.send_header("Transfer-Encoding", "chunked")
+            if body == "chunked":
+                self.send_header("Transfer-Encoding", "chunked")
+            else:
+                self.send_header("Content-Length", str(64 << 30))
             self.end_headers()
             info = tarfile.TarInfo("x.jpg")
             info.size = 6 << 30
             chunks = [info.tobuf(tarfile.USTAR_FORMAT)] + [b"\xff" * 65536] * 10**6
             try:
                 for chunk in chunks:
-                    self.wfile.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
-                    time.sleep(0.01)
+                    self.wfile.write(b"%x\r\n%s\r\n" % (len(chunk), chunk) if body == "chunked" else chunk)
+                    self.wfile.flush()
+                    time.sleep(0.01 if body != "silent" else 30)
             except OSError:  # the client gave up
                 pass
 
@@ -631,13 +637,16 @@ def test_an_https_shard_whose_body_never_ends_stops_at_its_deadline(tmp_path):
             pass
 
     server = ThreadingHTTPServer(("127.0.0.1", 0), Endless)
+    server.daemon_threads = True
     threading.Thread(target=server.serve_forever, daemon=True).start()
     url = f"http://127.0.0.1:{server.server_address[1]}/shard.tar"
+    said = (r"indexing .*shard.tar: the server sends it without a Content-Length \(chunked\).*serve the shards as "
+            r"static files" if body == "chunked" else r"indexing .*shard.tar.*no complete copy within its deadline \(2 s\)")
     try:
         start = time.monotonic()
-        with pytest.raises(ShardSourceError, match=r"indexing .*shard.tar.*no complete copy within its deadline \(2 s\)"):
+        with pytest.raises(ShardSourceError, match=said):
             source._read_source(source.Listed("shard.tar", url, "x", None), source.Collector("fast", 10**8, 1),
                                 deadline_s=2)
-        assert time.monotonic() - start < 10
+        assert time.monotonic() - start < (2 if body == "chunked" else 10)
     finally:
         server.shutdown()

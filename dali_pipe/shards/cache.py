@@ -37,12 +37,12 @@ else the sha256 (packs made before it, at about 1.2 GB/s); a verdict records the
 Faults: S3 throttling (503 SlowDown), a cut connection and a stalled body (read timeout) are
 retried by the transfer engine (obstore), then by one more whole attempt here;
 an attempt that moves no byte for `stall` seconds (s3.Bounds), or runs past its deadline, is cancelled, so a
-silent endpoint is named after about a minute. HTTP(S) (`HttpFetcher`, over dali_pipe/https.py)
-has the same bounds: retries of refused connections, timeouts, 429 and 5xx per request, a cut
-body continued with a Range request (or read again where the server takes no ranges), an attempt
-given up after `stall` seconds without a byte or past its deadline, `attempts` whole attempts, the
-size and checksum checked before the rename. What still fails is a ShardFetchError naming the
-endpoint and the key (or the URL, redacted).
+silent endpoint is named after about a minute. HTTP(S) shards take the same road (the engine's HTTPStore,
+shards/fetchers.py's `Fetcher`) with the same bounds: retries of refused connections, timeouts, 429 and 5xx
+per request, a cut body continued with a Range request (or read again by the next attempt where the server
+takes no ranges), an attempt given up after `stall` seconds without a byte or past its deadline, `attempts`
+whole attempts, the size and checksum checked before the rename. What still fails is a ShardFetchError naming
+the endpoint and the key (or the URL, redacted).
 
 The bytes move through the same engine as a dataset's small files (ranged parallel GETs, retries,
 temporary files removed on failure); what is ours here is the order (the plan), the bound, the

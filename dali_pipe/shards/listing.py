@@ -4,11 +4,11 @@ with the files beside them that are not read named; a gzipped shard's decompress
 """
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import os
 import posixpath
 import re
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -24,8 +24,11 @@ from ..forms import (
     split_of,
     unfinished_pack,
 )
-from ..https import HttpError, head, is_http, read_small, shown
-from ..s3 import SyncError, explain, make_client, parse_s3_uri
+from ..https import MISSING, explain_http, is_http, shown, status_of
+from ..s3 import Bounds, SyncError, TransferError, explain, make_client, parse_s3_uri
+from ..stores import locate
+from ..transfer import Engine
+from .fetchers import SHARD_BOUNDS
 from .format import (
     PACKED_NAME,
 )
@@ -192,9 +195,10 @@ def _list_s3(data: str) -> Found:
     return Found(listed, classes, unused)
 
 
-def _list_http(data: str) -> Found:
+def _list_http(data: str, bounds: Bounds = SHARD_BOUNDS) -> Found:
     """https:// shards: one URL or a brace pattern of them (a server lists no folder). One HEAD each gives
-    the size and validator a cached index is kept for; classes.txt is looked for beside the first shard."""
+    the size and validator a cached index is kept for; classes.txt is looked for beside the first shard.
+    Both through the transfer engine, with `bounds`."""
     urls = expand_braces(data) if is_brace_pattern(data) else [data]
     if not all(is_http(u) for u in urls):
         raise ShardSourceError(f"--data {shown(data)!r}: a pattern names shards of one source: all https:// (or "
@@ -204,26 +208,51 @@ def _list_http(data: str) -> Found:
         raise ShardSourceError(f"--data {shown(named[0])!r} names no shard: https:// URLs are read as WebDataset "
                                "shards (.tar, .tar.gz, .tgz), one URL or a brace pattern (a server lists no folder); "
                                "sync other data to a folder or S3 first")
-    with ThreadPoolExecutor(min(8, len(urls))) as pool:
-        heads = list(pool.map(_head, urls))
-    missing = [(u, e) for u, e in zip(urls, heads) if isinstance(e, HttpError)]
-    if missing:
-        raise ShardSourceError(f"--data {shown(data)!r}: {len(missing)} of its {len(urls)} shard(s) cannot be read, "
-                               f"e.g. {missing[0][1]}")
-    listed = [Listed(shown(u), u, f"http\0{u}\0{size}\0{validator}", size, reuse=validator is not None)
-              for u, (size, validator) in zip(urls, heads)]
     parts = [urlsplit(u) for u in urls]
     common = posixpath.commonpath([posixpath.dirname(p.path) for p in parts]) if all(
         p.netloc == parts[0].netloc for p in parts) else posixpath.dirname(parts[0].path)
-    raw = read_small(parts[0]._replace(path=posixpath.join(common, CLASSES_NAME), query="", fragment="").geturl())
+    classes_url = parts[0]._replace(path=posixpath.join(common, CLASSES_NAME), query="", fragment="").geturl()
+    engine = Engine(concurrency=8, connect_timeout=bounds.connect_timeout, read_timeout=bounds.read_timeout,
+                    attempts=bounds.request_attempts)
+    try:
+        heads = engine.run(_heads(engine, urls, bounds))
+        missing = [m for m in heads if isinstance(m, str)]
+        if missing:
+            raise ShardSourceError(f"--data {shown(data)!r}: {len(missing)} of its {len(urls)} shard(s) cannot be "
+                                   f"read, e.g. {missing[0]}")
+        raw = engine.run(_read_small(engine, classes_url, bounds))
+    finally:
+        engine.close()
+    listed = [Listed(shown(u), u, f"http\0{u}\0{size}\0{validator}", size, reuse=validator is not None)
+              for u, (size, validator) in zip(urls, heads)]
     return Found(listed, raw.decode("utf-8-sig") if raw is not None else None)
 
 
-def _head(url: str):
+async def _heads(engine: Engine, urls: list[str], bounds: Bounds) -> list:
+    """(size, validator) of each URL (None, None where the server refuses HEAD or sends no length), or the
+    message of its failure."""
+    async def one(url: str):
+        try:
+            return await engine.head(*locate(url))
+        except TransferError as e:
+            if status_of(e) in (405, 501) or "Content-Length Header missing" in e.detail:
+                return None, None  # the GET that indexes it tells
+            return explain_http(e, url, bounds)
+
+    return await asyncio.gather(*(one(u) for u in urls))
+
+
+async def _read_small(engine: Engine, url: str, bounds: Bounds, limit: int = 16 << 20) -> bytes | None:
+    """The bytes of a small object (classes.txt), or None when the server has none (403, 404, 410; or an HTML
+    page, which servers that answer every path with their index page send for a file they do not have)."""
     try:
-        return head(url)
-    except HttpError as e:
-        return e
+        data, kind = await engine.read_small(*locate(url), limit)
+    except TransferError as e:
+        if status_of(e) in MISSING:
+            return None
+        raise ShardSourceError(explain_http(e, url, bounds) if e.code != "size" else
+                               f"{shown(url)}: larger than {limit} bytes; is this the right URL?") from None
+    return None if "text/html" in kind.lower() else data
 
 
 CLASSES_NAME = "classes.txt"

@@ -55,8 +55,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from ..https import HttpError, Stopped, is_http, open_stream, shown
+from ..https import explain_http, is_http, shown, status_of
 from ..s3 import SyncError, TransferError, explain, parse_s3_uri
+from ..stores import locate
 from ..transfer import REQUEST_LIMIT, Engine
 from ..workdir import atomic, human_bytes, remove_dead_temps
 from .fetchers import SHARD_BOUNDS
@@ -179,30 +180,32 @@ def _read_source(item: Listed, collector: Collector, deadline_s: float | None = 
     copy on the way for a gzipped one. An S3 or HTTP stream cut or short is read again from the start
     (S3_ATTEMPTS in all); nothing of it is stored but the copy. An HTTP body is read within `deadline_s`
     (default: an attempt's deadline, SHARD_BOUNDS.deadline of its size), once: a body that never ends
-    hung the indexing for good."""
+    hung the indexing for good. Both go through the transfer engine (Engine.reader)."""
     attempts = S3_ATTEMPTS if is_remote(item.path) else 1
     if deadline_s is None:
         deadline_s = SHARD_BOUNDS.deadline(item.size)
     for attempt in range(attempts):
         last = attempt + 1 == attempts
         collector.reset()
+        started = time.monotonic()
         try:
-            with _open_source(item, time.monotonic() + deadline_s) as raw:
+            with _open_source(item, started + deadline_s) as raw:
                 counted = Counting(raw)
                 indexed = _index_stream(counted, item, collector)
             if item.size is None or counted.n == item.size or last:
                 return indexed, counted.n
-        except TransferError as e:  # S3 (the engine): what asking again cannot change is said at once
-            if last or not (e.code in ("timeout", "connect", "http", "SlowDown", "InternalError") or
-                            e.code.startswith("HTTP 5")):
+        except TransferError as e:  # what asking again cannot change is said at once
+            if is_http(item.path):
+                if e.code == "deadline" or time.monotonic() > started + deadline_s:  # another try would take as long
+                    raise ShardSourceError(f"indexing {shown(item.path)}: no complete copy within its deadline "
+                                           f"({deadline_s:.0f} s); a shard's server must send it whole within that, "
+                                           "and end it") from None
+                if last or status_of(e) is not None or "Content-Length" in e.detail:
+                    raise ShardSourceError(f"indexing {explain_http(e, item.path, SHARD_BOUNDS)}") from None
+            elif last or not (e.code in ("timeout", "connect", "http", "SlowDown", "InternalError") or
+                              e.code.startswith("HTTP 5")):
                 bucket, key = parse_s3_uri(item.path)
                 raise SyncError(f"indexing {item.name}: {explain(e, bucket, key)}") from None
-        except Stopped as e:  # past its deadline: another attempt would take as long
-            raise ShardSourceError(f"indexing {e} ({deadline_s:.0f} s); a shard's server must send it whole within "
-                                   "that, and end it") from None
-        except HttpError as e:
-            if e.status is not None or last:
-                raise ShardSourceError(f"indexing {e}") from None
         except TarFormatError:
             if last:
                 raise
@@ -210,20 +213,19 @@ def _read_source(item: Listed, collector: Collector, deadline_s: float | None = 
 
 @contextmanager
 def _open_source(item: Listed, deadline: float | None = None):
-    if item.path.startswith("s3://"):  # one streaming GET through the engine, within the shard's deadline
-        bucket, key = parse_s3_uri(item.path)
+    if is_remote(item.path):  # one streaming GET through the engine, within the shard's deadline
+        bucket, key = locate(item.path)
         b = SHARD_BOUNDS
+        limit = max(REQUEST_LIMIT, b.deadline(item.size))
+        if is_http(item.path) and deadline is not None:  # a server's body that never ends is stopped at `deadline`
+            limit = max(1.0, deadline - time.monotonic())
         engine = Engine(concurrency=1, connect_timeout=b.connect_timeout, read_timeout=b.read_timeout,
-                        attempts=b.request_attempts, request_limit=max(REQUEST_LIMIT, b.deadline(item.size)))
+                        attempts=b.request_attempts, request_limit=limit)
         try:
-            with engine.reader(bucket, key) as body:
+            with engine.reader(bucket, key, deadline if is_http(item.path) else None) as body:
                 yield body
         finally:
             engine.close()
-    elif is_http(item.path):
-        body, _, _ = open_stream(item.path, deadline=deadline)
-        with body:
-            yield body
     else:
         with open(item.path, "rb") as f:
             yield f

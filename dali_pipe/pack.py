@@ -221,8 +221,10 @@ class ShardWriter:
         os.fsync(self._f.fileno())
         self._f.close()
         tar, idx = self.directory / f"{self.name}.tar", self.directory / f"{self.name}.idx"
-        with atomic(idx, self.idx_tmp) as idx_tmp, atomic(tar, self.tmp):  # the tar lands first, then its index
+        with atomic(idx, self.idx_tmp) as idx_tmp:  # the tar lands first, then its index
             idx_tmp.write_text(format_index(self.entries))
+            with atomic(tar, self.tmp):  # (written above: it only lands)
+                pass
         return {"name": tar.name, "index": idx.name, "samples": len(self.entries), "size": self.size,
                 "sha256": self._sums[0].hexdigest(), FAST_SUM: self._sums[1].hexdigest(),
                 "image_paths": self.image_paths, "next": self.next}

@@ -205,7 +205,8 @@ def test_index_tokens_escape_exactly_what_str_isspace_calls_space():
         assert bool(_NEEDS_ESCAPE.search(c)) == (c == "%" or c.isspace()), hex(code)
 
 
-def test_samples_whose_members_are_not_consecutive_are_found_as_webdataset_would_split_them(photo_root, tmp_path):
+def test_samples_whose_members_are_not_consecutive_are_found_as_webdataset_would_split_them(photo_root, tmp_path,
+                                                                                           monkeypatch):
     """`tar -C DIR -cf x.tar .` stores a folder's files in the order the disk lists them, so a sample's jpg and
     cls may lie apart. webdataset itself then yields each piece as a sample of its own (no image, or no label);
     index_tar names those keys, and reading such shards is refused naming a key and the fix (tar --sort=name);
@@ -234,8 +235,19 @@ def test_samples_whose_members_are_not_consecutive_are_found_as_webdataset_would
     assert len(indexed.entries) == 6 and indexed.scattered == {"./k0": (0, 3), "./k1": (1, 4), "./k2": (2, 5)}
     with pytest.raises(ShardSourceError) as e:
         read(DataSettings(data=str(tmp_path / "scattered"), cache_dir=str(tmp_path / "cache")))
-    assert "x.tar: the members of 3 sample(s) are not next to each other" in str(e.value)
+    assert "x.tar: the members of 3 sample(s) lie in more than one place in the tar" in str(e.value)
     assert "'./k0' (pieces 1 and 4)" in str(e.value) and "tar --sort=name" in str(e.value)
+
+    import dali_pipe.shards.source as source  # an index an earlier version cached (it did not look) is refused too
+
+    with monkeypatch.context() as m:
+        m.setattr(source, "find_scattered", lambda keys: {})
+        m.setattr("dali_pipe.shards.format.find_scattered", lambda keys: {})
+        with pytest.raises(ShardSourceError, match="no sample has a usable image"):  # what it said, the index cached
+            read(DataSettings(data=str(tmp_path / "scattered"), cache_dir=str(tmp_path / "old")))
+    assert list((tmp_path / "old").rglob("*.idx"))
+    with pytest.raises(ShardSourceError, match="lie in more than one place"):
+        read(DataSettings(data=str(tmp_path / "scattered"), cache_dir=str(tmp_path / "old"), max_bad_fraction=1.0))
 
     with open(tmp_path / "sorted" / "x.tar", "rb") as f:
         assert index_tar(f).scattered == {}

@@ -594,7 +594,7 @@ def test_a_gzip_bomb_stops_at_its_stated_ratio_leaving_no_copy(photo_root, tmp_p
         assert g.read(512)
     with pytest.raises(ShardSourceError) as e:
         _open(gz.parent, tmp_path / "cache")
-    assert f"bomb.tar.gz decompresses to more than {GUNZIP_RATIO_MAX} times its" in str(e.value), e.value
+    assert f"bomb.tar.gz decompresses to more than {GUNZIP_RATIO_MAX} times its compressed bytes" in str(e.value)
     assert "gunzip" in str(e.value)
     assert [p for p in (tmp_path / "cache").rglob("*") if p.is_file() and p.stat().st_size > 1 << 20] == []
 

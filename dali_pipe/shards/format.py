@@ -421,8 +421,6 @@ def index_tar(stream, on_member=None, wanted=lambda ext: True, copy_to=None, max
     src = _Hashing(stream, copy_to)
     entries: list[IndexEntry] = []
     duplicates: dict[int, str] = {}
-    first: dict[str, int] = {}  # key -> its first entry's position
-    scattered: dict[str, tuple[int, int]] = {}
     try:
         with tarfile.open(fileobj=src, mode="r|") as tar:
             for m in tar:
@@ -432,10 +430,6 @@ def index_tar(stream, on_member=None, wanted=lambda ext: True, copy_to=None, max
                 if key is None or any(c.isspace() for c in ext):
                     continue
                 if not entries or entries[-1].key != key:
-                    if key in first:
-                        scattered.setdefault(key, (first[key], len(entries)))
-                    else:
-                        first[key] = len(entries)
                     entries.append(IndexEntry(key, {}))
                 members = entries[-1].members
                 if ext in members:
@@ -448,7 +442,21 @@ def index_tar(stream, on_member=None, wanted=lambda ext: True, copy_to=None, max
         src.drain()
     except (tarfile.TarError, EOFError) as e:
         raise TarFormatError(f"not a readable tar ({type(e).__name__}: {str(e)[:100]})") from None
-    return IndexedTar(entries, src.n, src.h.hexdigest(), src.fast.hexdigest(), duplicates, scattered)
+    return IndexedTar(entries, src.n, src.h.hexdigest(), src.fast.hexdigest(), duplicates,
+                      find_scattered([e.key for e in entries]))
+
+
+def find_scattered(keys: list[str]) -> dict[str, tuple[int, int]]:
+    """Keys of a tar's samples (in order, one per run of consecutive members) that come back after another key:
+    key -> (its first sample's position, the position where it came back)."""
+    first: dict[str, int] = {}
+    scattered: dict[str, tuple[int, int]] = {}
+    for i, key in enumerate(keys):
+        if key in first:
+            scattered.setdefault(key, (first[key], i))
+        else:
+            first[key] = i
+    return scattered
 
 
 # -- packed.json -----------------------------------------------------------------------------------

@@ -66,6 +66,7 @@ from .format import (
     Counting,
     Gunzip,
     TarFormatError,
+    find_scattered,
     format_index,
     index_tar,
     used_member,
@@ -132,6 +133,8 @@ def _index_peer(item: Listed, cache_dir: Path, level: str, max_pixels: int, num_
     meta_path = cache_file(cache_dir, item.identity, ".json")
     meta = load_json(meta_path) if item.reuse else None
     if meta and idx.is_file() and covers(meta.get("checked"), level, max_pixels, meta["entries"]):
+        if scattered := find_scattered(meta.get("keys") or []):  # an index an earlier version cached
+            raise ShardSourceError(scattered_keys(item.name, scattered, meta["entries"]))
         if item.copy is None:
             return {**meta, "index": str(idx), "path": item.path}
         problem = check_file(item.copy, meta["size"], meta["sha256"], verdicts, xxh3=meta.get(FAST_SUM))
@@ -169,9 +172,9 @@ def scattered_keys(name: str, scattered: dict[str, tuple[int, int]], entries: in
     stores a folder's files in the order the disk lists them): webdataset and DALI, like this reader, make a
     sample of consecutive members only, so each sample would be split into pieces without an image or a label."""
     shown = ", ".join(f"{k!r} (pieces {a + 1} and {b + 1})" for k, (a, b) in list(scattered.items())[:3])
-    return (f"{name}: the members of {len(scattered)} sample(s) are not next to each other in the tar, e.g. {shown}: "
-            f"webdataset and DALI read a sample from consecutive members only, so the tar reads as {entries} pieces, "
-            "these without an image or a label. Write the tar with its members sorted by name "
+    return (f"{name}: the members of {len(scattered)} sample(s) lie in more than one place in the tar, e.g. {shown}: "
+            f"webdataset and DALI read a sample from consecutive members only, so the tar reads as {entries} samples, "
+            "these as pieces without an image or a label, or twice. Write the tar with its members sorted by name "
             "(GNU tar: tar --sort=name -C DIR -cf SHARD.tar .), or pack the images with python -m dali_pipe pack")
 
 
@@ -238,7 +241,8 @@ def _index_stream(raw, item: Listed, collector: Collector):
         item.copy.parent.mkdir(parents=True, exist_ok=True)
         with atomic(item.copy) as tmp, open(tmp, "wb") as out:
             room = shutil.disk_usage(item.copy.parent).free - HEADROOM
-            indexed = index_tar(Gunzip(raw), collector.member, used_member, copy_to=_Bounded(out, room, item))
+            indexed = index_tar(Gunzip(raw), collector.member, used_member,
+                                copy_to=_Bounded(out, room, item, lambda: raw.n))
         return indexed
     except OSError as e:
         if e.errno in (errno.ENOSPC, errno.EDQUOT):
@@ -250,20 +254,21 @@ def _index_stream(raw, item: Listed, collector: Collector):
 
 class _Bounded:
     """A copy being written that may not pass `room` bytes (what the disk has free, HEADROOM kept), nor
-    GUNZIP_RATIO_MAX times the shard's compressed size: a shard that decompresses to more than its gzip trailer
-    said (which holds the size modulo 4 GiB, and anyone can write) stops at the first bound it reaches."""
+    GUNZIP_RATIO_MAX times the compressed bytes read so far (`compressed()`; GUNZIP_FLOOR at least): a shard
+    that decompresses to more than its gzip trailer said (the size modulo 4 GiB, which anyone can write), or
+    whose size no server told, stops at the first bound it reaches."""
 
-    def __init__(self, f, room: int, item: Listed):
-        self.f, self.room, self.item, self.n = f, room, item, 0
-        self.most = max(GUNZIP_FLOOR, (item.size or 0) * GUNZIP_RATIO_MAX) if item.size else None
+    def __init__(self, f, room: int, item: Listed, compressed):
+        self.f, self.room, self.item, self.compressed, self.n = f, room, item, compressed, 0
 
     def write(self, data: bytes) -> None:
         self.n += len(data)
-        if self.most is not None and self.n > self.most:
+        if self.n > GUNZIP_FLOOR and self.n > self.compressed() * GUNZIP_RATIO_MAX:
             raise ShardSourceError(
-                f"{self.item.name} decompresses to more than {GUNZIP_RATIO_MAX} times its {human_bytes(self.item.size)}"
-                " (stopped there): a gzip bomb, or not a shard of images, whose members barely compress; if it is "
-                "right, decompress it yourself (gunzip) and pass the .tar")
+                f"{self.item.name} decompresses to more than {GUNZIP_RATIO_MAX} times its compressed bytes (stopped "
+                f"at {human_bytes(self.n)} from {human_bytes(self.compressed())}): a gzip bomb, or not a shard of "
+                "images (images hardly compress, so a .tar.gz of them hardly grows); if it is right, decompress it "
+                "yourself (gunzip) and pass the .tar")
         if self.n > self.room:
             raise ShardSourceError(f"{self.item.name} decompresses to more than the {human_bytes(max(0, self.room))} "
                                    f"free for it in {self.item.copy.parent} (keeping {human_bytes(HEADROOM)} spare); "

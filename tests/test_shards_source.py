@@ -650,3 +650,20 @@ def test_an_https_shard_whose_body_never_ends_stops_at_its_deadline(tmp_path, bo
         assert time.monotonic() - start < (2 if body == "chunked" else 10)
     finally:
         server.shutdown()
+
+
+def test_cache_files_of_another_json_type_are_made_again(peer_dir, tmp_path):
+    """Every JSON file of the cache dir (an index's meta, the verdicts) replaced by valid JSON of another type
+    ([], a number, a string): the shards read as before, the files made again; it was an AttributeError
+    traceback."""
+    from dali_pipe.shards.verdicts import VERDICTS_NAME
+
+    cache = tmp_path / "cache"
+    first = _open(peer_dir, cache)
+    jsons = [p for p in cache.rglob("*.json")] + [cache / VERDICTS_NAME]
+    assert len(jsons) > 2
+    for p, text in zip(jsons, ["[]", "3", '"x"'] * len(jsons)):
+        p.write_text(text)
+    again = _open(peer_dir, cache)
+    assert [len(s.keys) for s in again.shards] == [len(s.keys) for s in first.shards]
+    assert [a.bad for a in again.shards] == [b.bad for b in first.shards]

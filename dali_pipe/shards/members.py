@@ -160,10 +160,12 @@ def cache_file(cache_dir: Path, identity: str, suffix: str) -> Path:
 
 
 def load_json(path: Path) -> dict | None:
+    """A cache file's object, or None where it is missing, damaged or not an object (then it is made again)."""
     try:
-        return json.loads(path.read_text(encoding="utf-8", errors="surrogateescape"))
+        value = json.loads(path.read_text(encoding="utf-8", errors="surrogateescape"))
     except (OSError, ValueError):
         return None
+    return value if isinstance(value, dict) else None
 
 
 def covers(checked: dict | None, level: str, max_pixels: int, n: int) -> bool:

@@ -60,6 +60,8 @@ class Verdicts:
             self.data = json.loads(self.path.read_text())
         except (OSError, ValueError):
             self.data = {}
+        if not isinstance(self.data, dict):  # not what we write: a cache, so it is only made again
+            self.data = {}
         self._lock = threading.Lock()
 
     def matches(self, path: str | Path, sha256: str) -> bool:

@@ -116,6 +116,10 @@ def data_line(manifest: Manifest | ShardSet, scan_mode: str, scan_result: ScanRe
     names = ", ".join(manifest.classes[:6]) + (", ..." if len(manifest.classes) > 6 else "")
     scan = (f"scan {scan_mode}: {len(scan_result.bad)} of {scan_result.total} excluded" if scan_result
             else f"scan {scan_mode}")
+    unscanned = getattr(manifest, "unscanned", 0)  # streamed shards: their members are read as the epoch comes
+    if unscanned:
+        scan = (f"scan {scan_mode}: {len(scan_result.bad) if scan_result else 0} excluded; {unscanned} shard(s) "
+                "streamed from S3 not scanned beforehand")
     return (f"data: {len(manifest.classes)} classes ({names}); {len(manifest.train)} train + {len(manifest.val)} val "
             f"images; {scan}" + (f"; {manifest.note}" if getattr(manifest, "note", "") else ""))
 

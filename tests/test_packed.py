@@ -158,7 +158,9 @@ def test_train_from_a_pack_on_s3(route, photo_root, s3_process, tmp_path, cache_
         splits = json.loads((local / "packed.json").read_text())["splits"]
         assert len(tars) == sum(len(v["shards"]) for v in splits.values())
     else:
-        assert not tars and "streaming them through a bounded cache" in capsys.readouterr().err
+        said = capsys.readouterr()
+        assert not tars and "streaming them through a bounded cache" in said.err
+        assert "streamed from S3 not scanned beforehand" in said.out and " of 48 excluded" not in said.out, said.out
         assert list((cache_dir / "stream" / "s3" / "data" / "packed" / "rank-0").glob("*.tar"))
 
 

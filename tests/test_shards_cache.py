@@ -708,3 +708,82 @@ def test_a_kept_shard_changed_in_the_cache_with_its_mtime_kept_is_named_when_rea
     finally:
         again.close()
         reader.close()
+
+
+def test_a_stream_cache_too_small_is_told_from_packed_json_before_torch_loads(bucket, moto_with_pack, pack, tmp_path):
+    """train.py --packed-s3 stream with too small a --stream-cache: refused from packed.json before torch and
+    Lightning load (before: at setup, 15-17 s in), asking for the size the stream cache's own check asks for once
+    the index files are local (the readers of training and validation, for 1 and 2 ranks: every rank's)."""
+    import subprocess
+    import sys
+
+    import boto3
+
+    from dali_pipe.shards.packsync import stream_preflight
+
+    client = boto3.client("s3", endpoint_url=moto_with_pack)  # not through the proxy: the uploads are not tested
+    for f in pack.iterdir():
+        if f.is_file() and not f.name.startswith("."):
+            client.upload_file(str(f), "data", f"whole/{f.name}")
+    split = {}
+    for name in ("train", "val"):
+        local = getattr(open_packed_here(pack), name)
+        split[name] = dataclasses.replace(local, paths=tuple(f"s3://data/whole/{Path(p).name}" for p in local.paths))
+    remotes = [_remote(s, i) for s in split.values() for i in range(len(s.paths))]
+
+    def advice(error) -> str:
+        return str(error).split("raise --stream-cache to at least ")[1].split(",")[0]
+
+    for ranks in (1, 2):
+        asked = []
+        for rank in range(ranks):
+            cache = StreamCache(tmp_path / f"c{ranks}-{rank}", remotes, 1000, local_ranks=ranks, bounds=FAST)
+            held = [ShardReader(split[n], batch=4, seed=3, rank=rank, world=ranks, training=n == "train",
+                                store=cache.view(split[n])) for n in ("train", "val")]
+            try:
+                for reader, n in zip(held, ("train", "val")):
+                    cache.view(split[n]).register(reader, check=False)
+                with pytest.raises(StreamCacheError) as e:
+                    cache.check()
+                asked.append(advice(e.value))
+            finally:
+                cache.close()
+        with pytest.raises(StreamCacheError) as e:
+            stream_preflight("s3://data/whole", tmp_path / "cache", mode="stream", stream_cache=1000 * ranks,
+                             batch=4, seed=3, world=ranks, local_ranks=ranks)
+        assert advice(e.value) == max(asked, key=lambda a: float(a.split()[0]) * (1e3 if "MB" in a else 1)), (
+            e.value, asked)
+    stream_preflight("s3://data/whole", tmp_path / "cache", mode="auto", stream_cache=1000, batch=4, seed=3,
+                     world=1, local_ranks=1)  # auto: the pack fits the disk, so it is synced, not streamed
+    code = ("import sys, train\n"
+            "try:\n    train.main(['--data', 's3://data/whole', '--packed-s3', 'stream', '--stream-cache', '10kB', "
+            f"'--model', 'tiny', '--batch-size', '4', '--seed', '3', '--output', {str(tmp_path / 'o')!r}, "
+            f"'--cache-dir', {str(tmp_path / 'cache')!r}])\n"
+            "except Exception as e:\n    print(type(e).__name__, e)\n"
+            "print(sorted(m for m in ('torch', 'pytorch_lightning') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=Path(__file__).resolve().parents[1])
+    assert "StreamCacheError --stream-cache gives this process 10.0 kB" in out.stdout, out.stdout + out.stderr[-2000:]
+    assert advice(out.stdout) == asked_1(split, remotes, tmp_path), out.stdout
+    assert out.stdout.strip().endswith("[]"), out.stdout
+
+
+def open_packed_here(pack):
+    from dali_pipe.shards.packs import open_packed
+
+    return open_packed(str(pack), "unused")
+
+
+def asked_1(split, remotes, tmp_path) -> str:
+    """What the stream cache of one rank asks for with batch 4 and seed 3."""
+    cache = StreamCache(tmp_path / "one", remotes, 1000, bounds=FAST)
+    held = [ShardReader(split[n], batch=4, seed=3, rank=0, world=1, training=n == "train", store=cache.view(split[n]))
+            for n in ("train", "val")]
+    try:
+        for reader, n in zip(held, ("train", "val")):
+            cache.view(split[n]).register(reader, check=False)
+        with pytest.raises(StreamCacheError) as e:
+            cache.check()
+    finally:
+        cache.close()
+    return str(e.value).split("raise --stream-cache to at least ")[1].split(",")[0]

@@ -168,6 +168,21 @@ def process_start() -> float:
     return time.perf_counter() - max(0.0, time.time() - psutil.Process().create_time())
 
 
+def stream_checked(s: Settings) -> None:
+    """A pack streamed from S3: a --stream-cache (or a disk) too small for its readers is told before torch and
+    Lightning load, from packed.json (one GET; shards/packsync.stream_preflight); before, 15-17 s later, once the
+    index files were local. One node with a number of devices ('auto' is known only once torch has looked; the
+    DataModule's check still applies to every run)."""
+    if not (s.data.data or "").startswith("s3://") or s.run.num_nodes != 1 or not isinstance(s.run.devices, int):
+        return
+    with command_imports():
+        from ..shards.packsync import stream_preflight  # lazy: the transfer engine and numpy; --help answers at once
+
+    stream_preflight(s.data.data, s.data.cache_dir or default_cache_dir(), mode=s.data.packed_s3,
+                     stream_cache=s.data.stream_cache, batch=s.data.batch_size, seed=s.data.seed,
+                     world=s.run.devices, local_ranks=s.run.devices)
+
+
 def main(argv: list[str] | None = None, style: str = "flag") -> dict:
     """train.py as a library: `main([...flags])` trains or benchmarks and returns the result dict. `style`:
     how the user named the settings (config.named; "hyperparameter" under SageMaker), for the advice printed."""
@@ -189,7 +204,9 @@ def main(argv: list[str] | None = None, style: str = "flag") -> dict:
     # before torch and Lightning load, a data mistake is told at once; with several nodes the DataModule reads
     # it after this host has joined the others, so that a mistake stops them all at once (cli/hosts.py)
     manifest = described(s.data) if s.run.num_nodes == 1 else None
-    s = prepared(s)
+    if not s.bench.benchmark:
+        stream_checked(s)
+    s = prepared(s)  # (it may load torch, to ask for a GPU)
     if s.bench.benchmark:
         with command_imports():
             from .bench import run  # lazy: as above, the benchmark command loads Lightning

@@ -132,6 +132,34 @@ def stream_bound(setting: int | None, folder: Path, local_ranks: int = 1) -> int
     return setting // local_ranks
 
 
+def reader_need(plan, sizes, batch: int) -> int:
+    """The most bytes of shards one reader has in use at once over its first two epochs (its shuffle window's
+    shards and a batch read ahead): `plan(epoch)` its epoch plan, `sizes[shard]` in bytes."""
+    return max(plan(e).in_use(sizes, extra=batch) for e in (0, 1))
+
+
+def least(needs, largest: int, local_ranks: int) -> int:
+    """The least --stream-cache (for a node of `local_ranks` processes) that holds what one process's readers
+    (`needs`, each reader_need) have in use at once, and one more shard (the `largest`)."""
+    return (sum(needs) + largest) * local_ranks
+
+
+def too_small(bound: int, minimum: int, largest: int, folder: Path, local_ranks: int) -> StreamCacheError | None:
+    """The refusal of a process's cache `bound` below `minimum` (least()), asking for a size that is enough
+    for every reader (and saying so when the disk has less room than that); None when it holds."""
+    total = -(-minimum // local_ranks)
+    if total <= bound:
+        return None
+    enough = _mb(total * local_ranks, up=True)
+    room = stream_room(folder, local_ranks)
+    disk = (f"; the disk of {folder} has only {_mb(room, down=True)} free for it, so free space there or "
+            "pass another --cache-dir" if parse_size(enough) > room else "")
+    return StreamCacheError(
+        f"--stream-cache gives this process {_mb(bound)}, but its readers (training and validation) have up "
+        f"to {_mb(total)} of shards in use at once (their shuffle windows' shards, up to {_mb(largest)} each, "
+        f"and one more); raise --stream-cache to at least {enough}{disk}, or pack with a smaller --shard-size")
+
+
 class _Demand:
     """One reader's position and what it will read next, as the URLs of its remote shards."""
 
@@ -257,7 +285,7 @@ class StreamCache:
         hold what its plans and those registered before have in use at once. Register every reader of a
         run with check=False, then call check() once: its refusal then asks for a size enough for all."""
         sizes = [self.remotes[u].size if u in self.remotes else 0 for u in urls]
-        need = max(reader.plan(e).in_use(sizes, extra=reader.batch) for e in (0, 1))
+        need = reader_need(reader.plan, sizes, reader.batch)
         with self._cv:
             self._forget_dead()
             d = _Demand(reader, urls, set(self.remotes))
@@ -272,23 +300,14 @@ class StreamCache:
         with self._cv:
             self._forget_dead()
             demands = list(self.demands.values())
-        return (sum(d.need for d in demands) + max((d.largest for d in demands), default=0)) * self.local_ranks
+        return least([d.need for d in demands], max((d.largest for d in demands), default=0), self.local_ranks)
 
     def check(self) -> None:
-        """StreamCacheError when the bound is below minimum(), asking for a size that is enough for every
-        registered reader (and saying so when the disk has less room than that)."""
-        total = -(-self.minimum() // self.local_ranks)
-        if total <= self.bound:
-            return
-        largest = max((d.largest for d in self.demands.values()), default=0)
-        enough = _mb(total * self.local_ranks, up=True)
-        room = stream_room(self.folder, self.local_ranks)
-        disk = (f"; the disk of {self.folder} has only {_mb(room, down=True)} free for it, so free space there or "
-                "pass another --cache-dir" if parse_size(enough) > room else "")
-        raise StreamCacheError(
-            f"--stream-cache gives this process {_mb(self.bound)}, but its readers (training and validation) have up "
-            f"to {_mb(total)} of shards in use at once (their shuffle windows' shards, up to {_mb(largest)} each, "
-            f"and one more); raise --stream-cache to at least {enough}{disk}, or pack with a smaller --shard-size")
+        """StreamCacheError when the bound is below minimum() (too_small)."""
+        refusal = too_small(self.bound, self.minimum(), max((d.largest for d in self.demands.values()), default=0),
+                            self.folder, self.local_ranks)
+        if refusal is not None:
+            raise refusal
 
     def _forget_dead(self) -> None:
         for key in [k for k, d in self.demands.items() if d.reader is None]:

@@ -153,3 +153,30 @@ def test_a_row_group_over_the_bound_is_refused_before_it_is_read(hf):
     g = sizes.index(max(sizes))
     assert f"data/train.parquet: row group {g} holds {sizes[g]} bytes uncompressed" in str(e.value)
     assert "row_group_size=" in str(e.value)
+
+
+def test_a_table_changed_in_place_with_its_mtime_kept_is_named_when_read(hf, tmp_path):
+    """A byte of a Parquet file flipped, its size and mtime kept (cp -p, rsync -a, bit rot): the check before
+    training trusts its cache (kept by path, size and mtime) and passes, but the reader hashes each file as it first
+    reads from it and stops naming the file; before, the run read the changed bytes."""
+    import os
+    import shutil
+
+    from dali_pipe.shards.reader import ShardReadError
+    from dali_pipe.shards.verdicts import verify_local
+
+    shutil.copytree(hf / "hub", tmp_path / "hub")
+    s = _open(tmp_path / "hub", tmp_path / "cache")
+    assert len(_labels(_loader(s.train, 5, True))) == 40  # it reads
+    victim = s.train.paths[0]
+    st = os.stat(victim)
+    with open(victim, "r+b") as f:
+        f.seek(st.st_size // 3)  # inside the image column's bytes
+        byte = f.read(1)
+        f.seek(st.st_size // 3)
+        f.write(bytes([byte[0] ^ 0x20]))
+    os.utime(victim, ns=(st.st_atime_ns, st.st_mtime_ns))
+    s = _open(tmp_path / "hub", tmp_path / "cache")  # the dodge: the cached check still vouches for it
+    verify_local(s.train, tmp_path / "cache", progress=False)
+    with pytest.raises(ShardReadError, match=rf"{victim} changed after it was checked \(its xxh3 is not the one"):
+        _labels(_loader(s.train, 5, True))

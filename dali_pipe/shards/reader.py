@@ -142,6 +142,7 @@ class ShardReader:
         self._groups: OrderedDict[int, tuple[np.ndarray, np.ndarray]] = OrderedDict()  # tables: (bytes, offsets)
         self._tables = TableFiles()
         self._verified: set[int] = set()  # shards whose bytes this reader hashed against their checksum
+        self._verified_files: set[str] = set()  # table files (Parquet, Arrow) hashed so
         self.batches = self.plan(0).batches  # the same every epoch
 
     def plan(self, epoch: int) -> Plan:
@@ -233,6 +234,18 @@ class ShardReader:
                                  "copy or sync the shards again, or pack the data again; shards of others are "
                                  "indexed again once the file's modification time changes (touch it)")
 
+    def _verify_table(self, shard: int, path: str) -> None:
+        """A table file's bytes against its checksum (_verify), once per reader and file: its row groups are
+        shards of one path, read by pyarrow, so the file is hashed whole when the first of them is read."""
+        if path in self._verified_files:
+            return
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            self._verify(shard, fd)
+        finally:
+            os.close(fd)
+        self._verified_files.add(path)
+
     def _close_finished(self, plan: Plan, position: int) -> None:
         """Close the shards this epoch has no more use for (the cache may then evict them)."""
         spans = plan.spans
@@ -248,6 +261,7 @@ class ShardReader:
         if got is None:
             path = self.store.path(shard, self)
             try:
+                self._verify_table(shard, path)
                 got = self._tables.read(path, e.group.fmt, e.group.group, e.group.column)
             except OSError as err:
                 raise ShardReadError(f"{self.shards.paths[shard]} cannot be read ({err}); it was there when "

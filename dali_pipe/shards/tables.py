@@ -29,7 +29,9 @@ validation; test files are held out (evaluate --split test). With no validation 
 the training rows go to validation by a hash of each row's key (FILE:ROW) and --seed, as for shards.
 
 Checked before training, verdicts cached by file (path, size, mtime) in CACHE_DIR/shards: each file's
-sha256 (so the run's fingerprint covers the bytes, and `cache.verify_local` checks them again cheaply),
+sha256 and XXH3-128 (so the run's fingerprint covers the bytes, `cache.verify_local` checks them again cheaply,
+and the shard reader hashes each file again as it first reads from it, which a file changed in place with its
+size and mtime kept cannot dodge),
 each row's label (null or -1: left out) and image (no bytes, or the scan's fast checks; with --scan full
 a decode with DALI's CPU decoder). Bad rows are left out through `Shards.excluded` and listed in
 bad_images.tsv (image_path: the image's path field, else FILE:ROW), under --max-bad-fraction.
@@ -51,15 +53,15 @@ from ..scan import DaliDecoder, check_bytes
 from ..sync import engine_for, listing, sync_objects
 from ..tsv import safe_relpath
 from ..workdir import atomic, remove_dead_temps
-from .format import file_sha256
+from .format import file_sums
 from .listing import parquet_keys
 from .members import LEVELS, cache_file, load_json
 from .reader import TableFiles
 from .shardset import Shard, ShardSet, progress_bar, write_file
 from .source import unit_hash
-from .verdicts import Verdicts
+from .verdicts import Verdicts, verdict_key
 
-CHECK_VERSION = 2  # bump when what the check records changes (2: row groups bounded by GROUP_MAX)
+CHECK_VERSION = 3  # bump when what the check records changes (2: row groups bounded by GROUP_MAX; 3: xxh3)
 GROUP_MAX = 1 << 30  # bytes: a Parquet row group larger than this (uncompressed) is refused before it is read
 
 
@@ -287,8 +289,9 @@ def check_file(f: TableFile, root: Path, data, files: TableFiles, decoder) -> di
         raise TableSourceError(f"{f.rel} (a Hugging Face dataset's {'Parquet' if f.fmt == 'parquet' else 'Arrow'} "
                                f"file) cannot be read: {str(e).strip()[:200]}; it is damaged: download or write it "
                                "again, or leave it out of --data") from None
+    sha256, fast = file_sums(f.path)
     checked.update(version=CHECK_VERSION, columns=[image, label], class_names=class_names, level=level,
-                   max_pixels=data.max_pixels, sha256=file_sha256(f.path), size=st.st_size)
+                   max_pixels=data.max_pixels, sha256=sha256, xxh3=fast, size=st.st_size)
     write_file(cache, json.dumps(checked))
     return checked
 
@@ -348,7 +351,7 @@ def open_tables(data, *, num_threads: int = 1, progress: bool = False) -> ShardS
     verdicts = Verdicts(data.cache_dir)  # the check hashed each file: verify_local needs only a stat
     for f, c in zip(listed, checks):
         if os.stat(f.path).st_size == c["size"]:
-            verdicts.record(f.path, c["sha256"])
+            verdicts.record(f.path, verdict_key(c["sha256"], c["xxh3"]))
     verdicts.save()
     named = {tuple(c["class_names"]) for c in checks if c["class_names"] is not None}
     if len(named) > 1:
@@ -375,7 +378,8 @@ def open_tables(data, *, num_threads: int = 1, progress: bool = False) -> ShardS
             group = TableGroup(f.fmt, g, c["columns"][0], tuple(-1 if x is None else x for x in cls))
             shards.append(Shard(f"{f.rel} ({'row group' if f.fmt == 'parquet' else 'batch'} {g})", f.path,
                                 f"{f.path}#{g}", c["size"], c["sha256"], keys,
-                                [c["paths"][start + i] or keys[i] for i in range(n)], cls, bad, group=group))
+                                [c["paths"][start + i] or keys[i] for i in range(n)], cls, bad, group=group,
+                                xxh3=c["xxh3"]))
             start += n
     note = _split(shards, listed, data)
     how = "classes named by the ClassLabel" if named else "classes are the label values"

@@ -29,7 +29,14 @@ from .pipeline import READER_NAME
 
 
 class PipelineDecodeError(UserError):
-    """DALI failed on a file mid-epoch; the message names it when DALI does, and how to avoid it."""
+    """DALI failed on a file mid-epoch; the message names it (DALI names a file it read; a shard's sample is
+    found from the epoch plan), and how to avoid it. `path`: the file DALI named; `member`: (shard, entry) of
+    the shard sample that failed; `what`: what failed, in words; `reason`: DALI's words."""
+
+    def __init__(self, message: str, *, what: str = "", path: str | None = None,
+                 member: tuple[int, int] | None = None, reason: str = ""):
+        super().__init__(message)
+        self.what, self.path, self.member, self.reason = what, path, member, reason
 
 
 class ReaderChanged(Exception):
@@ -73,8 +80,9 @@ class DaliLoader:
         self._batch_size = pipe.max_batch_size
         if reader is not None:  # shards: the epoch plan yields exactly the batches kept, padding marked
             self._it = DALIGenericIterator([pipe], ["images", "labels"], auto_reset=True, prepare_first_batch=False)
-            self._len, self._valid = reader.batches, reader.valid
+            self._len, self._valid, self._member = reader.batches, reader.valid, reader.member
             return
+        self._member = None
         self._it = DALIGenericIterator(
             [pipe], ["images", "labels"], reader_name=READER_NAME, auto_reset=True, prepare_first_batch=False,
             last_batch_policy=LastBatchPolicy.PARTIAL)
@@ -134,9 +142,24 @@ class DaliLoader:
         except RuntimeError as e:
             if "Critical error in pipeline" not in str(e):
                 raise
-            m = re.search(r"Failed to decode sample #\d+ : (.+)", str(e))
-            what = f"could not decode {m.group(1).strip()}" if m else "failed on a file of the current batch"
-            raise PipelineDecodeError(
-                f"DALI {what}. Rerun with --scan full: it decodes every file once before training, "
-                "excludes the bad ones and lists them in OUTPUT/bad_images.tsv.") from None
+            raise self._decode_error(str(e)) from None
         self._open, self._pos = False, 0
+
+    def _decode_error(self, text: str) -> PipelineDecodeError:
+        """DALI's critical error in words: the file it names, else the shard sample at that place of the batch
+        that failed (the next one this loader yields; DALI reports an iteration's failure with its outputs)."""
+        m = re.search(r"Failed to decode sample #(\d+) :[ \t]*(.*)", text)
+        path = m.group(2).strip() if m and m.group(2).strip() else None
+        member = self._member(self._pos, int(m.group(1))) if m and not path and self._member else None
+        reason = next((line.strip() for line in text.splitlines() if "rror" in line and "pipeline" not in line
+                       and "operator" not in line), "")
+        if path:
+            what = f"could not decode {path}"
+        elif member is not None:
+            what = f"could not decode {member[2]}"
+        else:
+            what = "failed on a file of the current batch"
+        return PipelineDecodeError(
+            f"DALI {what}. Rerun with --scan full: it decodes every file once before training, excludes the bad "
+            "ones and lists them in OUTPUT/bad_images.tsv.", what=what, path=path, member=member and member[:2],
+            reason=reason)

@@ -195,3 +195,37 @@ def test_a_position_of_another_reader_is_refused_and_the_loader_starts_over(phot
     with pytest.raises(ReaderChanged, match="shard-plan/1"):
         second.restore(state)
     assert sorted(int(v) for _, y in second for v in y) == labels
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_a_shard_sample_that_fails_to_decode_is_named(photo_root, tmp_path, training):
+    """DALI names no file for bytes fed from a shard ("Failed to decode sample #1 :"); the loader finds the sample
+    at that place of the failed batch in the epoch plan and names it, its shard and its (shard, entry); before:
+    "failed on a file of the current batch". Shuffled (training) and in order."""
+    import io
+    import tarfile
+
+    from dali_pipe.config import DataSettings
+    from dali_pipe.inputs import read
+    from dali_pipe.loader import PipelineDecodeError
+
+    tar = tmp_path / "train-000000.tar"
+    with tarfile.open(tar, "w") as t:
+        for i, p in enumerate(sorted(photo_root.glob("*/*.jpg"))[:14]):
+            data = p.read_bytes()
+            if i == 9:
+                j = data.index(b"\xff\xc4")  # headers parse (the fast checks pass), the Huffman table is bogus
+                data = data[:j + 4] + b"\x00" + b"\xff" * 16 + data[j + 21:]
+            for name, blob in ((f"s{i:02d}.jpg", data), (f"s{i:02d}.cls", str(i % 2).encode())):
+                info = tarfile.TarInfo(name)
+                info.size = len(blob)
+                t.addfile(info, io.BytesIO(blob))
+    shards = read(DataSettings(data=str(tar), cache_dir=str(tmp_path / "cache"), val_fraction=0))
+    opts = cpu_options(4, threads=2, training=training, seed=3)
+    loader = DaliLoader(lambda ck: build_pipeline(shards.train, SPEC, opts, training=training, checkpoint=ck),
+                        training=training)
+    with pytest.raises(PipelineDecodeError, match=rf"DALI could not decode sample 's09' of {tar}\. Rerun with "
+                                                  "--scan full") as e:
+        for _ in range(2):
+            list(loader)
+    assert e.value.member == (0, 9)

@@ -122,3 +122,55 @@ def test_a_misspelt_path_is_told_before_torch_loads(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert f"--data {str(tmp_path / 'photoz')!r} does not exist" in out.stdout and out.stdout.strip().endswith("[]")
+
+
+def _bogus_huffman(good: bytes) -> bytes:
+    """A JPEG whose headers parse (so --scan fast passes it) and whose Huffman table DALI refuses."""
+    i = good.index(b"\xff\xc4")
+    return good[:i + 4] + b"\x00" + b"\xff" * 16 + good[i + 21:]
+
+
+def _rows(out):
+    return [r.split("\t") for r in (out / "predictions.tsv").read_text().splitlines()[1:]]
+
+
+def test_an_image_only_the_decoder_refuses_is_left_out_and_every_other_one_labelled(trained, photo_root, tmp_path,
+                                                                                    cache_dir, capsys):
+    """Two images that pass the checks before (headers parse) but that DALI cannot decode, in a folder and in a
+    tar shard: predict names each, lists it in bad_images.tsv and labels every other image exactly as a run
+    without them does (a new pipeline goes on after each); before, it stopped, writing nothing."""
+    import io
+    import tarfile
+
+    photos = sorted(photo_root.glob("*/*.jpg"))[:11]
+    bad_at = {2, 7}
+    folder, clean = tmp_path / "imgs", tmp_path / "clean"
+    for i, p in enumerate(photos):
+        (folder / f"{i:02d}.jpg").parent.mkdir(parents=True, exist_ok=True)
+        (folder / f"{i:02d}.jpg").write_bytes(_bogus_huffman(p.read_bytes()) if i in bad_at else p.read_bytes())
+        if i not in bad_at:
+            clean.mkdir(exist_ok=True)
+            shutil.copy(p, clean / f"{i:02d}.jpg")
+    for name in ("train-000000.tar", "clean-000000.tar"):
+        with tarfile.open(tmp_path / name, "w") as t:
+            for i, p in enumerate(photos):
+                if name.startswith("clean") and i in bad_at:
+                    continue
+                data = _bogus_huffman(p.read_bytes()) if i in bad_at else p.read_bytes()
+                info = tarfile.TarInfo(f"s{i:02d}.jpg")
+                info.size = len(data)
+                t.addfile(info, io.BytesIO(data))
+    tar = tmp_path / "train-000000.tar"
+    for data, reference, names, said in (
+            (folder, clean, ("02.jpg", "07.jpg"), [f"DALI could not decode {folder}/{n}.jpg; left out" for n in ("02", "07")]),
+            (tar, tmp_path / "clean-000000.tar", ("s02", "s07"),
+             [f"DALI could not decode sample {n!r} of {tar}; left out" for n in ("s02", "s07")])):
+        out, ref = tmp_path / f"pred-{data.name}", tmp_path / f"ref-{data.name}"
+        for d, o in ((data, out), (reference, ref)):
+            main(["predict", "--model", str(trained), "--data", str(d), "--device", "cpu", "--output", str(o),
+                  "--batch-size", "4", "--num-threads", "1"])
+        assert _rows(out) == _rows(ref) and len(_rows(out)) == 9, (_rows(out), _rows(ref))
+        bad = dict(r.split("\t")[:2] for r in (out / "bad_images.tsv").read_text().splitlines()[1:])
+        assert set(bad) == set(names) and all("DALI could not decode it" in v for v in bad.values()), bad
+        err = capsys.readouterr().err
+        assert all(line in err for line in said), err

@@ -31,17 +31,17 @@ def prepared(s: Settings, output: str) -> Settings:
     return resolve(s)
 
 
-def run_model(model, loader, device: str, precision: str):
-    """(logits (N, C) float32 on the CPU, labels (N,)) over the loader, in eval mode, no gradients."""
+def run_model(model, loader, device: str, precision: str, got: list | None = None):
+    """(logits (N, C) float32 on the CPU, labels (N,)) over the loader, in eval mode, no gradients. `got`: a list
+    that receives each batch's (logits, labels) as it comes (what was done when the loader fails)."""
     import torch
 
     dev = torch.device("cuda", 0) if device == "gpu" else torch.device("cpu")
     model.to(dev).eval()
     dtype = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(precision)
     autocast = torch.autocast(dev.type, dtype=dtype) if dtype else nullcontext()
-    logits, labels = [], []
+    got = [] if got is None else got
     with torch.no_grad(), autocast:
         for images, y in loader:  # images (B,3,H,W) float on the loader's device; y (B,) int64
-            logits.append(model(pixel_values=images.to(dev, non_blocking=True)).logits.float().cpu())
-            labels.append(y.cpu())
-    return torch.cat(logits), torch.cat(labels)
+            got.append((model(pixel_values=images.to(dev, non_blocking=True)).logits.float().cpu(), y.cpu()))
+    return torch.cat([x for x, _ in got]), torch.cat([y for _, y in got])

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 from pathlib import Path
 
 from model.loading import load_processor, load_trained
@@ -18,9 +19,11 @@ from ..errors import UserError
 from ..forms import IMG_EXTENSIONS, LayoutError
 from ..imagefolder import sync_image_folder
 from ..inputs import detect
+from ..loader import PipelineDecodeError
 from ..manifest import MANIFEST_NAME, PathResolver, Sample, read_table, safe_relpath
 from ..s3 import local_target
 from ..scan import CACHE_NAME, scan, sniff, write_report
+from ..shards.shardset import write_member_report
 from ..spec import ImageSpec
 from ..sync import sync
 from ..tsv import row as tsv_row
@@ -30,6 +33,9 @@ from .infer import prepared, run_model
 IMAGE_EXTENSIONS = set(IMG_EXTENSIONS)  # torchvision's, as an ImageFolder lists them
 TABLE_SUFFIXES = {".tsv", ".csv"}  # always read as a manifest (whose errors then say what is wrong)
 LIST_SUFFIXES = {".txt", ".lst", ".list"}  # never taken for an image, whatever their first bytes
+
+
+DECODE_FAILURES = 100  # images that may fail to decode in one predict run, each left out (a new pipeline after it)
 
 
 class InputError(UserError):
@@ -136,12 +142,50 @@ def run(s: Settings) -> dict:
     if not good:
         raise InputError(f"none of the {len(rels)} image(s) that --data {s.data.data!r} names is readable; see "
                          f"{out / 'bad_images.tsv'}")
-    loader = dm.loader([Sample(p, i, i) for i, (_, p) in enumerate(good)], training=False)
-    logits, index = run_model(model, loader, s.pipeline.device, s.model.precision)
-    write_predictions(out, [good[i][0] for i in index.tolist()], logits, model, s.predict.top_k)
-    print(f"predict: {len(good)} image(s) labelled in {out / 'predictions.tsv'}"
+    logits, done, failed = around_bad(
+        s, model, good, lambda rest: dm.loader([Sample(p, i, i) for i, (_, p) in enumerate(rest)], training=False),
+        lambda e, rest: next((k for k, (_, p) in enumerate(rest) if p == e.path), None), by_label=True)
+    if failed:
+        bad.update({p: reason for (_, p), reason in failed})
+        write_report(bad, root.resolve(), out)
+    write_predictions(out, [r for r, _ in done], logits, model, s.predict.top_k)
+    print(f"predict: {len(done)} image(s) labelled in {out / 'predictions.tsv'}"
           + (f"; {len(bad)} unreadable listed in {out / 'bad_images.tsv'}" if bad else ""))
-    return {"predicted": len(good), "bad": len(bad)}
+    return {"predicted": len(done), "bad": len(bad)}
+
+
+def around_bad(s: Settings, model, items: list, loader_for, failed_at, *, by_label: bool):
+    """The model over `items` through `loader_for(items)`, in order; an item DALI cannot decode (one the checks
+    before let through: --scan fast looks at headers) is left out and the run goes on after it, through a new
+    pipeline over the rest, so every other item is labelled (at most DECODE_FAILURES of them; then the error,
+    which says to rerun with --scan full). `failed_at(error, rest)`: the failed item's position in `rest`;
+    `by_label`: the loader's labels are positions in `rest` (files), else it yields `rest` in order (shards).
+    Returns (logits, the items labelled in their order, [(item, reason)] of those left out)."""
+    import torch
+
+    logits, done, failed, rest = [], [], [], list(items)
+    while rest:
+        got = []
+        try:
+            run_model(model, loader_for(rest), s.pipeline.device, s.model.precision, got=got)
+            error = None
+        except PipelineDecodeError as e:
+            error = e
+        n = sum(len(y) for _, y in got)
+        ran = [rest[int(j)] for _, y in got for j in y.tolist()] if by_label else rest[:n]
+        logits += [x for x, _ in got]
+        done += ran
+        if error is None:
+            break
+        k = failed_at(error, rest)
+        if k is None or len(failed) >= DECODE_FAILURES:
+            raise error
+        failed.append((rest[k], f"DALI could not decode it{f' ({error.reason})' if error.reason else ''}"))
+        print(f"predict: DALI {error.what}; left out (listed in bad_images.tsv), going on with the rest",
+              file=sys.stderr)
+        left = {id(x) for x in ran} | {id(rest[k])}
+        rest = [x for x in rest if id(x) not in left]
+    return (torch.cat(logits) if logits else torch.zeros(0, 0)), done, failed
 
 
 def _predict_shards(s: Settings, dm, model, out: Path) -> dict:
@@ -151,13 +195,24 @@ def _predict_shards(s: Settings, dm, model, out: Path) -> dict:
     dm.data = dataclasses.replace(dm.data, max_bad_fraction=1.0)  # as for files: bad ones are listed, never a stop
     dm.prepare_data()  # fetch, index, check; PRED/bad_images.tsv
     shards = dm.manifest
-    names = shards.names(shards.everything)
-    logits, _ = run_model(model, dm.loader(shards.everything, training=False), s.pipeline.device, s.model.precision)
-    write_predictions(out, names, logits, model, s.predict.top_k)
-    bad = len(shards.bad)
-    print(f"predict: {len(names)} image(s) of the shards labelled in {out / 'predictions.tsv'}"
+    everything = shards.everything
+    members = list(zip(shards.members(everything), shards.names(everything)))  # ((shard, entry), name), read order
+
+    def loader_for(rest):
+        excluded = everything.excluded | ({m for m, _ in members} - {m for m, _ in rest})
+        return dm.loader(dataclasses.replace(everything, excluded=excluded, samples=len(rest)), training=False)
+
+    logits, done, failed = around_bad(s, model, members, loader_for,
+                                      lambda e, rest: next((k for k, (m, _) in enumerate(rest) if m == e.member), None),
+                                      by_label=False)
+    if failed:
+        write_member_report(shards, out, extra=[(shards.shard_at(everything, m[0]), m[1], reason)
+                                                for (m, _), reason in failed])
+    write_predictions(out, [name for _, name in done], logits, model, s.predict.top_k)
+    bad = len(shards.bad) + len(failed)
+    print(f"predict: {len(done)} image(s) of the shards labelled in {out / 'predictions.tsv'}"
           + (f"; {bad} left out, listed in {out / 'bad_images.tsv'}" if bad else ""))
-    return {"predicted": len(names), "bad": bad}
+    return {"predicted": len(done), "bad": bad}
 
 
 def write_predictions(out: Path, names: list[str], logits, model, top_k: int) -> None:

@@ -43,6 +43,7 @@ from .plan import Plan, epoch_plan
 
 OPEN_FILES = 32  # shard files kept open at once (a window's worth and more)
 VERIFY_CHUNK = 4 << 20  # bytes a shard is hashed in, as it is read once
+ASKED_KEPT = 64  # batches whose epoch is remembered, to name a sample that failed to decode (DALI runs a few ahead)
 OPEN_GROUPS = 24  # table groups kept in memory at once (the plan has at most plan.WINDOW of a rank in progress)
 
 
@@ -143,6 +144,7 @@ class ShardReader:
         self._tables = TableFiles()
         self._verified: set[int] = set()  # shards whose bytes this reader hashed against their checksum
         self._verified_files: set[str] = set()  # table files (Parquet, Arrow) hashed so
+        self._asked: dict[int, int] = {}  # batch -> the epoch it was last asked for (the last ASKED_KEPT batches)
         self.batches = self.plan(0).batches  # the same every epoch
 
     def plan(self, epoch: int) -> Plan:
@@ -160,9 +162,20 @@ class ShardReader:
         """Real samples in batch k of any epoch (the loader drops the rest: padding)."""
         return self.plan(0).valid(k)
 
+    def member(self, k: int, i: int) -> tuple[int, int, str]:
+        """(shard, entry, words naming it) of sample i of batch k of the epoch that batch was last asked for
+        (a failed decode's sample)."""
+        plan = self.plan(self._asked.get(k, 0))
+        pos = max(0, min(k * self.batch + i, len(plan) - 1))
+        shard, entry = int(plan.shard[pos]), int(plan.entry[pos])
+        return shard, entry, f"sample {self.entries[shard].keys[entry]!r} of {self.shards.paths[shard]}"
+
     def __call__(self, info):
         plan = self.plan(info.epoch_idx)
         k = info.iteration
+        self._asked[k] = info.epoch_idx
+        while len(self._asked) > ASKED_KEPT:
+            self._asked.pop(next(iter(self._asked)))
         if k >= plan.batches:
             raise StopIteration
         lo, hi = k * self.batch, min(len(plan), (k + 1) * self.batch)

@@ -9,6 +9,7 @@ import hashlib
 import json
 import sys
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 
 from ..errors import UserError
@@ -101,12 +102,20 @@ class ShardSet:
 
     def names(self, shards: Shards) -> list[str]:
         """The image_path of each sample `shards` yields outside training, in that order."""
-        by_path = {(s.path, s.index_path): s for s in self.shards}
-        out = []
-        for i, (path, idx) in enumerate(zip(shards.paths, shards.index_paths)):
-            s = by_path[(path, idx)]
-            out += [p for e, p in enumerate(s.image_paths) if (i, e) not in shards.excluded]
-        return out
+        return [self.shard_at(shards, i).image_paths[e] for i, e in self.members(shards)]
+
+    def members(self, shards: Shards) -> list[tuple[int, int]]:
+        """(shard position, entry) of each sample `shards` yields outside training, in that order."""
+        return [(i, e) for i in range(len(shards.paths)) for e in range(len(self.shard_at(shards, i).image_paths))
+                if (i, e) not in shards.excluded]
+
+    def shard_at(self, shards: Shards, i: int) -> Shard:
+        """The Shard at position i of `shards` (one of this set's selections)."""
+        return self._by_path[(shards.paths[i], shards.index_paths[i])]
+
+    @cached_property
+    def _by_path(self) -> dict:
+        return {(s.path, s.index_path): s for s in self.shards}
 
     def digest(self) -> str:
         """A hash of what a run reads: classes, shards, split and the members left out."""

@@ -11,8 +11,6 @@ import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
-import numpy as np
-
 from ..config import default_cache_dir
 from ..s3 import SyncError, local_target, parse_s3_uri
 from ..sync import AskedListing, SyncStats, byte_bar, engine_for, listing, listing_asked, read_object, sync_objects
@@ -21,7 +19,6 @@ from ..workdir import human_bytes, lock, remove_dead_temps, unlock, write_atomic
 from .cache import FETCH_PARALLEL, least, local_name, reader_need, stream_bound, stream_folder, too_small
 from .fetchers import fetcher_for, listed
 from .format import FAST_SUM, PACKED_NAME, PackedFormatError, parse_packed
-from .plan import epoch_plan
 from .verdicts import (
     Remote,
     Verdicts,
@@ -118,6 +115,10 @@ def stream_preflight(data: str, cache_dir: str | Path, *, mode: str, stream_cach
     pack or its shards will be synced."""
     if mode == "sync":
         return
+    import numpy as np  # lazy: a pack's sync (python -m dali_pipe sync) loads neither numpy nor the plan
+
+    from .plan import epoch_plan  # lazy: as numpy
+
     raw = read_object(data, PACKED_NAME)
     if raw is None:
         return

@@ -236,3 +236,50 @@ def test_write_failures_are_found_behind_the_errors_that_wrap_them(tmp_path):
     assert output_failure(denied, [out]) is None
     full = OSError(errno.ENOSPC, "No space left on device")
     assert fix_for(output_failure(full, [out])[1], out) == f"free space on the disk of {out}"
+
+
+def test_a_stop_inside_a_critical_block_is_raised_at_its_end():
+    """The commands' SIGTERM and Ctrl-C handlers raise to unwind; one that fires inside workdir.critical() (a
+    rename that lands a file, the removal of a temporary file after a failure, a lock's release) lets the block
+    finish and raises at its end; outside one it raises at once. Other threads' blocks do not defer it."""
+    import os
+    import signal
+    import threading
+    import time
+
+    from dali_pipe.cli import Terminated, _terminate
+    from dali_pipe.workdir import critical
+
+    old = signal.signal(signal.SIGTERM, _terminate)
+    try:
+        finished = []
+        with pytest.raises(Terminated):
+            with critical():
+                with critical():  # nested: raised at the end of the outermost
+                    os.kill(os.getpid(), signal.SIGTERM)
+                    time.sleep(0.05)  # the handler runs here, in this thread
+                    finished.append("inner")
+                finished.append("outer")
+        assert finished == ["inner", "outer"]
+        with critical():
+            pass  # nothing deferred is left over
+        other = threading.Event()
+        release = threading.Event()
+
+        def hold():
+            with critical():
+                other.set()
+                release.wait(5)
+
+        t = threading.Thread(target=hold)
+        t.start()
+        other.wait(5)
+        try:
+            with pytest.raises(Terminated):
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(0.5)  # raised here: the other thread's block does not defer it
+        finally:
+            release.set()
+            t.join()
+    finally:
+        signal.signal(signal.SIGTERM, old)

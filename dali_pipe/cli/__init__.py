@@ -27,7 +27,7 @@ from ..demo import demo_dataset
 from ..errors import RunFailed, UserError, dali_missing
 from ..limits import own_process
 from ..redact import RedactingStream, redact
-from ..workdir import fix_for, is_disk_full, output_failure
+from ..workdir import defer, fix_for, is_disk_full, output_failure
 from .parser import build_parser, parse, settings_from
 
 TRAIN_DOC = """Train an image classifier from a dataset.tsv of JPEGs (local or S3) with a DALI pipeline.
@@ -234,11 +234,22 @@ class Terminated(SystemExit):
 def _terminate(signum, frame):
     """Raise Terminated where the code running can pass it on. Inside a finaliser (a __del__, a weakref callback:
     Python prints and drops what they raise) the signal is sent again 50 ms later instead: a SIGTERM that fired in
-    one was lost, and the run trained to its end, exit 0."""
+    one was lost, and the run trained to its end, exit 0. Inside a workdir.critical() block (a file's rename, the
+    removal of a temporary file, a lock's release) it is raised at the block's end."""
     if _in_finaliser(frame):
         threading.Timer(0.05, os.kill, (os.getpid(), signum)).start()
         return
+    if defer(_raise_terminated):
+        return
     raise Terminated()
+
+
+def _raise_terminated():
+    raise Terminated()
+
+
+def _raise_interrupt():
+    raise KeyboardInterrupt
 
 
 def _in_finaliser(frame) -> bool:
@@ -254,6 +265,8 @@ def _interrupt(signum, frame):
     """Ctrl-C outside training: unwind as for SIGTERM (KeyboardInterrupt; exit 130), and give SIGINT its
     default action back, so that a second Ctrl-C stops at once (training installs its own: save first)."""
     signal.signal(signal.SIGINT, signal.SIG_DFL)
+    if defer(_raise_interrupt):
+        return
     raise KeyboardInterrupt
 
 

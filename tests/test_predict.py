@@ -174,3 +174,27 @@ def test_an_image_only_the_decoder_refuses_is_left_out_and_every_other_one_label
         assert set(bad) == set(names) and all("DALI could not decode it" in v for v in bad.values()), bad
         err = capsys.readouterr().err
         assert all(line in err for line in said), err
+
+
+def test_a_16_bit_png_is_labelled_as_its_8_bit_picture(trained, tmp_path, cache_dir):
+    """A 16-bit grayscale PNG is decoded to its picture, scaled to 8 bits (as pack converts it): predict labels it
+    exactly as the same picture saved with 8 bits, and as transformers pipeline() labels that picture. (pipeline()
+    given the 16-bit file itself sees a white image: PIL's I;16 -> RGB conversion clips every value above 255.)"""
+    import numpy as np
+    from PIL import Image
+    from skimage import data
+    from transformers import pipeline
+
+    folder = tmp_path / "imgs"
+    folder.mkdir()
+    picture = data.astronaut()[..., 0]  # one channel of a photo the model was trained on
+    Image.fromarray(picture.astype(np.uint16) * 257).save(folder / "sixteen.png")
+    Image.fromarray(picture).save(folder / "eight.png")
+    out = tmp_path / "pred"
+    main(["predict", "--model", str(trained), "--data", str(folder), "--device", "cpu", "--output", str(out),
+          "--top-k", "4"])
+    rows = {r[0]: r[1:] for r in _rows(out)}
+    assert rows["sixteen.png"] == rows["eight.png"], rows
+    assert Image.open(folder / "sixteen.png").mode == "I;16"
+    clf = pipeline("image-classification", model=str(trained), device=-1)
+    assert clf(Image.fromarray(picture).convert("RGB"), top_k=1)[0]["label"] == rows["sixteen.png"][0]

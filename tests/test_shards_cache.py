@@ -719,7 +719,7 @@ def test_a_stream_cache_too_small_is_told_from_packed_json_before_torch_loads(bu
 
     import boto3
 
-    from dali_pipe.shards.packsync import stream_preflight
+    from dali_pipe.shards.preflight import stream_preflight
 
     client = boto3.client("s3", endpoint_url=moto_with_pack)  # not through the proxy: the uploads are not tested
     for f in pack.iterdir():

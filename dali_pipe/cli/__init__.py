@@ -170,13 +170,13 @@ def process_start() -> float:
 
 def stream_checked(s: Settings) -> None:
     """A pack streamed from S3: a --stream-cache (or a disk) too small for its readers is told before torch and
-    Lightning load, from packed.json (one GET; shards/packsync.stream_preflight); before, 15-17 s later, once the
+    Lightning load, from packed.json (one GET; shards/preflight.py); before, 15-17 s later, once the
     index files were local. One node with a number of devices ('auto' is known only once torch has looked; the
     DataModule's check still applies to every run)."""
     if not (s.data.data or "").startswith("s3://") or s.run.num_nodes != 1 or not isinstance(s.run.devices, int):
         return
     with command_imports():
-        from ..shards.packsync import stream_preflight  # lazy: the transfer engine and numpy; --help answers at once
+        from ..shards.preflight import stream_preflight  # lazy: the transfer engine and numpy; --help answers at once
 
     stream_preflight(s.data.data, s.data.cache_dir or default_cache_dir(), mode=s.data.packed_s3,
                      stream_cache=s.data.stream_cache, batch=s.data.batch_size, seed=s.data.seed,

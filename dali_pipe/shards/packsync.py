@@ -16,7 +16,7 @@ from ..s3 import SyncError, local_target, parse_s3_uri
 from ..sync import AskedListing, SyncStats, byte_bar, engine_for, listing, listing_asked, read_object, sync_objects
 from ..transfer import Engine
 from ..workdir import human_bytes, lock, remove_dead_temps, unlock, write_atomic
-from .cache import FETCH_PARALLEL, least, local_name, reader_need, stream_bound, stream_folder, too_small
+from .cache import FETCH_PARALLEL, local_name
 from .fetchers import fetcher_for, listed
 from .format import FAST_SUM, PACKED_NAME, PackedFormatError, parse_packed
 from .verdicts import (
@@ -104,45 +104,6 @@ def room(shards: list[dict], local: Path) -> tuple[int, int]:
 def auto_mode(total: int, free: int) -> str:
     """--packed-s3 auto: sync the shards when they fit with HEADROOM to spare, else stream them."""
     return "sync" if free >= total + HEADROOM else "stream"
-
-
-def stream_preflight(data: str, cache_dir: str | Path, *, mode: str, stream_cache: int | None, batch: int,
-                     seed: int, world: int, local_ranks: int) -> None:
-    """Before torch loads: refuse a --stream-cache (or a disk) too small to stream the pack at the s3:// prefix
-    `data`, with the size that is enough, from its packed.json alone (one GET): the epoch plans of every rank's
-    training and validation readers, as the stream cache computes them once the index files are local
-    (cache.least; the same numbers where no sample is excluded, as in a pack). Nothing when the prefix holds no
-    pack or its shards will be synced."""
-    if mode == "sync":
-        return
-    import numpy as np  # lazy: a pack's sync (python -m dali_pipe sync) loads neither numpy nor the plan
-
-    from .plan import epoch_plan  # lazy: as numpy
-
-    raw = read_object(data, PACKED_NAME)
-    if raw is None:
-        return
-    meta = parse_packed(raw, f"{data}/{PACKED_NAME}")
-    shards = [s for split in meta["splits"].values() for s in split["shards"]]
-    if mode == "auto" and auto_mode(*room(shards, local_target(data, Path(cache_dir)))) == "sync":
-        return
-    splits = [(info["shards"], name == "train") for name, info in meta["splits"].items()
-              if name in ("train", "val") and info["shards"]]
-    largest = max((s["size"] for split, _ in splits for s in split), default=0)
-    needs = []
-    for rank in range(world):
-        need = 0
-        for split, training in splits:
-            usable = [np.arange(s["samples"]) for s in split]
-            sizes = [s["size"] for s in split]
-            need += reader_need(lambda e: epoch_plan(usable, seed=seed, epoch=e, rank=rank, world=world, batch=batch,
-                                                     training=training), sizes, batch)
-        needs.append(need)
-    folder = stream_folder(data, cache_dir) / "rank-0"
-    refusal = too_small(stream_bound(stream_cache, folder, local_ranks), least([max(needs, default=0)], largest,
-                                                                              local_ranks), largest, folder, local_ranks)
-    if refusal is not None:
-        raise refusal
 
 
 def sync_shards(remotes: list[Remote], local: Path, *, cache_dir: str | Path, progress: bool = True,

@@ -102,7 +102,10 @@ class ShardSet:
 
     def names(self, shards: Shards) -> list[str]:
         """The image_path of each sample `shards` yields outside training, in that order."""
-        return [self.shard_at(shards, i).image_paths[e] for i, e in self.members(shards)]
+        out = []
+        for i in range(len(shards.paths)):  # by shard (a million samples: one lookup per shard, not per sample)
+            out += [p for e, p in enumerate(self.shard_at(shards, i).image_paths) if (i, e) not in shards.excluded]
+        return out
 
     def members(self, shards: Shards) -> list[tuple[int, int]]:
         """(shard position, entry) of each sample `shards` yields outside training, in that order."""

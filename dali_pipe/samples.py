@@ -166,6 +166,8 @@ class TableGroup:
     group: int  # the row group's (record batch's) position in its file
     column: str  # the image column (datasets' Image: a struct of bytes and path; or plain binary)
     labels: tuple[int, ...]  # per row; -1 where the row has no usable label (it is excluded)
+    span: tuple[int, int, str] | None = None  # Parquet: (start, end, XXH3-128) of the bytes the image column's chunks
+    # of this group take in the file, as checked (what the reader reads); None: the file is hashed whole (Arrow)
 
 
 @dataclass(frozen=True)

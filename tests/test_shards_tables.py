@@ -155,28 +155,45 @@ def test_a_row_group_over_the_bound_is_refused_before_it_is_read(hf):
     assert "row_group_size=" in str(e.value)
 
 
-def test_a_table_changed_in_place_with_its_mtime_kept_is_named_when_read(hf, tmp_path):
-    """A byte of a Parquet file flipped, its size and mtime kept (cp -p, rsync -a, bit rot): the check before
-    training trusts its cache (kept by path, size and mtime) and passes, but the reader hashes each file as it first
-    reads from it and stops naming the file; before, the run read the changed bytes."""
+def _flip(path, at):
+    """One byte of `path` flipped at `at`, its size and mtime kept (cp -p, rsync -a, bit rot)."""
     import os
+
+    st = os.stat(path)
+    with open(path, "r+b") as f:
+        f.seek(at)
+        byte = f.read(1)
+        f.seek(at)
+        f.write(bytes([byte[0] ^ 0x20]))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+@pytest.mark.parametrize("form", ["hub", "dict"])
+def test_a_table_changed_in_place_with_its_mtime_kept_is_named_when_read(hf, tmp_path, form):
+    """A byte of a Parquet or Arrow file flipped, its size and mtime kept: the check before training trusts its
+    cache (kept by path, size and mtime) and passes, but the reader hashes what it reads (a Parquet row group's
+    image bytes before it reads the group; an Arrow file whole at its first batch) and stops naming the file and
+    the group; before, the run read the changed bytes."""
     import shutil
 
+    import pyarrow.parquet as pq
+
     from dali_pipe.shards.reader import ShardReadError
+    from dali_pipe.shards.tables import image_span
     from dali_pipe.shards.verdicts import verify_local
 
-    shutil.copytree(hf / "hub", tmp_path / "hub")
-    s = _open(tmp_path / "hub", tmp_path / "cache")
-    assert len(_labels(_loader(s.train, 5, True))) == 40  # it reads
+    shutil.copytree(hf / form, tmp_path / form)
+    s = _open(tmp_path / form, tmp_path / "cache")
+    assert len(_labels(_loader(s.train, 5, True))) == len(s.train)  # it reads
     victim = s.train.paths[0]
-    st = os.stat(victim)
-    with open(victim, "r+b") as f:
-        f.seek(st.st_size // 3)  # inside the image column's bytes
-        byte = f.read(1)
-        f.seek(st.st_size // 3)
-        f.write(bytes([byte[0] ^ 0x20]))
-    os.utime(victim, ns=(st.st_atime_ns, st.st_mtime_ns))
-    s = _open(tmp_path / "hub", tmp_path / "cache")  # the dodge: the cached check still vouches for it
+    if form == "hub":
+        start, end = image_span(pq.ParquetFile(victim).metadata, 1, "image")
+        _flip(victim, (start + end) // 2)  # inside row group 1's image bytes
+        said = rf"{victim} changed after it was checked \(the image bytes of row group 1 are not the ones checked\)"
+    else:
+        _flip(victim, __import__("os").stat(victim).st_size // 2)
+        said = rf"{victim} changed after it was checked \(its xxh3 is not the one"
+    s = _open(tmp_path / form, tmp_path / "cache")  # the dodge: the cached check still vouches for it
     verify_local(s.train, tmp_path / "cache", progress=False)
-    with pytest.raises(ShardReadError, match=rf"{victim} changed after it was checked \(its xxh3 is not the one"):
+    with pytest.raises(ShardReadError, match=said):
         _labels(_loader(s.train, 5, True))

@@ -248,8 +248,28 @@ class ShardReader:
                                  "indexed again once the file's modification time changes (touch it)")
 
     def _verify_table(self, shard: int, path: str) -> None:
-        """A table file's bytes against its checksum (_verify), once per reader and file: its row groups are
-        shards of one path, read by pyarrow, so the file is hashed whole when the first of them is read."""
+        """A table's bytes against their checksum, once per reader: a Parquet group's image bytes (the span of
+        the file pyarrow reads for it, hashed as checked) before the group is first read, so a file of any size
+        costs one more pass over what is read anyway; an Arrow file (memory-mapped whole) by its file checksum
+        (_verify) when the first of its batches is read."""
+        span = self.entries[shard].group.span
+        if span is not None:
+            if shard in self._verified:
+                return
+            start, end, expected = span
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                got = hash_span(fd, start, end)
+            finally:
+                os.close(fd)
+            if got != expected:
+                raise ShardReadError(f"{path} changed after it was checked (the image bytes of row group "
+                                     f"{self.entries[shard].group.group} are not the ones checked), though its size "
+                                     "and modification time may not have (a copy that keeps them, or damage on disk): "
+                                     "copy the file again; it is checked again once its modification time changes "
+                                     "(touch it)")
+            self._verified.add(shard)
+            return
         if path in self._verified_files:
             return
         fd = os.open(path, os.O_RDONLY)
@@ -350,6 +370,16 @@ class ShardReader:
 
 
 # -- table groups (Hugging Face datasets) ---------------------------------------------------------------
+def hash_span(fd: int, start: int, end: int) -> str:
+    """XXH3-128 of bytes [start, end) of the open file `fd` (fewer when the file is shorter: its hash differs)."""
+    digest = fast_digest()
+    offset = start
+    while offset < end and (chunk := os.pread(fd, min(VERIFY_CHUNK, end - offset), offset)):
+        digest.update(chunk)
+        offset += len(chunk)
+    return digest.hexdigest()
+
+
 class TableFiles:
     """Open Parquet and Arrow files, a few at a time: a group is read whole (Parquet: its image column
     chunk, decompressed by pyarrow; Arrow: memory-mapped, no copy) and handed out as one byte array with

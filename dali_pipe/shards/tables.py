@@ -29,9 +29,10 @@ validation; test files are held out (evaluate --split test). With no validation 
 the training rows go to validation by a hash of each row's key (FILE:ROW) and --seed, as for shards.
 
 Checked before training, verdicts cached by file (path, size, mtime) in CACHE_DIR/shards: each file's
-sha256 and XXH3-128 (so the run's fingerprint covers the bytes, `cache.verify_local` checks them again cheaply,
-and the shard reader hashes each file again as it first reads from it, which a file changed in place with its
-size and mtime kept cannot dodge),
+sha256 and XXH3-128 (so the run's fingerprint covers the bytes and `cache.verify_local` checks them again
+cheaply), and of a Parquet file the XXH3-128 of each row group's image bytes, which the shard reader hashes again
+before it first reads the group (an Arrow file: the whole file, at its first batch), so a file changed in place
+with its size and mtime kept cannot dodge the check,
 each row's label (null or -1: left out) and image (no bytes, or the scan's fast checks; with --scan full
 a decode with DALI's CPU decoder). Bad rows are left out through `Shards.excluded` and listed in
 bad_images.tsv (image_path: the image's path field, else FILE:ROW), under --max-bad-fraction.
@@ -56,12 +57,13 @@ from ..workdir import atomic, remove_dead_temps
 from .format import file_sums
 from .listing import parquet_keys
 from .members import LEVELS, cache_file, load_json
-from .reader import TableFiles
+from .reader import TableFiles, hash_span
 from .shardset import Shard, ShardSet, progress_bar, write_file
 from .source import unit_hash
 from .verdicts import Verdicts, verdict_key
 
-CHECK_VERSION = 3  # bump when what the check records changes (2: row groups bounded by GROUP_MAX; 3: xxh3)
+CHECK_VERSION = 4  # bump when what the check records changes (2: row groups bounded by GROUP_MAX; 3: xxh3;
+# 4: each Parquet group's image bytes hashed)
 GROUP_MAX = 1 << 30  # bytes: a Parquet row group larger than this (uncompressed) is refused before it is read
 
 
@@ -302,9 +304,29 @@ def pa_errors():
     return pa.ArrowException
 
 
+def image_span(metadata, group: int, image: str) -> tuple[int, int]:
+    """(start, end) in the file of the column chunks of `image` (a struct's leaves too) in row group `group`:
+    what pyarrow reads to give the reader that group's image bytes."""
+    rg = metadata.row_group(group)
+    spans = []
+    for j in range(rg.num_columns):
+        c = rg.column(j)
+        if c.path_in_schema == image or c.path_in_schema.startswith(f"{image}."):
+            start = c.dictionary_page_offset if c.has_dictionary_page and c.dictionary_page_offset else \
+                c.data_page_offset
+            spans.append((start, start + c.total_compressed_size))
+    return min(a for a, _ in spans), max(b for _, b in spans)
+
+
 def _check_groups(f: TableFile, files: TableFiles, decoder, data, image: str, label: str) -> dict:
-    """Each group's rows, raw labels, image path fields and problems."""
-    rows, labels, paths, problems = [], [], [], {}
+    """Each group's rows, raw labels, image path fields and problems; a Parquet group's image span, hashed."""
+    rows, labels, paths, problems, spans = [], [], [], {}, []
+    if f.fmt == "parquet":
+        metadata = files.handle(f.path, "parquet").metadata
+        with open(f.path, "rb") as raw:
+            for g in range(metadata.num_row_groups):
+                start, end = image_span(metadata, g, image)
+                spans.append([start, end, hash_span(raw.fileno(), start, end)])
     for g in range(_groups(f, files)):
         values, names = _labels_and_paths(f, files, g, image, label)
         data_bytes, offsets = files.read(f.path, f.fmt, g, image)
@@ -327,7 +349,8 @@ def _check_groups(f: TableFile, files: TableFiles, decoder, data, image: str, la
         rows.append(len(values))
         labels += values
         paths += names
-    return {"groups": rows, "labels": labels, "paths": paths, "problems": {str(k): v for k, v in problems.items()}}
+    return {"groups": rows, "labels": labels, "paths": paths, "problems": {str(k): v for k, v in problems.items()},
+            "spans": spans or None}
 
 
 # -- opening ---------------------------------------------------------------------------------------
@@ -375,7 +398,8 @@ def open_tables(data, *, num_threads: int = 1, progress: bool = False) -> ShardS
                 elif row in problems:
                     bad[i] = problems[row]
                 cls.append(position)
-            group = TableGroup(f.fmt, g, c["columns"][0], tuple(-1 if x is None else x for x in cls))
+            group = TableGroup(f.fmt, g, c["columns"][0], tuple(-1 if x is None else x for x in cls),
+                               span=tuple(c["spans"][g]) if c.get("spans") else None)
             shards.append(Shard(f"{f.rel} ({'row group' if f.fmt == 'parquet' else 'batch'} {g})", f.path,
                                 f"{f.path}#{g}", c["size"], c["sha256"], keys,
                                 [c["paths"][start + i] or keys[i] for i in range(n)], cls, bad, group=group,

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import shutil
 
+import pytest
+
 from dali_pipe.cli.commands import main
 
 
@@ -198,3 +200,18 @@ def test_a_16_bit_png_is_labelled_as_its_8_bit_picture(trained, tmp_path, cache_
     assert Image.open(folder / "sixteen.png").mode == "I;16"
     clf = pipeline("image-classification", model=str(trained), device=-1)
     assert clf(Image.fromarray(picture).convert("RGB"), top_k=1)[0]["label"] == rows["sixteen.png"][0]
+
+
+def test_when_the_decoder_refuses_every_image_predict_says_so(trained, photo_root, tmp_path, cache_dir):
+    """Every image passes the checks before and DALI refuses each: an error naming bad_images.tsv, which lists
+    them all (going on after each failure would otherwise end with no row and exit 0)."""
+    from dali_pipe.cli.predict import InputError
+
+    folder = tmp_path / "imgs"
+    folder.mkdir()
+    for i, p in enumerate(sorted(photo_root.glob("*/*.jpg"))[:3]):
+        (folder / f"{i}.jpg").write_bytes(_bogus_huffman(p.read_bytes()))
+    out = tmp_path / "pred"
+    with pytest.raises(InputError, match=rf"DALI could decode none of the images; they are listed in {out}/bad_images"):
+        main(["predict", "--model", str(trained), "--data", str(folder), "--device", "cpu", "--output", str(out)])
+    assert len((out / "bad_images.tsv").read_text().splitlines()) == 4 and not (out / "predictions.tsv").exists()

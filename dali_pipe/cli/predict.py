@@ -148,10 +148,17 @@ def run(s: Settings) -> dict:
     if failed:
         bad.update({p: reason for (_, p), reason in failed})
         write_report(bad, root.resolve(), out)
+    none_decoded(done, out)
     write_predictions(out, [r for r, _ in done], logits, model, s.predict.top_k)
     print(f"predict: {len(done)} image(s) labelled in {out / 'predictions.tsv'}"
           + (f"; {len(bad)} unreadable listed in {out / 'bad_images.tsv'}" if bad else ""))
     return {"predicted": len(done), "bad": len(bad)}
+
+
+def none_decoded(done: list, out: Path) -> None:
+    """Refuse a run in which DALI decoded none of the images (every one is listed in bad_images.tsv)."""
+    if not done:
+        raise InputError(f"DALI could decode none of the images; they are listed in {out / 'bad_images.tsv'}")
 
 
 def around_bad(s: Settings, model, items: list, loader_for, failed_at, *, by_label: bool):
@@ -185,7 +192,7 @@ def around_bad(s: Settings, model, items: list, loader_for, failed_at, *, by_lab
               file=sys.stderr)
         left = {id(x) for x in ran} | {id(rest[k])}
         rest = [x for x in rest if id(x) not in left]
-    return (torch.cat(logits) if logits else torch.zeros(0, 0)), done, failed
+    return (torch.cat(logits) if logits else None), done, failed
 
 
 def _predict_shards(s: Settings, dm, model, out: Path) -> dict:
@@ -208,6 +215,7 @@ def _predict_shards(s: Settings, dm, model, out: Path) -> dict:
     if failed:
         write_member_report(shards, out, extra=[(shards.shard_at(everything, m[0]), m[1], reason)
                                                 for (m, _), reason in failed])
+    none_decoded(done, out)
     write_predictions(out, [name for _, name in done], logits, model, s.predict.top_k)
     bad = len(shards.bad) + len(failed)
     print(f"predict: {len(done)} image(s) of the shards labelled in {out / 'predictions.tsv'}"

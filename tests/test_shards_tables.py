@@ -197,3 +197,34 @@ def test_a_table_changed_in_place_with_its_mtime_kept_is_named_when_read(hf, tmp
     verify_local(s.train, tmp_path / "cache", progress=False)
     with pytest.raises(ShardReadError, match=said):
         _labels(_loader(s.train, 5, True))
+
+
+def test_rows_that_name_their_image_by_path_are_checked_again_when_the_file_changes(photo_root, tmp_path):
+    """`Dataset.to_parquet` of images loaded from files keeps only their paths (bytes null): the check reads each
+    file and remembers its size and mtime, and a file changed since (here: no longer an image) makes the table
+    checked again, so the row is left out and named; before, the cached check still passed it, and DALI stopped
+    mid-epoch."""
+    import os
+    import shutil
+
+    import datasets
+
+    folder = tmp_path / "pq"
+    (folder / "imgs").mkdir(parents=True)
+    for i, p in enumerate(sorted(photo_root.glob("*/*.jpg"))[:6]):
+        shutil.copy(p, folder / "imgs" / f"{i}.jpg")
+    features = datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(names=["a", "b"])})
+    here = os.getcwd()
+    os.chdir(folder)  # datasets keeps the paths as given: relative to the Parquet file's folder
+    try:
+        datasets.Dataset.from_dict({"image": [f"imgs/{i}.jpg" for i in range(6)], "label": [i % 2 for i in range(6)]},
+                                   features=features).to_parquet(str(folder / "train-00000-of-00001.parquet"))
+    finally:
+        os.chdir(here)
+    s = _open(folder, tmp_path / "cache", val_fraction=0)
+    assert not s.bad and len(_labels(_loader(s.train, 2, False))) == 6
+    (folder / "imgs" / "2.jpg").write_text("no longer a photo\n")
+    s = _open(folder, tmp_path / "cache", val_fraction=0)
+    assert [(shard.keys[e], shard.image_paths[e]) for shard, e, _ in s.bad] == [
+        ("train-00000-of-00001.parquet:2", "imgs/2.jpg")], s.bad
+    assert len(_labels(_loader(s.train, 2, False))) == 5

@@ -388,6 +388,8 @@ class TableFiles:
     def __init__(self, keep: int = 8):
         self.keep = keep
         self._open: OrderedDict[str, object] = OrderedDict()
+        self.files_read: dict[str, tuple[int, int]] | None = None  # the table check sets it: the image files read
+        # for rows that hold a path, with their (size, mtime) (the reader records none: a million would be kept)
 
     def handle(self, path: str, fmt: str):
         """The open file: a pyarrow ParquetFile, or an Arrow file's record batches (memory-mapped)."""
@@ -417,17 +419,17 @@ class TableFiles:
                 f[group].column(column)
         except pa.ArrowException as e:
             raise OSError(f"pyarrow: {e}") from None
-        return image_bytes(col, os.path.dirname(path))
+        return image_bytes(col, os.path.dirname(path), self.files_read)
 
     def close(self) -> None:
         self._open.clear()
 
 
-def image_bytes(col, base: str) -> tuple[np.ndarray, np.ndarray]:
+def image_bytes(col, base: str, files_read: dict | None = None) -> tuple[np.ndarray, np.ndarray]:
     """(bytes, offsets) of an image column: datasets' Image struct ({bytes, path}) or a binary column. A row
     whose bytes are null but whose path names a file (`Dataset.to_parquet` of images loaded from files keeps
-    their paths; relative ones are taken from `base`, the data file's folder) gets that file's bytes; else it
-    is an empty row."""
+    their paths; relative ones are taken from `base`, the data file's folder) gets that file's bytes (and
+    `files_read` its path's size and mtime); else it is an empty row."""
     import pyarrow as pa
     import pyarrow.compute as pc
 
@@ -436,7 +438,7 @@ def image_bytes(col, base: str) -> tuple[np.ndarray, np.ndarray]:
         paths = pc.struct_field(arr, "path") if arr.type.get_field_index("path") >= 0 else None
         arr = pc.struct_field(arr, "bytes")
         if paths is not None and arr.null_count:
-            arr = _from_paths(arr, paths.to_pylist(), base)
+            arr = _from_paths(arr, paths.to_pylist(), base, files_read)
     if not (pa.types.is_binary(arr.type) or pa.types.is_large_binary(arr.type)):
         arr = arr.cast(pa.large_binary())
     if arr.null_count:
@@ -447,16 +449,20 @@ def image_bytes(col, base: str) -> tuple[np.ndarray, np.ndarray]:
     return (np.frombuffer(data, np.uint8) if data is not None else np.zeros(0, np.uint8)), offsets
 
 
-def _from_paths(arr, paths: list, base: str):
+def _from_paths(arr, paths: list, base: str, files_read: dict | None = None):
     """The bytes column with each null row that has a readable file at its path filled from that file."""
     import pyarrow as pa
 
     values = arr.to_pylist()
     for i, v in enumerate(values):
         if v is None and paths[i]:
+            path = os.path.join(base, paths[i])
             try:
-                with open(os.path.join(base, paths[i]), "rb") as f:
+                with open(path, "rb") as f:
                     values[i] = f.read()
+                    st = os.fstat(f.fileno())
             except OSError:
-                pass
+                continue
+            if files_read is not None:
+                files_read[path] = (st.st_size, st.st_mtime_ns)
     return pa.array(values, pa.large_binary())

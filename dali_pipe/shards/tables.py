@@ -283,8 +283,10 @@ def check_file(f: TableFile, root: Path, data, files: TableFiles, decoder) -> di
                                                data.label_column, f.rel)
     checked = load_json(cache)
     if (checked and checked.get("version") == CHECK_VERSION and checked.get("columns") == [image, label]
-            and LEVELS[checked["level"]] >= LEVELS[level] and checked["max_pixels"] == data.max_pixels):
+            and LEVELS[checked["level"]] >= LEVELS[level] and checked["max_pixels"] == data.max_pixels
+            and not _files_changed(checked.get("files_read", {}))):
         return checked
+    files.files_read = {}
     try:
         checked = _check_groups(f, files, decoder, data, image, label)
     except (OSError, pa_errors()) as e:
@@ -293,9 +295,23 @@ def check_file(f: TableFile, root: Path, data, files: TableFiles, decoder) -> di
                                "again, or leave it out of --data") from None
     sha256, fast = file_sums(f.path)
     checked.update(version=CHECK_VERSION, columns=[image, label], class_names=class_names, level=level,
-                   max_pixels=data.max_pixels, sha256=sha256, xxh3=fast, size=st.st_size)
+                   max_pixels=data.max_pixels, sha256=sha256, xxh3=fast, size=st.st_size,
+                   files_read={k: list(v) for k, v in files.files_read.items()})
     write_file(cache, json.dumps(checked))
     return checked
+
+
+def _files_changed(files_read: dict) -> bool:
+    """Whether an image file that rows of a table name by path (read by the check) is gone or has another size
+    or mtime since: the table is then checked again (as a folder's images are)."""
+    for path, (size, mtime) in files_read.items():
+        try:
+            st = os.stat(path)
+        except OSError:
+            return True
+        if (st.st_size, st.st_mtime_ns) != (size, mtime):
+            return True
+    return False
 
 
 def pa_errors():

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import ctypes
 import gc
 import importlib
 import json
@@ -25,19 +26,22 @@ import os
 import platform
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytorch_lightning as pl
 
 from .baseline import classic_loader
+from .benchreport import flags, plot, ratio_lines, round_table, table
 from .config import LOADERS, UsageError, resolve_precision
 from .decoder import DecoderLog
+from .limits import on_glibc
 from .monitor import MonitorCallback
-from .prescribe import SHARE_WORDS, SHARES, budget_line, busy_cores, diagnose, time_budget
-from .sampler import Sampler, StepLog
+from .prescribe import diagnose, time_budget
+from .sampler import Sampler, StepLog, TreeMemory
 from .samples import Shards
-from .workdir import OutputError, atomic, remove_dead_temps, write_atomic
+from .workdir import OutputError, remove_dead_temps, write_atomic
 
 NO_MODEL_NOTE = ("synthetic left out: without a model it would only time a tensor that is already there; it is the "
                  "model's ceiling when there is one")
@@ -60,17 +64,25 @@ def endless(loader):
 class Cycle:
     """A loader repeated as one epoch of `length` batches (the run's steps), so no epoch-end work (metric lines,
     schedulers) lands inside the timed window. It has a length, as training's loader has: Lightning fetches an
-    iterable without one a batch ahead (to see its end), and the fetch it times would be the next batch's."""
+    iterable without one a batch ahead (to see its end), and the fetch it times would be the next batch's.
+
+    The loader's first iterator is made here, so a DataLoader forks its workers now, before the model exists:
+    forked later, each worker's memory maps the model's and the optimizer's pages as well (a sum of RSS counted
+    them once per worker)."""
 
     def __init__(self, loader, length: int):
         self.loader, self.length = loader, length
         self.batch_size = getattr(loader, "batch_size", None)
+        self._first = iter(loader)
 
     def __len__(self) -> int:
         return self.length
 
     def __iter__(self):
-        return endless(self.loader)
+        first, self._first = self._first, None
+        if first is not None:
+            yield from first
+        yield from endless(self.loader)
 
 
 class Synthetic:
@@ -89,25 +101,78 @@ class Synthetic:
             yield self.x, self.y
 
 
-class Progress:
-    """One line per loader: rewritten in place on a terminal, printed once when done in a log."""
+PROGRESS_EVERY = 8.0  # seconds between progress lines in a log (a terminal's line is rewritten every second)
 
-    def __init__(self, label: str, total: int, stream=None):
-        self.label, self.total, self.stream = label, total, stream or sys.stdout
+
+class Progress:
+    """Where one loader's run is: its stage (building the loader, starting, warm-up, timed steps), the step, and
+    the images/s of the timed steps so far, with the seconds since it began. On a terminal one line rewritten in
+    place every second; in a log a line every `every` seconds, from a thread (a ViT-B/16 step on 2 CPU cores
+    takes seconds, and building a loader may too); then the result line."""
+
+    def __init__(self, label: str, total: int, *, warmup: int = 0, batch_size: int | None = None, stream=None,
+                 every: float = PROGRESS_EVERY):
+        self.label, self.total, self.warmup, self.batch_size = label, total, warmup, batch_size
+        self.stream, self.every = stream or sys.stdout, every
         self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
-        self._last = 0.0
+        self.stage, self.steps = "building the loader", 0
+        self.began = self._printed = time.perf_counter()
+        self._timed_from: float | None = None
+        self._lock, self._stop = threading.Lock(), threading.Event()
+        self._thread = threading.Thread(target=self._tick, daemon=True, name="benchmark-progress")
+        self._thread.start()
+
+    def started(self) -> None:
+        """The loader is built: the Trainer, the model and the first batch come next."""
+        self.stage = "starting (the model and the first batch)"
+        if not self.warmup:
+            self._timed_from = time.perf_counter()
 
     def update(self, done: int) -> None:
+        """`done` steps (warm-up included) have finished."""
+        self.steps = done
+        if done == self.warmup:
+            self._timed_from = time.perf_counter()
+        self.stage = "warm-up" if done < self.warmup else "timed"
+        if self.tty:
+            self._write(f"\r{self.status()}\033[K")
+
+    def status(self) -> str:
         now = time.perf_counter()
-        if self.tty and (now - self._last > 0.25 or done == self.total):
-            self._last = now
-            self.stream.write(f"\r{self.label}: step {done}/{self.total}")
+        took = f"{now - self.began:.0f} s"
+        if self.stage == "warm-up":
+            return f"{self.label}: warm-up, {self.steps}/{self.warmup} step(s) done, {took}"
+        if self.stage == "timed":
+            timed = self.steps - self.warmup
+            rate = ""
+            if timed and self.batch_size and self._timed_from is not None and now > self._timed_from:
+                rate = f", {timed * self.batch_size / (now - self._timed_from):.3g} images/s so far"
+            return f"{self.label}: timed, {timed}/{self.total - self.warmup} step(s) done{rate}, {took}"
+        return f"{self.label}: {self.stage}, {took}"
+
+    def _write(self, text: str) -> None:
+        with self._lock:
+            self.stream.write(text)
             self.stream.flush()
 
+    def _tick(self) -> None:
+        while not self._stop.wait(1.0 if self.tty else 0.5):
+            now = time.perf_counter()
+            if self.tty:
+                self._write(f"\r{self.status()}\033[K")
+            elif now - self._printed >= self.every:
+                self._printed = now
+                self._write(self.status() + "\n")
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join()
+
     def done(self, result: str) -> None:
+        self.stop()
         line = f"{self.label}: {result}"
-        self.stream.write(f"\r{line}\033[K\n" if self.tty else f"{line}\n")
-        self.stream.flush()
+        self._write(f"\r{line}\033[K\n" if self.tty else f"{line}\n")
 
 
 def time_loader(batches, device, *, warmup: int, steps: int, progress: Progress | None = None,
@@ -180,9 +245,13 @@ def environment(cores, gpu: bool, threads: int) -> dict:
 
 # -- measuring one loader -------------------------------------------------------------------------
 def release_memory(gpu: bool) -> None:
-    """Return the memory of the loader just measured, so the next one starts with the same pool:
-    DALI's memory pool outlives its pipelines, torch's caching allocator its tensors."""
+    """Return the memory of the loader just measured (its module, Trainer and loader must be unreachable by now),
+    so the next one starts with the same pool: the cycles between a Trainer and its module collected; the heap
+    glibc's malloc keeps after freeing them (1.2-1.9 GB after a ViT-B/16 leg on the CPU) given back to the kernel;
+    DALI's memory pool, which outlives its pipelines, and torch's caching allocator, which outlives its tensors."""
     gc.collect()
+    if on_glibc():
+        ctypes.CDLL(None).malloc_trim(0)
     if gpu:
         import torch
         from nvidia.dali.backend import ReleaseUnusedMemory
@@ -234,12 +303,33 @@ class _StepProgress(pl.Callback):
 
 def measure(name: str, build, *, device, batch_size: int, warmup: int, steps: int, cores: int, classes: list[str],
             make_module=None, make_trainer=None, label: str = "") -> dict:
-    """One timed run of one loader (`build()` makes it): its metrics, time budget and timelines. With
-    `make_module` and `make_trainer(callbacks, max_steps)` each step is the module's training step run by
-    that Trainer; without, the loader alone."""
-    progress = Progress(label or name, warmup + steps)
+    """One timed run of one loader (`build()` makes it): its metrics, time budget, peak memory and timelines.
+    With `make_module` and `make_trainer(callbacks, max_steps)` each step is the module's training step run by
+    that Trainer; without, the loader alone. Its loader, module and Trainer are gone (and their memory given
+    back) when it returns, so the next loader's run starts from the same process."""
+    progress = Progress(label or name, warmup + steps, warmup=warmup, batch_size=batch_size)
+    memory = TreeMemory().start()
+    try:
+        m, timeline, wait = _leg(name, build, progress, device=device, batch_size=batch_size, warmup=warmup,
+                                 steps=steps, cores=cores, classes=classes, make_module=make_module,
+                                 make_trainer=make_trainer)  # what it made is unreachable once it returns
+        m.update(memory.stop())
+    finally:
+        memory.stop()
+        progress.stop()
+    release_memory(device.type == "cuda")
+    progress.done(f"{m['images_per_sec']:.3g} images/s, step p50 {m['step_ms_p50']:.0f} ms, data wait "
+                  f"{m['data_wait_fraction']:.0%}, peak memory {m['rss_peak_mb']:.0f} MB "
+                  f"({m['time_budget']['wall_s']:.1f} s)")
+    return {"metrics": m, "timeline": {"gpu": timeline, "wait_ms": [w * 1e3 for w in wait]}}
+
+
+def _leg(name: str, build, progress: Progress, *, device, batch_size: int, warmup: int, steps: int, cores: int,
+         classes: list[str], make_module, make_trainer) -> tuple[dict, list, list]:
+    """measure()'s run: (metrics, GPU timeline, data waits)."""
     origin = time.perf_counter()
     data = build()
+    progress.started()
     if make_module is None:
         sampler = Sampler(20.0, 0 if device.type == "cuda" else None).start()
         decoder_log = DecoderLog() if device.type == "cuda" else contextlib.nullcontext()
@@ -260,18 +350,16 @@ def measure(name: str, build, *, device, batch_size: int, warmup: int, steps: in
         pl.seed_everything(0, verbose=False)
         timer = MonitorCallback(skip_steps=warmup, sync_window=True, name=name, verbose=False, origin=origin)
         trainer = make_trainer([timer, _StepProgress(progress)], warmup + steps)
-        trainer.fit(make_module(), datamodule=_Feed(Cycle(data, warmup + steps), classes))
+        feed = _Feed(Cycle(data, warmup + steps), classes)  # a DataLoader's workers fork here, before the model
+        trainer.fit(make_module(), datamodule=feed)
         m = {**timer.report, "gpu_note": timer.sampler.gpu_note}
         m["diagnosis"] = m["diagnosis"] + m.pop("budget_verdicts")
         if name == "synthetic" and m["data_wait_fraction"] < 0.10:
             m["diagnosis"][0] = m["diagnosis"][0].replace(f"{name}: ", f"{name}: the model's own ceiling; ", 1)
         timeline, wait = timer.timeline, timer.steps.wait_s
     m.pop("time_line", None)
-    progress.done(f"{m['images_per_sec']:.1f} images/s, step p50 {m['step_ms_p50']:.1f} ms, data wait "
-                  f"{m['data_wait_fraction']:.0%} ({m['time_budget']['wall_s']:.1f} s)")
-    del data
-    release_memory(device.type == "cuda")
-    return {"metrics": m, "timeline": {"gpu": timeline, "wait_ms": [w * 1e3 for w in wait]}}
+    m.pop("rss_peak_mb", None)  # the timed window's sum of RSS; measure() puts the whole run's peak memory
+    return m, timeline, wait
 
 
 def run_rounds(names: list[str], measure_one, repeat: int) -> dict[str, list[dict]]:
@@ -286,39 +374,19 @@ def run_rounds(names: list[str], measure_one, repeat: int) -> dict[str, list[dic
 
 
 def summarise(rounds: dict[str, list[dict]]) -> tuple[dict, dict, dict]:
-    """(per-loader results from the round nearest each median, their timelines, images/s per round)."""
+    """(per-loader results from the round nearest each median, with the peak memory and the other processes' load
+    of every round; their timelines; images/s per round)."""
     results, timelines, ips = {}, {}, {}
     for name, runs in rounds.items():
         ips[name] = [x["metrics"]["images_per_sec"] for x in runs]
         med = statistics.median(ips[name])
         typical = min(runs, key=lambda x: abs(x["metrics"]["images_per_sec"] - med))
-        results[name] = {**typical["metrics"], "images_per_sec": med, "images_per_sec_rounds": spread(ips[name])}
+        results[name] = {**typical["metrics"], "images_per_sec": med, "images_per_sec_rounds": spread(ips[name]),
+                         "rss_peak_mb": max(x["metrics"]["rss_peak_mb"] for x in runs),
+                         "rss_peak_mb_rounds": [x["metrics"]["rss_peak_mb"] for x in runs],
+                         "other_load_cores_rounds": [x["metrics"].get("other_load_cores") for x in runs]}
         timelines[name] = typical["timeline"]
     return results, timelines, ips
-
-
-def ratio_lines(ratio: dict, *, cores: int, model: bool, packed: str | None = None,
-                data: str | None = None) -> list[str]:
-    lines = []
-    if "dali_vs_baseline" in ratio:
-        lines.append(f"dali delivers {ratio['dali_vs_baseline']['median']:.2f}x the images/s of the classic "
-                     f"DataLoader on {cores} core(s).")
-    if "dali_vs_synthetic" in ratio and model:
-        r = ratio["dali_vs_synthetic"]
-        if r["median"] > 1.1:  # a real loader cannot beat data that is already there: the ceiling run was disturbed
-            lines.append(f"dali measured {r['median']:.2f}x faster than the synthetic-data ceiling, which a real "
-                         "loader cannot be: the synthetic run was disturbed (other processes on the cores, or too "
-                         "few --warmup steps for the model to settle); rerun on idle cores, or with more --warmup "
-                         "and --steps.")
-        else:
-            lines.append(f"dali reaches {r['median']:.0%} ({r['min'] * 100:.0f}-{r['max']:.0%}) of the synthetic-data "
-                         "ceiling.")
-    if "packed_vs_dali" in ratio:
-        r = ratio["packed_vs_dali"]
-        lines.append(f"the packed loader delivers {r['median']:.2f}x the images/s of the dali loader ({packed} against "
-                     f"{data}); the other way round, --data reaches {1 / r['median']:.2f}x "
-                     f"({1 / r['max']:.2f}-{1 / r['min']:.2f}) of the pack.")
-    return lines
 
 
 def finish(report: dict, out: Path) -> dict:
@@ -407,6 +475,7 @@ def benchmark(module, datamodule, *, loaders: str = "dali,baseline,synthetic", s
         ratio = ratios(ips)
         model = (type(module).__name__ if isinstance(module, pl.LightningModule)
                  else getattr(module, "__name__", "model"))
+        flagged = flags(results, ratio, cores=len(cores), model=True)
         report = {
             "env": environment(cores, gpu, dm.pipeline.num_threads or len(cores)),
             "config": {"model": model, "batch_size": batch, "steps": steps, "warmup": warmup, "repeat": repeat,
@@ -414,148 +483,11 @@ def benchmark(module, datamodule, *, loaders: str = "dali,baseline,synthetic", s
                        "image": [dm.spec.height, dm.spec.width], "data": str(dm.data.data)},
             "loaders": results, "ratios": ratio,
             "diagnosis": [d for n in names for d in results[n]["diagnosis"]] +
-                         ratio_lines(ratio, cores=len(cores), model=True),
+                         ratio_lines(ratio, cores=len(cores), model=True, disturbed=bool(flagged)),
+            "flags": flagged,
             "timelines": timelines,
         }
         return finish(report, Path(output) if output is not None else dm.output)
     finally:
         os.sched_setaffinity(0, affinity)
         torch.set_num_threads(threads)
-
-
-# -- printing and plotting ------------------------------------------------------------------------
-def _fmt(k, v):
-    if v is None:
-        return "-"
-    if k in ("data_wait_fraction",) or k.startswith("time_"):
-        return f"{v:.0%}" if k.startswith("time_") else f"{v:.1%}"
-    return f"{v:.1f}" if v < 100 else f"{v:.0f}"
-
-
-def _grid(rows: list[list[str]]) -> list[str]:
-    width = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return ["  ".join(c.rjust(w) for c, w in zip(r, width)) for r in rows]
-
-
-SHORT = {"startup": "start-up", "data_wait": "data", "model_step": "model", "checkpoint_saves": "saves",
-         "validation": "val", "callbacks": "other"}
-
-
-def round_table(r: int, repeat: int, metrics: dict[str, dict]) -> str:
-    """The loaders of one round: images/s, step times, data wait, utilization and their time budget."""
-    head = ["loader", "img/s", "p50 ms", "p95 ms", "wait", "cpu %", "gpu %"] + [SHORT[k] for k in SHARES]
-    rows = [head]
-    for n, m in metrics.items():
-        shares = (m.get("time_budget") or {}).get("shares", {})
-        rows.append([n] + [_fmt(k, m.get(k)) for k in ("images_per_sec", "step_ms_p50", "step_ms_p95",
-                                                        "data_wait_fraction", "cpu_util_mean", "gpu_util_mean")]
-                    + [_fmt("time_" + k, shares.get(k)) for k in SHARES])
-    words = ", ".join(f"{SHORT[k]} = {SHARE_WORDS[k]}" for k in SHARES if SHORT[k] != SHARE_WORDS[k])
-    return "\n".join([f"round {r}/{repeat} (then each loader's time budget: {words}):"] + _grid(rows)) + "\n"
-
-
-def table(report: dict) -> str:
-    cols = ["images_per_sec", "step_ms_p50", "step_ms_p95", "data_wait_fraction", "cpu_util_mean",
-            "gpu_util_mean", "gpu_util_p5", "gpu_mem_peak_mb", "rss_peak_mb"]
-    head = ["loader", "img/s", "min-max", "p50 ms", "p95 ms", "wait", "cpu %", "gpu %", "gpu p5", "gpu MB", "rss MB"]
-    rows = [head]
-    for n, m in report["loaders"].items():
-        r = m["images_per_sec_rounds"]
-        rows.append([n, _fmt("", r["median"]), f"{r['min']:.0f}-{r['max']:.0f}"]
-                    + [_fmt(k, m.get(k)) for k in cols[1:]])
-    n = report["config"]["repeat"]
-    lines = [f"summary over {n} round(s):"] + _grid(rows)
-    lines += [f"ratio {k}: {v['median']:.2f}x (min {v['min']:.2f}, max {v['max']:.2f} over {n} round(s))"
-              for k, v in report["ratios"].items()]
-    lines += [f"{name} {budget_line(m['time_budget'])}" for name, m in report["loaders"].items()
-              if m.get("time_budget")]
-    lines += [f"- {d}" for d in report["diagnosis"]]
-    return "\n".join(lines)
-
-
-def plot(report: dict, path: Path) -> None:
-    """benchmark.png: the figure of the report, written whole or not at all."""
-    import matplotlib.pyplot as plt
-
-    fig = figure(report)
-    try:
-        with atomic(path) as tmp:
-            fig.savefig(tmp, dpi=110, format="png")
-    finally:
-        plt.close(fig)
-
-
-def figure(report: dict):
-    """The report drawn: the timeline (GPU utilization, or the time per step), the throughput with its ratios,
-    each loader's time budget, and any warning that makes its figures suspect (busy cores)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.ticker import MaxNLocator
-
-    names = list(report["loaders"])
-    gpu = report["env"]["gpu"] is not None
-    alone = report["config"]["model"] == "none"  # no model: every millisecond of a step is the loader's
-    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(17, 4.5), gridspec_kw={"width_ratios": [2, 1, 1.2]})
-    for n in names:
-        tl = report["timelines"][n]
-        if gpu and tl["gpu"]:
-            t, u = zip(*tl["gpu"])
-            ax1.plot(t, u, label=f"{n} (mean {report['loaders'][n]['gpu_util_mean']:.0f}%)", lw=1.4)
-        else:
-            wait = "" if alone else f" (wait {report['loaders'][n]['data_wait_fraction']:.0%})"
-            ax1.plot(range(1, len(tl["wait_ms"]) + 1), tl["wait_ms"], label=n + wait, lw=1.4)
-    if gpu:
-        ax1.set(xlabel="seconds into the timed window", ylabel="GPU utilization %", ylim=(0, 105),
-                title="GPU utilization over time (NVML, 20 Hz)")
-    elif alone:
-        ax1.set(xlabel="timed step", ylabel="ms per batch", title="Time per batch, loaders alone (no model, no GPU)")
-    else:
-        ax1.set(xlabel="timed step", ylabel="ms blocked waiting for the batch", title="Data-wait per step (no GPU)")
-    if not gpu:
-        ax1.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole: no 2.5 or 7.5 on the axis
-    ax1.legend(loc="best", fontsize=9)
-    ax1.grid(alpha=0.3)
-    rounds = [report["loaders"][n]["images_per_sec_rounds"] for n in names]
-    med = [r["median"] for r in rounds]
-    err = [[r["median"] - r["min"] for r in rounds], [r["max"] - r["median"] for r in rounds]]
-    colors = [{"dali": "#76b900", "packed": "#3d6b00", "baseline": "#888888"}.get(n, "#4a90d9") for n in names]
-    bars = ax2.bar(names, med, yerr=err, capsize=4, color=colors)
-    ax2.set_ylim(0, 1.15 * max(r["max"] for r in rounds))  # room for the labels under the title
-    for b, v in zip(bars, med):
-        ax2.annotate(f"{v:.0f}", (b.get_x() + b.get_width() / 2, v), ha="center", va="bottom",
-                     xytext=(12, 2), textcoords="offset points")
-    shown = [(k, v) for k, v in report["ratios"].items() if k in ("packed_vs_dali", "dali_vs_baseline")]
-    ax2.set(ylabel="images / s (median, min-max bars)",
-            title="Throughput" + "".join(f"\n{k.replace('_vs_', ' / ')} = {v['median']:.2f}x" for k, v in shown))
-    ax2.grid(axis="y", alpha=0.3)
-    budget_panel(ax3, {n: report["loaders"][n].get("time_budget") for n in names})
-    cfg = report["config"]
-    fig.suptitle(f"model {cfg['model']}, batch {cfg['batch_size']}, {report['env']['cpus']} CPU core(s), "
-                 f"{report['env']['gpu'] or 'no GPU'}, {cfg['repeat']} round(s)", fontsize=11)
-    warnings = [w for n in names for w in [busy_cores(n, report["loaders"][n], report["env"]["cpus"])] if w]
-    fig.tight_layout(rect=(0, 0.06 * len(warnings), 1, 1))
-    for i, w in enumerate(warnings):  # a figure seen without its log says that its figures are low, and why
-        fig.text(0.01, 0.06 * (len(warnings) - i) - 0.045, "warning: " + w, color="#c9302c", fontsize=10)
-    return fig
-
-
-BUDGET_COLORS = {"startup": "#b0b0b0", "data_wait": "#d9534f", "model_step": "#76b900", "checkpoint_saves": "#f0ad4e",
-                 "validation": "#4a90d9", "callbacks": "#9b59b6"}
-
-
-def budget_panel(ax, budgets: dict[str, dict | None]) -> None:
-    """One stacked bar per loader: where its run's wall time went, in the budget's six shares."""
-    names = [n for n, b in budgets.items() if b]
-    left = [0.0] * len(names)
-    for k in SHARES:
-        widths = [100 * budgets[n]["shares"][k] for n in names]
-        ax.barh(names, widths, left=left, color=BUDGET_COLORS[k], label=SHARE_WORDS[k])
-        for i, w in enumerate(widths):
-            if w >= 8:
-                ax.text(left[i] + w / 2, i, f"{w:.0f}%", ha="center", va="center", fontsize=8)
-        left = [a + w for a, w in zip(left, widths)]
-    ax.set(xlim=(0, 100), xlabel="% of the loader's run (wall time)", title="Where the time goes")
-    ax.invert_yaxis()
-    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=2, fontsize=8, frameon=False)

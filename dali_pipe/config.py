@@ -260,17 +260,21 @@ class BenchmarkSettings:
     loaders: str = setting("dali,baseline,synthetic", f"benchmark: comma-separated subset of {','.join(LOADERS)}",
                            check=(lambda v: bool(v) and all(x in LOADERS for x in v.split(",")),
                                   f"has an unknown loader; choose from {', '.join(LOADERS)}"))
-    steps: int = setting(50, "benchmark: timed steps per loader", check=AT_LEAST_1)
-    warmup: int = setting(10, "benchmark: untimed warm-up steps per loader", check=NON_NEGATIVE)
-    cpus: int | None = setting(None, "benchmark: pin the process and its workers to this many cores "
-                                     "(default: all)",
-                               check=(lambda v: 1 <= v <= cores(),
-                                      f"must be between 1 and {cores()} (the cores this process may use)"))
+    steps: int | None = setting(None, "benchmark: timed steps per loader (default: from the machine: 50 on a GPU, 6 "
+                                      "on the CPU with a model, 30 for loaders alone)", check=AT_LEAST_1)
+    warmup: int | None = setting(None, "benchmark: untimed warm-up steps per loader (default: from the machine: 10 "
+                                       "on a GPU, 2 on the CPU with a model, 5 for loaders alone)", check=NON_NEGATIVE)
+    cpus: int | None = setting(None, "benchmark: pin the process and its workers to this many cores (default: all; "
+                                     "more than this process may use is cut to those, with a line saying so)",
+                               check=AT_LEAST_1)
     packed: str | None = setting(None, "benchmark: a pack of --data (python -m dali_pipe pack) that the 'packed' "
                                        "loader reads with DALI, beside the raw files")
-    repeat: int = setting(1, "benchmark: rounds; the loaders alternate within each round, and the report "
-                             "gives the median and min-max of each loader and of each ratio", check=AT_LEAST_1)
-
+    repeat: int | None = setting(None, "benchmark: rounds; the loaders alternate within each round, and the report "
+                                       "gives the median and min-max of each loader and of each ratio (default: from "
+                                       "the machine: 3 on a GPU or for loaders alone, 2 on the CPU with a model)",
+                                 check=AT_LEAST_1)
+    allow_long: bool = setting(False, "benchmark: run even when the estimate on the CPU is over 10 minutes (without "
+                                      "it such a run is refused before it starts, with the estimate)")
 
 @dataclass
 class SyncSettings:

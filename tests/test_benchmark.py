@@ -19,7 +19,7 @@ def big_root(tmp_path_factory):
 
 def _bench(data, out, *extra):
     return train.main(["--benchmark", "--data", str(data), "--output", str(out), "--device", "cpu",
-                       "--batch-size", "4", "--steps", "6", "--warmup", "2", *extra])
+                       "--batch-size", "4", "--steps", "6", "--warmup", "2", "--repeat", "1", *extra])
 
 
 def test_benchmark_writes_complete_json_and_png(photo_root, tmp_path, cache_dir, capsys):
@@ -116,7 +116,7 @@ def test_packed_loader_beside_the_raw_files(big_root, tmp_path, cache_dir):
 def test_a_loader_faster_than_the_synthetic_ceiling_is_called_a_disturbed_measurement():
     """When dali measures faster than synthetic data (impossible for a ceiling: the synthetic run was
     disturbed), the report says so and what to do, instead of 'reaches 1106% of the ceiling'."""
-    from dali_pipe.benchmark import ratio_lines
+    from dali_pipe.benchreport import ratio_lines
 
     spread = {"median": 11.06, "min": 10.93, "max": 11.19}
     lines = ratio_lines({"dali_vs_synthetic": spread}, cores=2, model=True)
@@ -139,7 +139,7 @@ def test_the_figure_counts_whole_steps_and_shows_the_busy_cores_warning():
     other processes loaded its cores says so on the figure, not only in the log."""
     import matplotlib.pyplot as plt
 
-    from dali_pipe.benchmark import figure
+    from dali_pipe.benchreport import figure
 
     fig = figure(_report(5, other_load=1.3))
     ticks = [t for t in fig.axes[0].get_xticks() if 1 <= t <= 5]
@@ -151,3 +151,44 @@ def test_the_figure_counts_whole_steps_and_shows_the_busy_cores_warning():
     fig = figure(_report(5, other_load=0.0))
     assert not [t for t in fig.texts if "other processes" in t.get_text()]
     plt.close(fig)
+
+
+def test_a_long_cpu_run_is_refused_before_it_starts_with_exit_status_2(photo_root, tmp_path, cache_dir, capsys):
+    """A run estimated over 10 minutes on the CPU (by a probe of one warm-up and one timed step) stops before its
+    rounds, exit status 2, with the estimate and the flag that runs it anyway; nothing is written."""
+    from dali_pipe.cli import cli
+
+    out = tmp_path / "b"
+    rc = cli(lambda: _bench(photo_root, out, "--model", "tiny", "--steps", "1000000", "--cpus", "1"))
+    printed = capsys.readouterr()
+    assert rc == 2 and printed.err.splitlines()[-1].startswith("error: the benchmark would take about "), printed.err
+    assert "--allow-long" in printed.err and "estimated " in printed.err and "Traceback" not in printed.err
+    assert "probe (synthetic, 1 warm-up + 1 timed step): " in printed.out and "round 1/1" not in printed.out
+    assert not (out / "benchmark.json").exists()
+
+
+def test_each_loader_run_ends_with_its_workers_and_model_gone(photo_root, tmp_path, cache_dir):
+    """When a loader's run returns, its DataLoader workers have exited and its module and Trainer are unreachable
+    (the next loader's run and its forked workers would otherwise carry them: 13.9 GB in a ViT-B/16 run); its peak
+    memory is the process tree's, reported with its parts."""
+    import gc
+    import weakref
+
+    import psutil
+
+    from dali_pipe.cli import bench, parse_train, prepared
+
+    s = prepared(parse_train(["--benchmark", "--data", str(photo_root), "--output", str(tmp_path / "b"), "--device",
+                              "cpu", "--batch-size", "4", "--steps", "2", "--warmup", "1", "--model", "tiny"]))
+    b = bench.Bench(s)
+    made, module = [], b.module
+    b.module = lambda: made.append(weakref.ref(m := module())) or m
+    try:
+        gc.disable()  # the collector must not be what frees them by chance
+        m = b.measure("baseline", "baseline")["metrics"]
+        children = psutil.Process().children(recursive=True)
+        alive = [r for r in made if r() is not None]
+    finally:
+        gc.enable()
+    assert made and not alive and not children, (alive, children)
+    assert m["rss_peak_mb"] == m["main_rss_peak_mb"] + m["workers_mem_peak_mb"] and m["workers_mem_peak_mb"] > 0

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+import time
 from pathlib import Path
 
 from model.loading import load_processor
@@ -27,12 +28,13 @@ from ..benchmark import (
     measure,
     pin_cpus,
     quiet_lightning,
-    ratio_lines,
     ratios,
     run_rounds,
     summarise,
 )
-from ..config import VIT_B16_RANDOM, Settings, UsageError
+from ..benchplan import check_duration, estimate, memory_gib, plan
+from ..benchreport import flags, ratio_lines
+from ..config import VIT_B16_RANDOM, Settings, UsageError, cores
 from ..datamodule import DaliDataModule
 from ..manifest import Manifest
 from ..prescribe import prescription
@@ -106,20 +108,29 @@ class Bench:
                             max_steps=max_steps, max_epochs=-1, limit_val_batches=0, num_sanity_val_steps=0,
                             enable_progress_bar=False)
 
-    def measure(self, name: str, label: str) -> dict:
+    def measure(self, name: str, label: str, *, warmup: int | None = None, steps: int | None = None) -> dict:
         """One timed run of one loader: its metrics and timelines."""
         s = self.s
         return measure(name, lambda: self.loader(name), device=self.device, batch_size=s.data.batch_size,
-                       warmup=s.bench.warmup, steps=s.bench.steps, cores=len(self.cores),
+                       warmup=s.bench.warmup if warmup is None else warmup,
+                       steps=s.bench.steps if steps is None else steps, cores=len(self.cores),
                        classes=self.dm.manifest.classes, make_module=self.module if self.model else None,
                        make_trainer=self.trainer if self.model else None, label=label)
 
+    def probe(self) -> dict:
+        """One warm-up and one timed step, of the model on synthetic data (a real loader's step is the model's and
+        little more on the CPU) or, without a model, of the first loader: the estimate's measurements."""
+        name = "synthetic" if self.model else self.names[0]
+        return self.measure(name, f"probe ({name}, 1 warm-up + 1 timed step)", warmup=1, steps=1)["metrics"]
 
-def verdicts(b: Bench, results: dict, ratio: dict) -> list[str]:
-    """Each loader's diagnosis, the ratios in words, and the packing prescription when it applies."""
+
+def verdicts(b: Bench, results: dict, ratio: dict, flagged: list[str]) -> list[str]:
+    """Each loader's diagnosis, the ratios in words (a headline only where every round agrees and nothing was
+    flagged), and the packing prescription when it applies."""
     cores = len(b.cores)
     lines = [line for name in b.names for line in results[name]["diagnosis"]]
-    lines += ratio_lines(ratio, cores=cores, model=b.model is not None, packed=b.s.bench.packed, data=b.s.data.data)
+    lines += ratio_lines(ratio, cores=cores, model=b.model is not None, packed=b.s.bench.packed, data=b.s.data.data,
+                         disturbed=bool(flagged))
     bound = any(results[n]["diagnosis"][0].startswith(f"{n}: input-bound") for n in ("dali", "baseline")
                 if n in results)
     if bound and not isinstance(b.train, Shards):
@@ -133,25 +144,42 @@ def verdicts(b: Bench, results: dict, ratio: dict) -> list[str]:
 def run(s: Settings, manifest: Manifest | None = None) -> dict:
     """The benchmark; `manifest`: the local dataset's, read already (cli.described)."""
     quiet_known_noise()
+    began = time.perf_counter()
+    s, planned = plan(s, gpu=s.pipeline.device == "gpu", available_cores=cores(), memory=memory_gib())
+    for line in planned:
+        print(f"benchmark: {line}", flush=True)
     b = Bench(s, manifest)
     print(f"benchmark: {', '.join(b.names)}; {s.bench.warmup} warm-up + {s.bench.steps} timed steps each, batch "
           f"{s.data.batch_size}, {len(b.cores)} core(s), {s.bench.repeat} round(s)" +
           "".join(f"\nbenchmark: {n}" for n in b.notes), flush=True)
+    legs = len(b.names) * s.bench.repeat
+    guess = None
     with quiet_lightning():
+        if not b.gpu:  # on the CPU a long run is refused before it starts
+            probe = b.probe()
+            guess = estimate(probe, legs=legs, warmup=s.bench.warmup, steps=s.bench.steps, model=b.model is not None)
+            print("benchmark: " + check_duration(guess, probe, legs=legs, batch=s.data.batch_size,
+                                                 allow_long=s.bench.allow_long, gpu=b.gpu), flush=True)
+        timed = time.perf_counter()
         rounds = run_rounds(b.names, b.measure, s.bench.repeat)
     results, timelines, ips = summarise(rounds)
     ratio = ratios(ips)
+    flagged = flags(results, ratio, cores=len(b.cores), model=b.model is not None)
     report = {
         "env": environment(b.cores, b.gpu, b.threads),
         "config": {"model": s.model.model, "batch_size": s.data.batch_size, "steps": s.bench.steps,
                    "warmup": s.bench.warmup, "repeat": s.bench.repeat, "precision": s.model.precision,
                    "device": s.pipeline.device, "images": len(b.train), "image": [b.spec.height, b.spec.width],
-                   "data": str(s.data.data)},
+                   "data": str(s.data.data), "chosen": planned, "estimate_s": guess,
+                   "rounds_s": time.perf_counter() - timed, "took_s": time.perf_counter() - began},
         "loaders": results,
         "ratios": ratio,
-        "diagnosis": verdicts(b, results, ratio),
+        "diagnosis": verdicts(b, results, ratio, flagged),
+        "flags": flagged,
         "notes": b.notes,
         "timelines": timelines,
     }
+    if guess is not None:
+        print(f"benchmark: the rounds took {report['config']['rounds_s'] / 60:.1f} min (estimated {guess / 60:.1f} min)")
     sys.stdout.flush()
     return finish(report, b.out)

@@ -38,7 +38,7 @@ __all__ = ["DaliDataModule", "SpotSafeCheckpoint", "RunFingerprint", "MonitorCal
            "UsageError", "RunMismatchError"]
 
 _WHERE = {"DaliDataModule": "api", "SpotSafeCheckpoint": "api", "RunFingerprint": "api", "MonitorCallback": "monitor",
-          "benchmark": "benchmark", "UserError": "errors", "UsageError": "config", "RunMismatchError": "errors"}
+          "benchmark": "benchrun", "UserError": "errors", "UsageError": "config", "RunMismatchError": "errors"}
 
 
 def __getattr__(name: str):

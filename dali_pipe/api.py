@@ -7,7 +7,7 @@
 - `SpotSafeCheckpoint`: the CLI's SIGTERM and Ctrl-C behaviour for any Trainer (model/checkpoint.py's callback,
   with the periodic and final saves left to Lightning's ModelCheckpoint).
 - `RunFingerprint`: your own keys in the resume check the DataModule already does for the data.
-- `MonitorCallback` (monitor.py) and `benchmark` (benchmark.py) are exported as they are.
+- `MonitorCallback` (monitor.py) and `benchmark` (benchrun.py) are exported as they are.
 
 This module sits above model/ and the data stages (it may import both); nothing below imports it.
 """

@@ -392,3 +392,18 @@ def test_prepare_data_says_what_the_data_is_once(photo_root, cache_dir, capsys):
     lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("data: ")]
     assert lines == ["data: 4 classes (astronaut, chelsea, coffee, rocket); 43 train + 5 val images; scan fast: 0 of "
                      "48 excluded"]
+
+
+def test_every_public_name_is_itself_whatever_was_imported_first():
+    """Each name of dali_pipe.__all__ is the documented object even when its module was imported first (as the
+    CLI's benchmark imports its own): a module named like a public name would replace it on the package, and
+    dali_pipe.benchmark(...) said "'module' object is not callable" after a benchmark ran in the same process."""
+    import subprocess
+    import sys
+
+    code = ("import importlib, types, dali_pipe\n"
+            "for m in set(dali_pipe._WHERE.values()): importlib.import_module('dali_pipe.' + m)\n"
+            "print([n for n in dali_pipe.__all__ if isinstance(getattr(dali_pipe, n), types.ModuleType)])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=Path(__file__).resolve().parents[1])
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr[-2000:]

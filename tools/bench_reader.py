@@ -35,7 +35,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from dali_pipe.benchmark import pin_cpus  # noqa: E402
+from dali_pipe.benchrun import pin_cpus  # noqa: E402
 from dali_pipe.config import DataSettings, PipelineSettings  # noqa: E402
 from dali_pipe.datamodule import DaliDataModule  # noqa: E402
 from dali_pipe.pipeline import decoder_args, shard_reader  # noqa: E402

@@ -278,7 +278,7 @@ def decode_part(data: str, a, cores: int, old_nvjpeg: bool = False) -> dict:
     images/s, CPU % and the images nvImageCodec's GPU decoders refused (decoded on the CPU instead)."""
     import torch
 
-    from dali_pipe.benchmark import measure
+    from dali_pipe.benchrun import measure
     from dali_pipe.datamodule import DaliDataModule
     from dali_pipe.decoder import nvjpeg
     from dali_pipe.loader import DaliLoader
@@ -415,7 +415,7 @@ def steps_part(data: str, a, cores: int) -> dict:
     import torch
     from pytorch_lightning.loggers.logger import DummyLogger
 
-    from dali_pipe.benchmark import Synthetic, measure, quiet_lightning
+    from dali_pipe.benchrun import Synthetic, measure, quiet_lightning
     from dali_pipe.datamodule import DaliDataModule
     from dali_pipe.spec import ImageSpec
     from model.loading import load_processor
@@ -469,7 +469,7 @@ def steps_part(data: str, a, cores: int) -> dict:
 
 
 def probe(a) -> int:
-    from dali_pipe.benchmark import pin_cpus
+    from dali_pipe.benchrun import pin_cpus
 
     cores = len(pin_cpus(None))
     report = {"device": a.device, "cores": cores, "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
@@ -640,7 +640,7 @@ def main(argv=None) -> int:
     if a.cmd == "summary":
         return summary(a.out, a.steps_tsv, a.seconds)
     if a.cmd == "decode-only":
-        from dali_pipe.benchmark import pin_cpus
+        from dali_pipe.benchrun import pin_cpus
 
         a.pack = None
         Path(a.out).write_text(json.dumps(decode_part(a.data, a, len(pin_cpus(None)), old_nvjpeg=True), indent=1))

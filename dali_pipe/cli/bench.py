@@ -7,7 +7,7 @@ training (same AdamW, precision plugin and loss), timed by `MonitorCallback` aft
 untimed steps; `--model none` times the loaders alone (and leaves synthetic out, with a note).
 `--repeat N` runs N rounds, alternating the loaders' order, and reports the median and min-max of
 each loader and of each ratio (ratios are taken within a round). The measuring, reporting and
-plotting live in dali_pipe/benchmark.py, which `dali_pipe.benchmark()` shares.
+plotting live in dali_pipe/benchrun.py, which `dali_pipe.benchmark()` shares.
 """
 from __future__ import annotations
 
@@ -20,7 +20,9 @@ from model.loading import load_processor
 from model.module import ImageClassifier
 
 from ..baseline import classic_loader
-from ..benchmark import (
+from ..benchplan import check_duration, estimate, memory_gib, plan
+from ..benchreport import flags, ratio_lines
+from ..benchrun import (
     NO_MODEL_NOTE,
     Synthetic,
     environment,
@@ -32,8 +34,6 @@ from ..benchmark import (
     run_rounds,
     summarise,
 )
-from ..benchplan import check_duration, estimate, memory_gib, plan
-from ..benchreport import flags, ratio_lines
 from ..config import VIT_B16_RANDOM, Settings, UsageError, cores
 from ..datamodule import DaliDataModule
 from ..manifest import Manifest

@@ -293,7 +293,6 @@ def test_an_output_that_is_the_data_or_inside_it_is_refused(photo_root, tmp_path
     import shutil
 
     import train
-
     from dali_pipe.cli.commands import main
 
     pets = tmp_path / "pets"

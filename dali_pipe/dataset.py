@@ -189,6 +189,19 @@ def check_batch(n: int, batch_size: int, num_shards: int, held_out: str = "") ->
                                  f"images each of the {num_shards} rank(s) gets; {fix}.")
 
 
+def check_accumulation(n: int, batch_size: int, num_shards: int, grad_accum: int) -> None:
+    """--grad-accum may not exceed the batches each rank trains per epoch: Lightning steps at an epoch's last
+    batch, so each step would take that epoch's batches, not --grad-accum of them (and the start-up summary
+    said 'x 16 accumulation = 128 per optimizer step' over 5 batches of 8)."""
+    batches = (n // num_shards) // batch_size
+    if 0 < batches < grad_accum:
+        raise BatchTooLargeError(
+            f"--grad-accum {grad_accum} is more than the {batches} batch(es) of {batch_size} each of the {num_shards} "
+            f"process(es) trains per epoch ({n} training images): each optimizer step would accumulate those "
+            f"{batches}, not {grad_accum} (Lightning steps at an epoch's end); pass --grad-accum {batches} or lower, "
+            "or a smaller --batch-size")
+
+
 FINGERPRINT_NAMES = {"samples": "the data (files, labels or split)", "classes": "the classes",
                      "image_size": "the image size", "world_size": "the number of "
                      "processes (the Trainer's devices x num_nodes)",

@@ -530,6 +530,13 @@ def validate(s: Settings, groups=TRAIN_GROUPS, problems: list[str] = (), data_ch
         problem = data_check(s.data.data)
         if problem:
             problems.append(problem)
+    data = s.data.data if isinstance(s.data.data, str) and "://" not in s.data.data else ""
+    for group, out in (("run", s.run.output), ("eval", s.eval.eval_output), ("predict", s.predict.predict_output)):
+        where = Path(out).resolve() if group in groups and data and os.path.isdir(data) else None
+        if where is not None and Path(data).resolve() in (where, *where.parents):  # the files would be read as data
+            problems.append(f"--output: {out!r} is {'--data' if where == Path(data).resolve() else 'inside --data'} "
+                            f"({data!r}): what the command writes there is read as data by the next run (folders as "
+                            "an ImageFolder's classes); pass an --output outside --data, such as runs/NAME")
     if "pipeline" in groups and s.pipeline.device == "gpu" and not _cuda_available():
         problems.append("--device: 'gpu' but no CUDA GPU is visible; use --device cpu (or auto)")
     if problems:

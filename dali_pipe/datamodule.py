@@ -26,7 +26,17 @@ import pytorch_lightning as pl
 from lightning_fabric.plugins import CheckpointIO
 
 from .config import DataSettings, PipelineSettings, recipe_names, resolve_device
-from .dataset import check_batch, data_line, differences, drop_note, fingerprint, prepare, read, scan_manifest
+from .dataset import (
+    check_batch,
+    data_line,
+    differences,
+    drop_note,
+    fingerprint,
+    held_out_only,
+    prepare,
+    read,
+    scan_manifest,
+)
 from .errors import RunMismatchError, UserError
 from .loader import DaliLoader, ReaderChanged
 from .manifest import Manifest
@@ -161,7 +171,8 @@ class DaliDataModule(pl.LightningDataModule):
         """The manifest without the bad files (scan cache hits only, no decoding), checked against
         the batch size for `world_size` ranks (default: the trainer's)."""
         self._read_manifest()
-        check_batch(len(self.manifest.train), self.data.batch_size, world_size or self._rank()[1])
+        check_batch(len(self.manifest.train), self.data.batch_size, world_size or self._rank()[1],
+                    held_out_only(self.data.data, self.manifest))
         return self.manifest
 
     def setup(self, stage: str | None = None) -> None:

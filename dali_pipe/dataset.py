@@ -158,13 +158,48 @@ def drop_note(n: int, batch_size: int, num_shards: int) -> str | None:
             f"order changes every epoch, so a different {dropped} each time){fix}. Validation still sees every image.")
 
 
-def check_batch(n: int, batch_size: int, num_shards: int) -> None:
-    """Training keeps full batches only: each rank's share must hold at least one."""
+class NoTrainingError(UserError):
+    """--data holds images, none of which training reads (a Hugging Face dataset of test files only)."""
+
+
+def held_out_only(data: str, manifest) -> str:
+    """Where every image of --data is held out as test (a Hugging Face dataset whose files, or DatasetDict splits,
+    are all named test): the files and what to do; '' otherwise. Training said "--batch-size 8 is larger than
+    the 0 training images", evaluate --split val "no split column", and pack wrote an empty pack."""
+    test = getattr(manifest, "test", None)
+    if len(manifest.train) or len(manifest.val) or not test:
+        return ""
+    files = list(dict.fromkeys(s.name.split(" (", 1)[0] for s in manifest.shards if "test" in s.split))
+    more = f" and {len(files) - 1} more" if len(files) > 1 else ""
+    return (f"--data {data!r} holds only test files ({len(test)} images in {files[0]}{more}), which training and "
+            "pack leave out and evaluate reads with --split test; to train on them, name them train-*.parquet (or "
+            "save them as a DatasetDict's train split), with a validation-* file or none (then --val-fraction of the "
+            "rows validate)")
+
+
+def check_batch(n: int, batch_size: int, num_shards: int, held_out: str = "") -> None:
+    """Training keeps full batches only: each rank's share must hold at least one. `held_out`: why there are
+    none (held_out_only), said instead of the batch size."""
+    if not n and held_out:
+        raise NoTrainingError(held_out)
     if n // num_shards < batch_size:
         most = n // num_shards
         fix = f"pass --batch-size {most} or lower" if most else "add training images (or train on fewer processes)"
         raise BatchTooLargeError(f"--batch-size {batch_size} is larger than the {most} training "
                                  f"images each of the {num_shards} rank(s) gets; {fix}.")
+
+
+def check_accumulation(n: int, batch_size: int, num_shards: int, grad_accum: int) -> None:
+    """--grad-accum may not exceed the batches each rank trains per epoch: Lightning steps at an epoch's last
+    batch, so each step would take that epoch's batches, not --grad-accum of them (and the start-up summary
+    said 'x 16 accumulation = 128 per optimizer step' over 5 batches of 8)."""
+    batches = (n // num_shards) // batch_size
+    if 0 < batches < grad_accum:
+        raise BatchTooLargeError(
+            f"--grad-accum {grad_accum} is more than the {batches} batch(es) of {batch_size} each of the {num_shards} "
+            f"process(es) trains per epoch ({n} training images): each optimizer step would accumulate those "
+            f"{batches}, not {grad_accum} (Lightning steps at an epoch's end); pass --grad-accum {batches} or lower, "
+            "or a smaller --batch-size")
 
 
 FINGERPRINT_NAMES = {"samples": "the data (files, labels or split)", "classes": "the classes",

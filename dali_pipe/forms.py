@@ -166,9 +166,27 @@ def parquet_files(root: Path) -> list[str]:
     return found
 
 
+ARROW_SHARD = re.compile(r"data-\d{5}-of-\d{5}\.arrow")  # the files save_to_disk writes, state.json listing them
+
+
 def is_save_to_disk(root: Path) -> bool:
-    return (root / "dataset_dict.json").is_file() or ((root / "state.json").is_file() and
-                                                       (root / "dataset_info.json").is_file())
+    """A `Dataset.save_to_disk` folder (state.json + dataset_info.json), or a DatasetDict's (dataset_dict.json). Its
+    data files without state.json (a copy that left it out) are refused, naming it: they were called a folder
+    holding none of the forms."""
+    if (root / "dataset_dict.json").is_file() or ((root / "state.json").is_file() and
+                                                  (root / "dataset_info.json").is_file()):
+        return True
+    if not (root / "state.json").exists():
+        try:
+            arrow = sorted(e.name for e in os.scandir(root) if ARROW_SHARD.fullmatch(e.name))
+        except OSError:
+            return False
+        if arrow:
+            raise LayoutError(
+                f"{str(root)!r} holds {arrow[0]}{f' and {len(arrow) - 1} more' if len(arrow) > 1 else ''}, as "
+                "Dataset.save_to_disk writes them, but no state.json, which lists them; copy the whole folder again "
+                "(state.json and dataset_info.json are beside the .arrow files), or save the dataset again")
+    return False
 
 
 class UnfinishedPackError(UserError):

@@ -7,10 +7,12 @@ words (`explain`: the bucket, the key and the fix, never a secret).
 """
 from __future__ import annotations
 
+import functools
 import os
 import re
 import threading
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from pathlib import Path
 from urllib.parse import unquote, urlsplit, urlunsplit
 
@@ -28,14 +30,34 @@ class TransferError(Exception):
     """An S3 request failed; `code` is S3's error code (NoSuchKey, AccessDenied, SlowDown, ...) or ours:
     'timeout', 'connect', 'credentials', 'size' (the object's bytes differ from its listed size), 'http'."""
 
-    def __init__(self, code: str, detail: str, status: int | None = None):
+    def __init__(self, code: str, detail: str, status: int | None = None, server_time: str | None = None):
         super().__init__(detail)
         self.code, self.detail, self.status = code, detail, status
+        self.server_time = server_time  # S3's clock, where it answered RequestTimeTooSkewed with it
+
+
+class EndpointError(UserError):
+    """AWS_ENDPOINT_URL(_S3) is not a URL S3 requests can be made below; the message names it and the fix."""
+
+
+def _endpoint_setting() -> tuple[str, str | None]:
+    """(the variable's name, its value): AWS_ENDPOINT_URL_S3, else AWS_ENDPOINT_URL (botocore's order)."""
+    name = "AWS_ENDPOINT_URL_S3" if os.environ.get("AWS_ENDPOINT_URL_S3") else "AWS_ENDPOINT_URL"
+    return name, os.environ.get(name) or None
 
 
 def endpoint_url() -> str | None:
-    """AWS_ENDPOINT_URL_S3, else AWS_ENDPOINT_URL (botocore's order), as set (credentials and all)."""
-    return os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or None
+    """AWS_ENDPOINT_URL_S3, else AWS_ENDPOINT_URL (botocore's order), as set (credentials and all). One with a
+    query or a fragment is refused: the bucket and key are added after the URL, so they landed in the query
+    and an S3 server answered another request (moto: its bucket list, read as the first line of dataset.tsv)."""
+    name, url = _endpoint_setting()
+    if url and ("?" in url or "#" in url):
+        u = urlsplit(url)
+        raise EndpointError(f"{name}={redact(url)} has a {'query' if '?' in url else 'fragment'} "
+                            f"({'?' if '?' in url else '#'}...): the bucket and key are added after the endpoint, so "
+                            "they would land in it and S3 would answer another request; set it to the server alone, "
+                            f"{u.scheme}://{redact(u.netloc.rsplit('@', 1)[-1])}{u.path.rstrip('/')}")
+    return url
 
 
 def endpoint_credentials() -> dict:
@@ -53,7 +75,7 @@ def endpoint_credentials() -> dict:
 
 def endpoint() -> str:
     """The endpoint S3 requests go to (AWS_ENDPOINT_URL_S3 before AWS_ENDPOINT_URL), redacted."""
-    return redact(endpoint_url() or "the AWS S3 endpoint")
+    return redact(_endpoint_setting()[1] or "the AWS S3 endpoint")
 
 
 def env_keys() -> tuple[str, str, str | None] | None:
@@ -222,9 +244,53 @@ def explain(err: Exception, bucket: str, key: str) -> str:
                 "later or with fewer --workers")
     if code == "size":
         return f"s3://{bucket}/{key}: {err}; rerun the sync (the object may be changing)"
+    if code in ("PermanentRedirect", "301", "AuthorizationHeaderMalformed"):
+        region = region_of(bucket, endpoint())
+        fix = (f"find its region (aws s3api head-bucket --bucket {bucket}: BucketRegion) and set AWS_DEFAULT_REGION "
+               "to it" if not region else f"S3 says it is in {region}, as AWS_DEFAULT_REGION says" if region ==
+               os.environ.get("AWS_DEFAULT_REGION") else f"it is in {region}: set AWS_DEFAULT_REGION={region}")
+        if _endpoint_setting()[1]:
+            fix += f", and {_endpoint_setting()[0]} to an endpoint of that region (or leave it unset for AWS)"
+        return (f"s3://{bucket}/{key}: S3 answered {code} (bucket {bucket!r} is in another region than the one "
+                f"{endpoint()} was asked in); {fix}")
+    if code == "RequestTimeTooSkewed":
+        return (f"{endpoint()} refused s3://{bucket}/{key} (RequestTimeTooSkewed): this machine's clock is more than "
+                f"15 minutes off S3's{clocks(err)}, and S3 refuses requests signed at another time; set the clock "
+                "(timedatectl set-ntp true, or chronyd/ntpd), then rerun")
+    if code == "endpoint":
+        return str(err)
+    if code == "BadKey":
+        return (f"s3://{bucket}/{key!r}: the key holds a control character (a tab, a line break), which the transfer "
+                "engine (object_store) cannot request; rename the object without it")
     if code is not None:
         return f"S3 error {code} on s3://{bucket}/{key}"
     return f"{type(err).__name__} on s3://{bucket}/{key}: " + redact(str(err))[:200]  # redacted whole, then cut
+
+
+@functools.lru_cache(maxsize=16)
+def region_of(bucket: str, endpoint: str) -> str | None:
+    """The region S3 says `bucket` is in (one HEAD through botocore, asked once per bucket and endpoint), or None."""
+    try:
+        return from_botocore(lambda session: bucket_region(session, bucket))
+    except TransferError:
+        return None
+
+
+def clocks(err: Exception) -> str:
+    """' (S3's clock: T, this machine's: T2)' where S3 said its time (RequestTimeTooSkewed), else ''."""
+    said = getattr(err, "server_time", None)
+    if said is None and type(err).__module__.startswith("botocore"):
+        said = getattr(err, "response", {}).get("Error", {}).get("ServerTime")
+    try:
+        server = datetime.fromisoformat(str(said).replace("Z", "+00:00"))
+    except ValueError:
+        return ""
+    now = datetime.now(timezone.utc)
+    if server.tzinfo is None:
+        server = server.replace(tzinfo=timezone.utc)
+    minutes = round(abs((now - server).total_seconds()) / 60)
+    return (f" (S3's clock said {server:%Y-%m-%d %H:%M:%S} UTC, this machine's {now:%Y-%m-%d %H:%M:%S} UTC: "
+            f"{minutes} minutes apart)")
 
 
 def _code(err: Exception) -> str | None:
@@ -276,17 +342,30 @@ def list_with_boto3(bucket: str, prefix: str, *, connect_timeout: float, read_ti
     return found
 
 
+def engine_refuses(key: str) -> bool:
+    """A key the transfer engine cannot request: object_store refuses ASCII control characters in a path (a tab,
+    a line break), before any request."""
+    return re.search(r"[\x00-\x1f\x7f]", key) is not None
+
+
 def classify(err: BaseException) -> TransferError:
     """obstore's error (its text carries S3's XML error and reqwest's kind) as a TransferError."""
     if isinstance(err, TransferError):
         return err
+    if isinstance(err, EndpointError):  # raised where the store is made: its message is the whole story
+        return TransferError("endpoint", str(err))
     text = str(err)
     code = re.search(r"<Code>([A-Za-z0-9.]+)</Code>", text)
     status = re.search(r"status code: (\d{3})", text)
     st = int(status.group(1)) if status else None
     first = redact(text.split("\n", 1)[0])[:300]  # redacted whole: a cut could split a secret from its marker
     if code:
-        return TransferError(code.group(1), first, st)
+        server = re.search(r"<ServerTime>([^<]{1,40})</ServerTime>", text)
+        return TransferError(code.group(1), first, st, server.group(1) if server else None)
+    if st == 301 or "redirect without LOCATION" in text:  # S3's PermanentRedirect (obstore drops its body)
+        return TransferError("PermanentRedirect", first, 301)
+    if "Could not parse path" in text and "illegal character" in text:  # a key object_store refuses
+        return TransferError("BadKey", first)
     if isinstance(err, FileNotFoundError) or st == 404:
         return TransferError("NoSuchKey", first, 404)
     if st in (401, 403) or type(err).__name__ in ("PermissionDeniedError", "UnauthenticatedError"):

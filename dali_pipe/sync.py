@@ -35,7 +35,7 @@ import time
 from collections import deque
 from concurrent.futures import Future
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from .landing import part_name
@@ -46,6 +46,7 @@ from .s3 import (
     SyncError,
     TransferError,
     endpoint,
+    engine_refuses,
     explain,
     parse_s3_uri,
 )
@@ -75,6 +76,7 @@ class SyncStats:
     downloaded: int = 0
     skipped: int = 0  # already present and unchanged
     missing: int = 0  # listed in the manifest but not in S3
+    unrequestable: list[str] = field(default_factory=list)  # keys a listing chose that the engine cannot request
     bytes: int = 0
     seconds: float = 0.0
 
@@ -544,6 +546,13 @@ def sync_files(uri: str, dest: Path | str, *, keep, workers: int, progress: bool
             print(f"sync: listing s3://{bucket}/{base} from {endpoint()}", file=sys.stderr, flush=True)
         remote = listing(engine, bucket, base)
         names = sorted(k for k in remote if keep(k))
+        unrequestable = [k for k in names if engine_refuses(k)]
+        if unrequestable:  # one such key made the whole sync fail, as "S3 error http"
+            names = [k for k in names if not engine_refuses(k)]
+            print(f"sync: {len(unrequestable)} object(s) of s3://{bucket}/{base} not synced, so not read: "
+                  f"{', '.join(map(repr, unrequestable[:5]))}{' ...' if len(unrequestable) > 5 else ''}: a key holding "
+                  "a control character (a tab, a line break) cannot be requested by the transfer engine "
+                  "(object_store); rename them in the bucket to include them", file=sys.stderr)
         refused = []
         for rel in names:
             try:
@@ -555,7 +564,7 @@ def sync_files(uri: str, dest: Path | str, *, keep, workers: int, progress: bool
             raise SyncError(f"s3://{bucket}/{base}: {len(refused)} key(s) would land outside {dest} or under another "
                             f"name, e.g. {refused[0]!r}; rename them. Nothing was downloaded.")
         state = SyncState(dest)
-        stats = SyncStats(listed=len(names))
+        stats = SyncStats(listed=len(names), unrequestable=unrequestable)
         todo = [(rel, *remote[rel]) for rel in names if not state.unchanged(rel, *remote[rel], dest / rel)]
         stats.skipped = len(names) - len(todo)
         check_room(dest, todo)

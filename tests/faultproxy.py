@@ -1,13 +1,17 @@
 """A fault-injecting HTTP proxy on 127.0.0.1 in front of an S3 endpoint (moto's server), for tests.
 
 Requests are forwarded one by one (keep-alive towards the client, one upstream connection per
-request). A fault is armed for the next `times` GETs whose path contains `match`:
+request). A fault is armed for the next `times` GETs whose path contains `match` (HEADs too for "301" and "skew"):
 
 - "503": answer 503 SlowDown (S3's throttling reply) without asking upstream;
 - "cut": send the headers and half the body, then close the connection;
 - "stall": send the headers and half the body, then nothing for `stall_s` seconds, then close;
 - "flip": send the whole body with one byte inverted (a checksum must catch it);
-- "hang": read the request and answer nothing, until the client gives up or the proxy stops.
+- "hang": read the request and answer nothing, until the client gives up or the proxy stops;
+- "301": answer S3's 301 PermanentRedirect for a bucket in another region (`region`, in its
+  x-amz-bucket-region header and its Endpoint), without asking upstream;
+- "skew": answer S3's 403 RequestTimeTooSkewed (the request's clock far from the server's), without asking
+  upstream.
 
 Everything is bounded: sockets time out, a stall ends, and the server stops with the fixture.
 `requests` records (method, path, fault, headers) of every request.
@@ -23,14 +27,23 @@ from urllib.parse import urlsplit
 
 SLOWDOWN = (b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown</Code><Message>Please reduce your '
             b'request rate.</Message></Error>')
+REDIRECT = ('<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>PermanentRedirect</Code><Message>The bucket you are '
+            'attempting to access must be addressed using the specified endpoint. Please send all future requests to '
+            'this endpoint.</Message><Endpoint>{bucket}.s3.{region}.amazonaws.com</Endpoint><Bucket>{bucket}</Bucket>'
+            '<RequestId>R1</RequestId></Error>')
+SKEWED = (b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>RequestTimeTooSkewed</Code><Message>The difference '
+          b'between the request time and the current time is too large.</Message><RequestTime>20200101T000000Z'
+          b'</RequestTime><ServerTime>2020-01-01T00:20:00Z</ServerTime><MaxAllowedSkewMilliseconds>900000'
+          b'</MaxAllowedSkewMilliseconds><RequestId>R2</RequestId></Error>')
 
 
 @dataclass
 class Fault:
-    kind: str  # 503 | cut | stall | flip | hang
+    kind: str  # 503 | cut | stall | flip | hang | 301 | skew
     match: str  # substring of the request path
     times: int = 1
     stall_s: float = 30.0
+    region: str = "eu-west-1"  # 301: the bucket's region
 
 
 class FaultProxy:
@@ -68,9 +81,9 @@ class FaultProxy:
         self._server.shutdown()
         self._server.server_close()
 
-    def arm(self, kind: str, match: str, times: int = 1, stall_s: float = 30.0) -> None:
+    def arm(self, kind: str, match: str, times: int = 1, stall_s: float = 30.0, region: str = "eu-west-1") -> None:
         with self._lock:
-            self.faults.append(Fault(kind, match, times, stall_s))
+            self.faults.append(Fault(kind, match, times, stall_s, region))
 
     def applied(self, kind: str) -> int:
         return sum(1 for r in self.requests if r[2] == kind)
@@ -78,7 +91,8 @@ class FaultProxy:
     def _take(self, method: str, path: str) -> Fault | None:
         with self._lock:
             for fault in self.faults:
-                if method == "GET" and fault.match in path and fault.times > 0:
+                asked = method == "GET" or (method == "HEAD" and fault.kind in ("301", "skew"))
+                if asked and fault.match in path and fault.times > 0:
                     fault.times -= 1
                     return fault
         return None
@@ -104,6 +118,14 @@ class FaultProxy:
         if fault and fault.kind == "503":
             sock.sendall(b"HTTP/1.1 503 Slow Down\r\nContent-Type: application/xml\r\nContent-Length: "
                          + str(len(SLOWDOWN)).encode() + b"\r\n\r\n" + SLOWDOWN)
+            return True
+        if fault and fault.kind in ("301", "skew"):
+            bucket = path.lstrip("/").split("/", 1)[0].split("?", 1)[0]
+            body = REDIRECT.format(bucket=bucket, region=fault.region).encode() if fault.kind == "301" else SKEWED
+            head = (f"HTTP/1.1 301 Moved Permanently\r\nx-amz-bucket-region: {fault.region}\r\n" if fault.kind == "301"
+                    else "HTTP/1.1 403 Forbidden\r\n")
+            sock.sendall(f"{head}Content-Type: application/xml\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+                         + (body if method == "GET" else b""))
             return True
         if fault and fault.kind == "hang":
             while not self._stop.is_set():  # silent until the client closes (recv gives b"") or the proxy stops

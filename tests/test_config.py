@@ -284,3 +284,27 @@ def test_train_names_the_flag_of_a_switch_given_a_word_that_is_not_true_or_false
     SageMaker hyperparameter `"skip-missing": "maybe"` is told)."""
     with pytest.raises(UsageError, match=f"--skip-missing.*'{word}' is not true or false"):
         _parse(["--skip-missing", word])
+
+
+def test_an_output_that_is_the_data_or_inside_it_is_refused(photo_root, tmp_path):
+    """train.py --output equal to an ImageFolder's --data trained, wrote checkpoints/ and tensorboard/ among the
+    classes, and the next run said "2 class folder(s) hold no image ('checkpoints', 'tensorboard')"; evaluate and
+    predict wrote into it as well. Each command now refuses it before anything is read, naming both flags."""
+    import shutil
+
+    import train
+    from dali_pipe.cli.commands import main
+
+    pets = tmp_path / "pets"
+    shutil.copytree(photo_root, pets, ignore=shutil.ignore_patterns("dataset.tsv"))
+    (tmp_path / "m").mkdir()
+    with pytest.raises(UsageError, match=r"--output: '.*pets/' is --data \('.*pets'\): what the command writes there "
+                                         r"is read as data by the next run.*pass an --output outside --data"):
+        train.main(["--data", str(pets), "--output", f"{pets}/", "--model", "tiny", "--device", "cpu"])
+    for command in ("evaluate", "predict"):
+        with pytest.raises(UsageError, match=r"--output: '.*pets/../pets/out' is inside --data"):
+            main([command, "--model", str(tmp_path / "m"), "--data", str(pets), "--output", f"{pets}/../pets/out"])
+    assert sorted(p.name for p in pets.iterdir()) == sorted(p.name for p in photo_root.iterdir() if p.is_dir())
+    from dali_pipe.cli import parse_train
+
+    parse_train(["--data", str(pets), "--output", str(tmp_path / "runs")])  # beside it: fine

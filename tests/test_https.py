@@ -295,3 +295,25 @@ def test_a_server_that_refuses_head_is_indexed_from_its_get(sites, tmp_path):
     indexed, stored = source._read_source(found.items[0], source.Collector("off", 10**8, 1))
     assert stored == len(body) and [e.key for e in indexed.entries] == ["k000", "k001", "k002"]
     assert [m for m, _, _ in site.requests] == ["HEAD", "GET", "GET"]  # the shard's HEAD, classes.txt, the shard
+
+
+def test_a_tar_the_server_gzips_on_the_way_is_named_with_the_fix(sites, tmp_path):
+    """A server that sends a .tar gzip-compressed (Content-Encoding: gzip, though asked for identity): the shard
+    was 'not a readable tar (ReadError: invalid header); check the file'; now the gzip bytes are named, with the
+    server setting to change, and the same bytes in a local .tar are told to be named .tar.gz."""
+    import gzip
+
+    from dali_pipe.config import DataSettings
+    from dali_pipe.inputs import read
+
+    body = gzip.compress(_shard())
+    site = sites({"/d/a.tar": body}, gzip_paths=("/d/a.tar",))
+    with pytest.raises(ShardSourceError) as e:
+        read(DataSettings(data=site.url("/d/a.tar"), cache_dir=str(tmp_path / "cache")))
+    said = str(e.value)
+    assert "a.tar: not a tar but gzip-compressed bytes (they start with gzip's 1f 8b)" in said
+    assert "Content-Encoding: gzip" in said and "name gzipped ones .tar.gz" in said and "invalid header" not in said
+    (tmp_path / "local").mkdir()
+    (tmp_path / "local/a.tar").write_bytes(body)
+    with pytest.raises(ShardSourceError, match=r"a.tar: not a tar but gzip-compressed bytes .*; name it .tar.gz"):
+        read(DataSettings(data=str(tmp_path / "local"), cache_dir=str(tmp_path / "cache")))

@@ -228,3 +228,81 @@ def test_rows_that_name_their_image_by_path_are_checked_again_when_the_file_chan
     assert [(shard.keys[e], shard.image_paths[e]) for shard, e, _ in s.bad] == [
         ("train-00000-of-00001.parquet:2", "imgs/2.jpg")], s.bad
     assert len(_labels(_loader(s.train, 2, False))) == 5
+
+
+@pytest.mark.parametrize("second", ["text", "reordered", "integers"])
+def test_files_of_two_datasets_labels_are_refused_naming_each(photo_root, tmp_path, second):
+    """A training file of one dataset beside a validation file of another, written by `datasets`: text labels
+    beside a ClassLabel (each of its rows was listed bad, "label 'astronaut' is not one of the ClassLabel's 4
+    names"), the ClassLabel's names in another order (refused without naming a file), text beside plain integers
+    (trained on, with classes '0'..'3' beside 'astronaut'). Each is refused naming both files and the fix."""
+    import datasets
+
+    photos = sorted(photo_root.glob("*/*.jpg"))[:12]
+    names = sorted(d.name for d in photo_root.iterdir() if d.is_dir())
+    images = [{"bytes": p.read_bytes(), "path": p.name} for p in photos]
+    labels = [names.index(p.parent.name) for p in photos]
+    label_type = {"text": datasets.Value("string"), "reordered": datasets.ClassLabel(names=names[::-1]),
+                  "integers": datasets.Value("int64")}
+    first = datasets.Value("int64") if second == "integers" else datasets.ClassLabel(names=names)
+    (tmp_path / "d/data").mkdir(parents=True)
+    for split, feature in (("train", first), ("validation", label_type["text" if second == "integers" else second])):
+        values = [names[i] for i in labels] if feature == datasets.Value("string") else labels
+        datasets.Dataset.from_dict({"image": images, "label": values}, features=datasets.Features(
+            {"image": datasets.Image(), "label": feature})).to_parquet(tmp_path / f"d/data/{split}-00000-of-00001.parquet")
+    with pytest.raises(TableSourceError) as e:
+        _open(tmp_path / "d", tmp_path / "cache")
+    said = str(e.value)
+    assert "its files hold the labels of different datasets" in said and "ds.cast_column('label', ClassLabel(" in said
+    assert "data/train-00000-of-00001.parquet: " in said and "data/validation-00000-of-00001.parquet: " in said
+    assert {"text": "text labels ('", "reordered": "a ClassLabel of 4 names (rocket, coffee, chelsea, astronaut)",
+            "integers": "integer labels without a ClassLabel"}[second] in said
+
+
+def test_a_save_to_disk_folder_without_its_state_json_is_named(hf, tmp_path):
+    """save_to_disk folders copied without state.json: a Dataset's was called a folder holding none of the input
+    forms, a DatasetDict split's 'cannot be read as JSON ([Errno 2] ...)'; both now name the missing file and the fix."""
+    import shutil
+
+    import datasets
+
+    from dali_pipe.inputs import data_problem
+
+    one = tmp_path / "one"
+    datasets.load_from_disk(str(hf / "dict"))["test"].save_to_disk(one)
+    (one / "state.json").unlink()
+    said = data_problem(str(one))
+    assert "holds data-00000-of-00001.arrow, as Dataset.save_to_disk writes them, but no state.json" in said
+    assert "copy the whole folder again" in said and "none of the input forms" not in said
+    shutil.copytree(hf / "dict", tmp_path / "dict")
+    (tmp_path / "dict/validation/state.json").unlink()
+    with pytest.raises(TableSourceError, match=r"dict/validation/state.json is missing: .*dataset_dict.json lists the "
+                                               r"split 'validation'.*copy the whole .*dict again"):
+        _open(tmp_path / "dict", tmp_path / "cache")
+
+
+def test_a_dataset_of_test_files_only_is_named_as_such(hf, trained, tmp_path, cache_dir):
+    """A Parquet dataset whose only file is data/test-*: training said "--batch-size 8 is larger than the 0 training
+    images", evaluate --split val "no images in it (no split column ...)", and pack wrote a pack of 0 images, exit 0.
+    Each now names the test file and the fix; evaluate --split test still reads it."""
+    import datasets
+    from helpers import datamodule
+
+    from dali_pipe.cli.commands import main
+    from dali_pipe.dataset import NoTrainingError
+    from dali_pipe.errors import UserError
+    from dali_pipe.pack import PackError
+
+    src = tmp_path / "t"
+    datasets.load_from_disk(str(hf / "dict"))["test"].to_parquet(src / "data/test-00000-of-00001.parquet")
+    said = r"--data '.*t' holds only test files \(8 images in data/test-00000-of-00001.parquet\).*name them train-\*"
+    dm = datamodule(src, tmp_path / "out", batch_size=4, cache_dir=cache_dir, spec=SPEC)
+    dm.prepare_data()
+    with pytest.raises(NoTrainingError, match=said):
+        dm.setup_manifest(1)
+    with pytest.raises(PackError, match=said.replace("--data", "SRC")):
+        main(["pack", str(src), str(tmp_path / "packed"), "--workers", "1"])
+    assert not (tmp_path / "packed/packed.json").exists()
+    with pytest.raises(UserError, match=rf"--split val: {said}.*; pass --split test"):
+        main(["evaluate", "--model", str(trained), "--data", str(src), "--device", "cpu", "--split", "val",
+              "--output", str(tmp_path / "ev")])

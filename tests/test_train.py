@@ -546,3 +546,22 @@ def test_a_sigterm_that_lands_in_a_finaliser_still_stops_the_command(tmp_path):
     p.send_signal(signal.SIGTERM)
     out, err = p.communicate(timeout=60)
     assert (p.returncode, out, err) == (143, "", "stopped by SIGTERM\n")
+
+
+def test_grad_accum_over_the_batches_of_an_epoch_is_refused_naming_the_most_that_applies(photo_root, tmp_path,
+                                                                                           cache_dir):
+    """43 training images in batches of 8 are 5 batches an epoch: --grad-accum 16 trained, each step over those 5,
+    and the summary said 'x 16 accumulation = 128 per optimizer step'. It is refused before training, naming the
+    5 batches and the largest value that applies, which is accepted."""
+    from dali_pipe.dataset import BatchTooLargeError, check_accumulation
+
+    argv = ["--data", str(photo_root), "--model", "tiny", "--device", "cpu", "--batch-size", "8", "--num-threads", "1",
+            "--output", str(tmp_path / "out"), "--grad-accum", "16"]
+    with pytest.raises(BatchTooLargeError, match=r"--grad-accum 16 is more than the 5 batch\(es\) of 8 each of the 1 "
+                                                 r"process\(es\) trains per epoch \(43 training images\).*pass "
+                                                 r"--grad-accum 5 or lower"):
+        train.main(argv)
+    assert not (tmp_path / "out" / "checkpoints").exists()
+    check_accumulation(43, 8, 1, 5)  # following the advice works
+    with pytest.raises(BatchTooLargeError, match="pass --grad-accum 2 or lower"):
+        check_accumulation(43, 8, 2, 3)

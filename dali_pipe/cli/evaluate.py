@@ -17,6 +17,7 @@ from model.loading import load_processor, load_trained
 
 from ..config import Settings, field_problems, flag_of, settings_from_keywords
 from ..datamodule import DaliDataModule
+from ..dataset import held_out_only
 from ..errors import UserError
 from ..manifest import Manifest, Sample
 from ..redact import redact
@@ -103,6 +104,8 @@ def run(s: Settings, manifest: Manifest | None = None) -> dict:
                         "shards named test beside others, make one); pass --split val, train or all")
     everything = getattr(manifest, "everything", None) or manifest.train + manifest.val  # shards: test files too
     samples = {"val": manifest.val, "train": manifest.train, "test": test, "all": everything}[s.eval.split]
+    if not samples and held_out_only(s.data.data, manifest):
+        raise UserError(f"--split {s.eval.split}: " + held_out_only(s.data.data, manifest) + "; pass --split test")
     if not samples:
         raise UserError(f"--split {s.eval.split}: no images in it (no split column, and --val-fraction "
                         f"{s.data.val_fraction}); pass --split all, or the --val-fraction and --seed of training")

@@ -39,7 +39,7 @@ from model.selection import BestModel, recover
 
 from ..config import Settings
 from ..datamodule import DaliDataModule
-from ..dataset import data_line, drop_note, split_record
+from ..dataset import check_accumulation, data_line, drop_note, split_record
 from ..errors import UserError
 from ..manifest import Manifest
 from ..monitor import DaliMemoryLog, MonitorCallback
@@ -177,6 +177,7 @@ def preflight(s: Settings, out: Path, ckpt_dir: Path, main: bool, manifest: Mani
     if main:
         dm.prepare_data()
     manifest = dm.setup_manifest(world_size(s))
+    check_accumulation(len(manifest.train), s.data.batch_size, world_size(s), s.model.grad_accum)
     params = parameter_count(s.model.model, manifest.classes)
     fingerprint = run_fingerprint(s, dm.fingerprint(world_size(s)))
     plan = plan_resume(s.run.resume, ckpt_dir, fingerprint, targets(s), may_modify=main,

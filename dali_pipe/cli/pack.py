@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from ..config import Settings, SyncSettings, cores, resolve
-from ..dataset import missing_reasons, prepare
+from ..dataset import held_out_only, missing_reasons, prepare
 from ..forms import PROGRESS_NAME
 from ..https import is_http
 from ..inputs import detect, form_problem, forms_text
@@ -218,6 +218,9 @@ def _run(s: Settings, staging: Path, manifest: Manifest | None = None) -> dict:
     try:
         source, result = prepare(data, staging, num_threads=max(1, workers - 1),  # sync, scan, report, bound
                                  manifest=manifest)
+        held_out = held_out_only(src, source)
+        if held_out:  # (it wrote a pack of 0 images)
+            raise PackError(held_out.replace("--data", "SRC", 1))
         if form is not None and form.reader == "shards":
             _local_tars(source, data)
         digest = source.digest()

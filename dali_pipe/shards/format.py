@@ -354,9 +354,12 @@ class _Hashing:
 
     def __init__(self, raw, copy=None):
         self.raw, self.h, self.fast, self.n, self.copy = raw, hashlib.sha256(), fast_digest(), 0, copy
+        self.head = b""  # the first bytes (what the stream is, where tarfile cannot tell)
 
     def read(self, n: int = -1) -> bytes:
         data = self.raw.read(n) if n is not None and n >= 0 else self.raw.read()
+        if len(self.head) < 2:
+            self.head += data[:2 - len(self.head)]
         self.h.update(data)
         self.fast.update(data)
         self.n += len(data)
@@ -371,6 +374,10 @@ class _Hashing:
 
 class TarFormatError(ValueError):
     """A shard that is not a readable tar (or gzip); the message says what is wrong."""
+
+
+class GzippedTarError(TarFormatError):
+    """A shard named .tar whose bytes are gzip's: a .tar.gz renamed, or a web server's on-the-fly compression."""
 
 
 class Counting:
@@ -441,6 +448,8 @@ def index_tar(stream, on_member=None, wanted=lambda ext: True, copy_to=None, max
                     on_member(len(entries) - 1, key, ext, data)
         src.drain()
     except (tarfile.TarError, EOFError) as e:
+        if src.head == b"\x1f\x8b":
+            raise GzippedTarError("not a tar but gzip-compressed bytes (they start with gzip's 1f 8b)") from None
         raise TarFormatError(f"not a readable tar ({type(e).__name__}: {str(e)[:100]})") from None
     return IndexedTar(entries, src.n, src.h.hexdigest(), src.fast.hexdigest(), duplicates,
                       find_scattered([e.key for e in entries]))

@@ -65,6 +65,7 @@ from .format import (
     FAST_SUM,
     Counting,
     Gunzip,
+    GzippedTarError,
     TarFormatError,
     find_scattered,
     format_index,
@@ -148,7 +149,14 @@ def _index_peer(item: Listed, cache_dir: Path, level: str, max_pixels: int, num_
     try:
         indexed, stored = _read_source(item, collector)
     except TarFormatError as e:
-        raise ShardSourceError(f"{item.name}: {e}; check the file, or leave it out of --data") from None
+        fix = "check the file, or leave it out of --data"
+        if isinstance(e, GzippedTarError):  # (it said "not a readable tar (ReadError: invalid header)")
+            fix = ("the server compressed it on the way (Content-Encoding: gzip, though asked for the bytes as stored: "
+                   "Accept-Encoding: identity), or stores a .tar.gz under this name: serve .tar files as they are "
+                   "(nginx: leave application/x-tar out of gzip_types), or name gzipped ones .tar.gz" if
+                   is_http(item.path) else
+                   "name it .tar.gz (read decompressed), or gunzip it")
+        raise ShardSourceError(f"{item.name}: {e}; {fix}") from None
     if indexed.scattered:
         raise ShardSourceError(scattered_keys(item.name, indexed.scattered, len(indexed.entries)))
     if item.size is not None and stored != item.size:
@@ -209,8 +217,8 @@ def _read_source(item: Listed, collector: Collector, deadline_s: float | None = 
                               e.code.startswith("HTTP 5")):
                 bucket, key = parse_s3_uri(item.path)
                 raise SyncError(f"indexing {item.name}: {explain(e, bucket, key)}") from None
-        except TarFormatError:
-            if last:
+        except TarFormatError as e:
+            if last or isinstance(e, GzippedTarError):  # (the same bytes come again)
                 raise
 
 

@@ -90,6 +90,11 @@ def list_tables(root: Path) -> list[TableFile]:
             parts = [(root, "", None)]
         out = []
         for folder, name, split in parts:
+            if name and not (folder / "state.json").is_file():  # (it said "cannot be read as JSON ([Errno 2] ...")
+                raise TableSourceError(
+                    f"{folder / 'state.json'} is missing: {root / 'dataset_dict.json'} lists the split {name!r}, "
+                    f"whose folder save_to_disk writes with a state.json listing its .arrow files; copy the whole "
+                    f"{root} again, or save the dataset again (DatasetDict.save_to_disk)")
             state = _json(folder / "state.json")
             files = [f.get("filename") for f in state.get("_data_files") or []]
             if not files or not all(isinstance(f, str) for f in files):
@@ -392,10 +397,8 @@ def open_tables(data, *, num_threads: int = 1, progress: bool = False) -> ShardS
         if os.stat(f.path).st_size == c["size"]:
             verdicts.record(f.path, verdict_key(c["sha256"], c["xxh3"]))
     verdicts.save()
+    same_labels(data.data, listed, checks)
     named = {tuple(c["class_names"]) for c in checks if c["class_names"] is not None}
-    if len(named) > 1:
-        raise TableSourceError(f"--data {data.data!r}: the files' ClassLabel names differ ({len(named)} versions); "
-                               "write the dataset again from one Dataset")
     classes, index = _classes(listed, checks, named)
     shards = []
     for f, c in zip(listed, checks):
@@ -425,6 +428,41 @@ def open_tables(data, *, num_threads: int = 1, progress: bool = False) -> ShardS
     how = "classes named by the ClassLabel" if named else "classes are the label values"
     rule = "names" if any(f.split == "val" for f in listed) else "hash"  # as _split made it
     return ShardSet(data.data, kind, classes, shards, note=f"{how}; {note}", split_rule=rule)
+
+
+def _label_kind(check: dict) -> tuple:
+    if check["class_names"] is not None:
+        return ("ClassLabel", *check["class_names"])
+    return ("text",) if any(isinstance(v, str) for v in check["labels"]) else ("integers",)
+
+
+def _said(kind: tuple, check: dict) -> str:
+    names = kind[1:]
+    if kind[0] == "ClassLabel":
+        return f"a ClassLabel of {len(names)} names ({', '.join(names[:4])}{', ...' if len(names) > 4 else ''})"
+    if kind[0] == "text":
+        values = [repr(v) for v in dict.fromkeys(check["labels"]) if v is not None][:3]
+        return f"text labels ({', '.join(values)}, ...)"
+    return "integer labels without a ClassLabel"
+
+
+def same_labels(data: str, listed: list[TableFile], checks: list[dict]) -> None:
+    """The files' labels must be one dataset's: one ClassLabel (integers without one are its indices), or text
+    alone, or integers alone. Files written from two Datasets were trained on with their labels mixed (text with
+    integers as classes '0'..'3' beside 'cat') or listed every row of one file as bad ("label 'cat' is not one of
+    the ClassLabel's names", where 'cat' was one); refused here, naming the files of each kind."""
+    kinds: dict[tuple, list[int]] = {}
+    for i, c in enumerate(checks):
+        kinds.setdefault(_label_kind(c), []).append(i)
+    named = [k for k in kinds if k[0] == "ClassLabel"]  # (integers beside one: its indices)
+    if len(named) <= 1 and len(kinds) - (("integers",) in kinds and bool(named)) <= 1:
+        return
+    parts = [f"{listed[files[0]].rel}{f' (and {len(files) - 1} more)' if len(files) > 1 else ''}: "
+             f"{_said(kind, checks[files[0]])}" for kind, files in kinds.items()]
+    raise TableSourceError(f"--data {data!r}: its files hold the labels of different datasets; " + "; ".join(parts)
+                           + ". Write them again from one Dataset, its label column cast to one ClassLabel "
+                           f"(ds.cast_column({checks[0]['columns'][1]!r}, ClassLabel(names=[...])) in datasets), or "
+                           "pass --data the files of one dataset")
 
 
 def _classes(listed, checks, named) -> tuple[list[str], dict]:

@@ -344,7 +344,8 @@ def test_a_failed_run_leaves_no_empty_folder_of_ours(photo_root, tmp_path, cache
     the folders it made that are still empty; a folder that was there before stays, and so does what is in it."""
     from dali_pipe.dataset import BatchTooLargeError
 
-    argv = ["--data", str(photo_root), "--model", "tiny", "--device", "cpu", "--batch-size", "64", "--num-threads", "1"]
+    argv = ["--data", str(photo_root), "--model", "tiny", "--device", "cpu", "--batch-size", "64", "--num-threads", "1",
+            "--devices", "auto"]  # (with a number of devices, a batch larger than the data is told before OUT is made)
     with pytest.raises(BatchTooLargeError):
         train.main(argv + ["--output", str(tmp_path / "runs" / "new")])
     assert list(tmp_path.iterdir()) == [cache_dir]  # neither runs/new/checkpoints, nor runs/new, nor runs
@@ -486,7 +487,7 @@ def test_training_loads_its_heavy_modules_through_command_imports(photo_root, tm
             "    def create_module(self, spec):\n        return None\n"
             "    def exec_module(self, module):\n"
             "        seen[module.__name__] = (gc.get_threshold()[2] > default[2], gc.get_freeze_count())\n"
-            "        module.nothing_to_do = lambda *a: None\n"
+            "        module.nothing_to_do = module.fits = lambda *a: None\n"
             "        module.run = lambda *a, **k: seen.setdefault('run', (gc.get_threshold() == default,\n"
             "                                                               gc.get_freeze_count())) and {}\n"
             "sys.meta_path.insert(0, Stand())\n"
@@ -565,3 +566,22 @@ def test_grad_accum_over_the_batches_of_an_epoch_is_refused_naming_the_most_that
     check_accumulation(43, 8, 1, 5)  # following the advice works
     with pytest.raises(BatchTooLargeError, match="pass --grad-accum 2 or lower"):
         check_accumulation(43, 8, 2, 3)
+
+
+@pytest.mark.parametrize("flags, said", [(["--batch-size", "100"], "--batch-size 100 is larger than the 43 training"),
+                                         (["--batch-size", "8", "--grad-accum", "16"], "--grad-accum 16 is more than")])
+def test_a_batch_or_accumulation_the_data_cannot_fill_is_told_before_torch_loads(photo_root, tmp_path, flags, said):
+    """A local dataset's training split is read before the heavy imports: --batch-size and --grad-accum too large
+    for it are told from there (before: after torch and Lightning, about 4 s in)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, train\n"
+            f"try:\n    train.main(['--data', {str(photo_root)!r}, '--model', 'tiny', '--output', "
+            f"{str(tmp_path / 'o')!r}, '--cache-dir', {str(tmp_path / 'c')!r}] + {flags!r})\n"
+            "except Exception as e:\n    print(type(e).__name__, e)\n"
+            "print(sorted(m for m in ('torch', 'pytorch_lightning') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=Path(__file__).resolve().parents[1])
+    assert f"BatchTooLargeError {said}" in out.stdout, out.stdout + out.stderr[-2000:]
+    assert out.stdout.strip().endswith("[]"), out.stdout

@@ -206,15 +206,16 @@ def main(argv: list[str] | None = None, style: str = "flag") -> dict:
     manifest = described(s.data) if s.run.num_nodes == 1 else None
     if not s.bench.benchmark:
         stream_checked(s)
+        with command_imports():
+            from .finished import fits, nothing_to_do  # lazy: it loads numpy (0.3 s); --help must answer at once
+
+        fits(s, manifest)  # --batch-size and --grad-accum against a local training split
     s = prepared(s)  # (it may load torch, to ask for a GPU)
     if s.bench.benchmark:
         with command_imports():
             from .bench import run  # lazy: as above, the benchmark command loads Lightning
 
         return run(s, manifest)
-    with command_imports():
-        from .finished import nothing_to_do  # lazy: it loads numpy (0.3 s); --help must answer at once
-
     done = nothing_to_do(s, manifest)  # a finished run's rerun, told before torch and Lightning load
     if done is not None:
         return done

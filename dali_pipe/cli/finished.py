@@ -30,6 +30,19 @@ from ..redact import redact_tree
 from ..workdir import check_writable, lock, unlock
 
 
+def fits(s: Settings, manifest) -> None:
+    """--batch-size and --grad-accum against the training split of a local dataset read before torch loads (the
+    CLI's `described`), so that either mistake is told at once rather than after torch and Lightning (about 4 s
+    in). The scan can only remove images, so a refusal here is one the full pre-flight would make too. Nothing
+    without that manifest (shards, tables, s3:// data: told once prepared) or with --devices auto (counting the
+    GPUs takes torch)."""
+    if manifest is None or s.run.devices == "auto":
+        return
+    world = world_size(s)
+    check_batch(len(manifest.train), s.data.batch_size, world)
+    check_accumulation(len(manifest.train), s.data.batch_size, world, s.model.grad_accum)
+
+
 def world_size(s: Settings) -> int:
     if s.run.devices != "auto":
         return s.run.devices * s.run.num_nodes

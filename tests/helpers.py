@@ -161,3 +161,20 @@ def s3_listing(client, bucket: str, prefix: str) -> dict[str, tuple[int, str]]:
         for obj in page.get("Contents", []):
             out[obj["Key"][len(prefix):]] = (obj["Size"], obj["ETag"].strip('"'))
     return out
+
+
+def told_before_torch(argv: list[str]) -> str:
+    """What train.main(argv) raises, as 'ErrorName message', in a fresh process, checking that neither torch nor
+    Lightning had loaded when it was raised (a mistake told at once, not after ~10 s of imports)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, train\n"
+            f"try:\n    train.main({argv!r})\n"
+            "except Exception as e:\n    print(type(e).__name__, e)\n"
+            "print(sorted(m for m in ('torch', 'pytorch_lightning') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=Path(__file__).resolve().parents[1])
+    lines = out.stdout.strip().splitlines()
+    assert lines and lines[-1] == "[]", out.stdout + out.stderr[-2000:]
+    return "\n".join(lines[:-1])

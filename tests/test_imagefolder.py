@@ -206,19 +206,13 @@ def test_a_class_folder_without_images_is_told_before_torch_loads(photo_root, tm
     """train.py on an ImageFolder with an empty class folder: the listing is read in the pre-flight, so the
     mistake is said before torch and Lightning load (before, after them: 4-6 s)."""
     import shutil
-    import subprocess
-    import sys
+
+    from helpers import told_before_torch
 
     cat = sorted(photo_root.glob("*/*.jpg"))[:2]
     (tmp_path / "d" / "cat").mkdir(parents=True)
     (tmp_path / "d" / "dog").mkdir()
     for p in cat:
         shutil.copy(p, tmp_path / "d" / "cat" / p.name)
-    code = ("import sys, train\n"
-            f"try:\n    train.main(['--data', {str(tmp_path / 'd')!r}, '--model', 'tiny', '--output', {str(tmp_path / 'o')!r}])\n"
-            "except Exception as e:\n    print(type(e).__name__, e); print(sorted(m for m in ('torch', 'pytorch_lightning') "
-            "if m in sys.modules))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                         cwd=Path(__file__).resolve().parents[1])
-    assert "1 class folder(s) hold no image ('dog'" in out.stdout, out.stdout + out.stderr[-2000:]
-    assert out.stdout.strip().endswith("[]")
+    said = told_before_torch(["--data", str(tmp_path / "d"), "--model", "tiny", "--output", str(tmp_path / "o")])
+    assert "1 class folder(s) hold no image ('dog'" in said, said

@@ -178,18 +178,10 @@ def test_on_s3_a_form_is_told_past_the_first_page_and_hidden_shards_are_none(wri
 def test_a_misspelt_s3_prefix_is_told_before_torch_loads(written, s3, tmp_path):
     """train.py --data s3://bucket/typo: the registry asks the prefix before the heavy imports (before: after
     torch and Lightning, 4-6 s)."""
-    import subprocess
-    import sys
-
     import boto3
+    from helpers import told_before_torch
 
     boto3.client("s3").create_bucket(Bucket="typo")
-    code = ("import sys, train\n"
-            f"try:\n    train.main(['--data', 's3://typo/datset', '--model', 'tiny', '--output', {str(tmp_path / 'o')!r},"
-            f" '--cache-dir', {str(tmp_path / 'c')!r}])\n"
-            "except Exception as e:\n    print(type(e).__name__, e); print(sorted(m for m in ('torch', 'pytorch_lightning') "
-            "if m in sys.modules))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
-    assert "NoDataError --data 's3://typo/datset' holds none of the input forms, or nothing at all" in out.stdout, \
-        out.stdout + out.stderr[-2000:]
-    assert out.stdout.strip().endswith("[]")
+    said = told_before_torch(["--data", "s3://typo/datset", "--model", "tiny", "--output", str(tmp_path / "o"),
+                              "--cache-dir", str(tmp_path / "c")])
+    assert "NoDataError --data 's3://typo/datset' holds none of the input forms, or nothing at all" in said, said

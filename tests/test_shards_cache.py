@@ -714,10 +714,8 @@ def test_a_stream_cache_too_small_is_told_from_packed_json_before_torch_loads(bu
     """train.py --packed-s3 stream with too small a --stream-cache: refused from packed.json before torch and
     Lightning load (before: at setup, 15-17 s in), asking for the size the stream cache's own check asks for once
     the index files are local (the readers of training and validation, for 1 and 2 ranks: every rank's)."""
-    import subprocess
-    import sys
-
     import boto3
+    from helpers import told_before_torch
 
     from dali_pipe.shards.preflight import stream_preflight
 
@@ -755,17 +753,11 @@ def test_a_stream_cache_too_small_is_told_from_packed_json_before_torch_loads(bu
             e.value, asked)
     stream_preflight("s3://data/whole", tmp_path / "cache", mode="auto", stream_cache=1000, batch=4, seed=3,
                      world=1, local_ranks=1)  # auto: the pack fits the disk, so it is synced, not streamed
-    code = ("import sys, train\n"
-            "try:\n    train.main(['--data', 's3://data/whole', '--packed-s3', 'stream', '--stream-cache', '10kB', "
-            f"'--model', 'tiny', '--batch-size', '4', '--seed', '3', '--output', {str(tmp_path / 'o')!r}, "
-            f"'--cache-dir', {str(tmp_path / 'cache')!r}])\n"
-            "except Exception as e:\n    print(type(e).__name__, e)\n"
-            "print(sorted(m for m in ('torch', 'pytorch_lightning') if m in sys.modules))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                         cwd=Path(__file__).resolve().parents[1])
-    assert "StreamCacheError --stream-cache gives this process 10.0 kB" in out.stdout, out.stdout + out.stderr[-2000:]
-    assert advice(out.stdout) == asked_1(split, remotes, tmp_path), out.stdout
-    assert out.stdout.strip().endswith("[]"), out.stdout
+    said = told_before_torch(["--data", "s3://data/whole", "--packed-s3", "stream", "--stream-cache", "10kB", "--model",
+                              "tiny", "--batch-size", "4", "--seed", "3", "--output", str(tmp_path / "o"), "--cache-dir",
+                              str(tmp_path / "cache")])
+    assert said.startswith("StreamCacheError --stream-cache gives this process 10.0 kB"), said
+    assert advice(said) == asked_1(split, remotes, tmp_path), said
 
 
 def open_packed_here(pack):

@@ -573,15 +573,8 @@ def test_grad_accum_over_the_batches_of_an_epoch_is_refused_naming_the_most_that
 def test_a_batch_or_accumulation_the_data_cannot_fill_is_told_before_torch_loads(photo_root, tmp_path, flags, said):
     """A local dataset's training split is read before the heavy imports: --batch-size and --grad-accum too large
     for it are told from there (before: after torch and Lightning, about 4 s in)."""
-    import subprocess
-    import sys
+    from helpers import told_before_torch
 
-    code = ("import sys, train\n"
-            f"try:\n    train.main(['--data', {str(photo_root)!r}, '--model', 'tiny', '--output', "
-            f"{str(tmp_path / 'o')!r}, '--cache-dir', {str(tmp_path / 'c')!r}] + {flags!r})\n"
-            "except Exception as e:\n    print(type(e).__name__, e)\n"
-            "print(sorted(m for m in ('torch', 'pytorch_lightning') if m in sys.modules))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                         cwd=Path(__file__).resolve().parents[1])
-    assert f"BatchTooLargeError {said}" in out.stdout, out.stdout + out.stderr[-2000:]
-    assert out.stdout.strip().endswith("[]"), out.stdout
+    said_now = told_before_torch(["--data", str(photo_root), "--model", "tiny", "--output", str(tmp_path / "o"),
+                                  "--cache-dir", str(tmp_path / "c"), *flags])
+    assert said_now.startswith(f"BatchTooLargeError {said}"), said_now

@@ -28,6 +28,7 @@ import statistics
 import sys
 import threading
 import time
+import warnings
 from pathlib import Path
 
 import pytorch_lightning as pl
@@ -263,7 +264,8 @@ def release_memory(gpu: bool) -> None:
 @contextlib.contextmanager
 def quiet_lightning():
     """Lightning's per-Trainer banners ("GPU available", "`Trainer.fit` stopped") are a training log's
-    lines; the benchmark prints a report. Restored afterwards."""
+    lines, and its warning that a run of a few steps is shorter than the logging interval is true of every
+    benchmark run; the benchmark prints a report. Restored afterwards."""
     names = ("pytorch_lightning", "pytorch_lightning.utilities.rank_zero", "lightning_fabric",
              "pytorch_lightning.accelerators.cuda")
     loggers = [logging.getLogger(n) for n in names]
@@ -271,7 +273,9 @@ def quiet_lightning():
     for lg in loggers:
         lg.setLevel(logging.WARNING)
     try:
-        yield
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=r".*smaller than the logging interval.*")
+            yield
     finally:
         for lg, level in zip(loggers, levels):
             lg.setLevel(level)

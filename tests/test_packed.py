@@ -161,6 +161,10 @@ def test_train_from_a_pack_on_s3(route, photo_root, s3_process, tmp_path, cache_
         said = capsys.readouterr()
         assert not tars and "streaming them through a bounded cache" in said.err
         assert "streamed from S3 not scanned beforehand" in said.out and " of 48 excluded" not in said.out, said.out
+        again = train.main(["--data", "s3://data/packed", "--model", "tiny", "--device", "cpu", "--epochs", "1",
+                            "--batch-size", "8", "--num-threads", "1", "--output", str(tmp_path / "m"), "--cache-dir",
+                            str(cache_dir), "--stream-cache", "1kB"])  # (--stream-cache is no part of the run)
+        assert again.get("nothing_to_do"), again  # the finished run is told, not the cache too small to stream it
         assert list((cache_dir / "stream" / "s3" / "data" / "packed" / "rank-0").glob("*.tar"))
 
 

@@ -714,6 +714,8 @@ def test_a_stream_cache_too_small_is_told_from_packed_json_before_torch_loads(bu
     """train.py --packed-s3 stream with too small a --stream-cache: refused from packed.json before torch and
     Lightning load (before: at setup, 15-17 s in), asking for the size the stream cache's own check asks for once
     the index files are local (the readers of training and validation, for 1 and 2 ranks: every rank's)."""
+    import shutil
+
     import boto3
     from helpers import told_before_torch
 
@@ -758,6 +760,20 @@ def test_a_stream_cache_too_small_is_told_from_packed_json_before_torch_loads(bu
                               str(tmp_path / "cache")])
     assert said.startswith("StreamCacheError --stream-cache gives this process 10.0 kB"), said
     assert advice(said) == asked_1(split, remotes, tmp_path), said
+    # shards an earlier sync left whole in the pack's local copy are read from there: counted as nothing
+    copy = tmp_path / "cache" / "s3" / "data" / "whole"
+    copy.mkdir(parents=True, exist_ok=True)
+    first = Path(split["train"].paths[0]).name
+    shutil.copy(pack / first, copy / first)
+    partly = dict(split, train=dataclasses.replace(split["train"], paths=(str(copy / first),) + split["train"].paths[1:]))
+    with pytest.raises(StreamCacheError) as e:
+        stream_preflight("s3://data/whole", tmp_path / "cache", mode="stream", stream_cache=1000, batch=4, seed=3,
+                         world=1, local_ranks=1)
+    assert advice(e.value) == asked_1(partly, [r for r in remotes if not r.url.endswith(first)], tmp_path / "p"), e.value
+    for f in pack.glob("*.tar"):
+        shutil.copy(f, copy / f.name)
+    stream_preflight("s3://data/whole", tmp_path / "cache", mode="stream", stream_cache=1000, batch=4, seed=3,
+                     world=1, local_ranks=1)  # every shard local: nothing is streamed, so nothing to refuse
 
 
 def open_packed_here(pack):

@@ -168,19 +168,23 @@ def process_start() -> float:
     return time.perf_counter() - max(0.0, time.time() - psutil.Process().create_time())
 
 
-def stream_checked(s: Settings) -> None:
-    """A pack streamed from S3: a --stream-cache (or a disk) too small for its readers is told before torch and
-    Lightning load, from packed.json (one GET; shards/preflight.py); before, 15-17 s later, once the
-    index files were local. One node with a number of devices ('auto' is known only once torch has looked; the
-    DataModule's check still applies to every run)."""
+def stream_refusal(s: Settings):
+    """A pack streamed from S3: a --stream-cache (or a disk) too small for its readers, found before torch and
+    Lightning load, from packed.json (one GET; shards/preflight.py), as the refusal to raise (or None); before, it
+    came 15-17 s later, once the index files were local. One node with a number of devices ('auto' is known only
+    once torch has looked; the DataModule's check still applies to every run)."""
     if not (s.data.data or "").startswith("s3://") or s.run.num_nodes != 1 or not isinstance(s.run.devices, int):
-        return
+        return None
     with command_imports():
         from ..shards.preflight import stream_preflight  # lazy: the transfer engine and numpy; --help answers at once
 
-    stream_preflight(s.data.data, s.data.cache_dir or default_cache_dir(), mode=s.data.packed_s3,
-                     stream_cache=s.data.stream_cache, batch=s.data.batch_size, seed=s.data.seed,
-                     world=s.run.devices, local_ranks=s.run.devices)
+    try:
+        stream_preflight(s.data.data, s.data.cache_dir or default_cache_dir(), mode=s.data.packed_s3,
+                         stream_cache=s.data.stream_cache, batch=s.data.batch_size, seed=s.data.seed,
+                         world=s.run.devices, local_ranks=s.run.devices)
+    except UserError as e:
+        return e
+    return None
 
 
 def main(argv: list[str] | None = None, style: str = "flag") -> dict:
@@ -204,8 +208,11 @@ def main(argv: list[str] | None = None, style: str = "flag") -> dict:
     # before torch and Lightning load, a data mistake is told at once; with several nodes the DataModule reads
     # it after this host has joined the others, so that a mistake stops them all at once (cli/hosts.py)
     manifest = described(s.data) if s.run.num_nodes == 1 else None
+    refusal = None
     if not s.bench.benchmark:
-        stream_checked(s)
+        refusal = stream_refusal(s)
+        if refusal is not None and not (s.run.output and (Path(s.run.output) / "metrics.json").is_file()):
+            raise refusal  # (a finished run's folder is asked first whether there is anything to do: below)
         with command_imports():
             from .finished import fits, nothing_to_do  # lazy: it loads numpy (0.3 s); --help must answer at once
 
@@ -219,6 +226,8 @@ def main(argv: list[str] | None = None, style: str = "flag") -> dict:
     done = nothing_to_do(s, manifest)  # a finished run's rerun, told before torch and Lightning load
     if done is not None:
         return done
+    if refusal is not None:
+        raise refusal
     with command_imports():
         from .fit import run  # lazy: as above, the training command loads Lightning
 

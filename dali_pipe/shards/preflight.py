@@ -1,6 +1,6 @@
 """A streamed pack's --stream-cache checked before torch and Lightning load: from packed.json alone (one GET),
 the epoch plans of every rank's training and validation readers, by the stream cache's own rule (cache.least);
-`train.py` calls it first (cli.stream_checked), so a cache too small is told in well under a second instead of
+`train.py` calls it first (cli.stream_refusal), so a cache too small is told in well under a second instead of
 15-17 s in, once the index files are local. Its own module: the plan takes numpy, which a pack's sync never
 loads."""
 from __future__ import annotations
@@ -31,19 +31,25 @@ def stream_preflight(data: str, cache_dir: str | Path, *, mode: str, stream_cach
         return
     meta = parse_packed(raw, f"{data}/{PACKED_NAME}")
     shards = [s for split in meta["splits"].values() for s in split["shards"]]
-    if mode == "auto" and auto_mode(*room(shards, local_target(data, Path(cache_dir)))) == "sync":
+    local = local_target(data, Path(cache_dir))
+    if mode == "auto" and auto_mode(*room(shards, local)) == "sync":
         return
+    # a shard an earlier sync left whole in the pack's local copy is read from there (packs._pack_shard), and
+    # the stream cache counts it as nothing; a split without a streamed shard registers no reader
+    sizes = {s["name"]: 0 if (local / s["name"]).is_file() and (local / s["name"]).stat().st_size == s["size"]
+             else s["size"] for s in shards}
     splits = [(info["shards"], name == "train") for name, info in meta["splits"].items()
-              if name in ("train", "val") and info["shards"]]
-    largest = max((s["size"] for split, _ in splits for s in split), default=0)
+              if name in ("train", "val") and any(sizes[s["name"]] for s in info["shards"])]
+    if not splits:
+        return
+    largest = max(sizes[s["name"]] for split, _ in splits for s in split)
     needs = []
     for rank in range(world):
         need = 0
         for split, training in splits:
             usable = [np.arange(s["samples"]) for s in split]
-            sizes = [s["size"] for s in split]
             need += reader_need(lambda e: epoch_plan(usable, seed=seed, epoch=e, rank=rank, world=world, batch=batch,
-                                                     training=training), sizes, batch)
+                                                     training=training), [sizes[s["name"]] for s in split], batch)
         needs.append(need)
     folder = stream_folder(data, cache_dir) / "rank-0"
     refusal = too_small(stream_bound(stream_cache, folder, local_ranks), least([max(needs, default=0)], largest,

@@ -18,6 +18,11 @@ if __name__ == "__main__":
 
 try:
     from dali_pipe.cli import UsageError, as_a_command, cli, main  # noqa: F401  (UsageError: what main() raises)
+except KeyboardInterrupt:  # Ctrl-C before the CLI's handlers are in place: its words and status, no traceback
+    if __name__ != "__main__":
+        raise
+    print("stopped by Ctrl-C", file=sys.stderr)
+    sys.exit(130)
 except BaseException:  # a process that outlives a failed import here (python -i, pdb, runpy) keeps its collector
     if __name__ == "__main__":
         gc.enable()

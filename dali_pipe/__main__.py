@@ -7,6 +7,9 @@ if __name__ == "__main__":
     try:
         from .cli import as_a_command, cli  # lazy: loaded with the collector off (see above)
         from .cli.commands import main  # lazy: as above
+    except KeyboardInterrupt:  # Ctrl-C before the CLI's handlers are in place: its words and status, no traceback
+        print("stopped by Ctrl-C", file=sys.stderr)
+        sys.exit(130)
     except BaseException:  # a process that outlives a failed import here (python -i, pdb, runpy) keeps its collector
         gc.enable()
         raise

@@ -215,3 +215,33 @@ def test_when_the_decoder_refuses_every_image_predict_says_so(trained, photo_roo
     with pytest.raises(InputError, match=rf"DALI could decode none of the images; they are listed in {out}/bad_images"):
         main(["predict", "--model", str(trained), "--data", str(folder), "--device", "cpu", "--output", str(out)])
     assert len((out / "bad_images.tsv").read_text().splitlines()) == 4 and not (out / "predictions.tsv").exists()
+
+
+def test_past_the_most_failures_the_ones_found_stay_listed(trained, photo_root, tmp_path):
+    """Past the most images DALI may refuse in one run, predict stops with DALI's error, and bad_images.tsv lists
+    those found so far (it held its header only)."""
+    from dali_pipe.cli.predict import around_bad
+    from dali_pipe.config import Settings
+    from dali_pipe.datamodule import DaliDataModule
+    from dali_pipe.loader import PipelineDecodeError
+    from dali_pipe.manifest import Sample
+    from dali_pipe.spec import ImageSpec
+    from model.loading import load_processor, load_trained
+
+    photos = sorted(photo_root.glob("*/*.jpg"))[:6]
+    items = []
+    for i, p in enumerate(photos):
+        path = tmp_path / f"{i}.jpg"
+        path.write_bytes(_bogus_huffman(p.read_bytes()) if i in (1, 2, 4) else p.read_bytes())
+        items.append((path.name, str(path)))
+    s = Settings()
+    s.pipeline.device, s.pipeline.num_threads, s.model.precision = "cpu", 1, "32-true"
+    dm = DaliDataModule(s.data, s.pipeline, ImageSpec.from_processor(load_processor(str(trained))), tmp_path / "o")
+    dm.data.batch_size = 2
+    listed = []
+    with pytest.raises(PipelineDecodeError, match="4.jpg"):
+        around_bad(s, load_trained(str(trained)), items,
+                   lambda rest: dm.loader([Sample(p, i, i) for i, (_, p) in enumerate(rest)], training=False),
+                   lambda e, rest: next((k for k, (_, p) in enumerate(rest) if p == e.path), None),
+                   lambda failed: listed.append([name for (name, _), _ in failed]), by_label=True, most=2)
+    assert listed == [["1.jpg", "2.jpg"]], listed

@@ -578,3 +578,18 @@ def test_a_batch_or_accumulation_the_data_cannot_fill_is_told_before_torch_loads
     said_now = told_before_torch(["--data", str(photo_root), "--model", "tiny", "--output", str(tmp_path / "o"),
                                   "--cache-dir", str(tmp_path / "c"), *flags])
     assert said_now.startswith(f"BatchTooLargeError {said}"), said_now
+
+
+@pytest.mark.parametrize("entry", [["train.py"], ["-m", "dali_pipe"]])
+def test_ctrl_c_while_the_command_loads_says_so_without_a_traceback(entry):
+    """Ctrl-C before the CLI's handlers are in place (the command's first imports, about 0.1 s): 'stopped by
+    Ctrl-C' and status 130, as later; before, a KeyboardInterrupt traceback (the import is made to raise it)."""
+    code = ("import importlib.abc, runpy, sys\n"
+            "class Stop(importlib.abc.MetaPathFinder):\n"
+            "    def find_spec(self, name, path, target=None):\n"
+            "        if name == 'dali_pipe.cli':\n            raise KeyboardInterrupt\n"
+            "sys.meta_path.insert(0, Stop())\n"
+            + ("sys.argv = ['train.py']\nrunpy.run_path('train.py', run_name='__main__')\n" if entry == ["train.py"]
+               else "sys.argv = ['dali_pipe']\nrunpy.run_module('dali_pipe', run_name='__main__')\n"))
+    r = _python(code, timeout=60)
+    assert r.returncode == 130 and r.stderr.strip() == "stopped by Ctrl-C", (r.returncode, r.stderr[-2000:])

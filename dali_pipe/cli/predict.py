@@ -142,12 +142,13 @@ def run(s: Settings) -> dict:
     if not good:
         raise InputError(f"none of the {len(rels)} image(s) that --data {s.data.data!r} names is readable; see "
                          f"{out / 'bad_images.tsv'}")
+    def listed(failed):
+        write_report({**bad, **{p: reason for (_, p), reason in failed}}, root.resolve(), out)
+
     logits, done, failed = around_bad(
         s, model, good, lambda rest: dm.loader([Sample(p, i, i) for i, (_, p) in enumerate(rest)], training=False),
-        lambda e, rest: next((k for k, (_, p) in enumerate(rest) if p == e.path), None), by_label=True)
-    if failed:
-        bad.update({p: reason for (_, p), reason in failed})
-        write_report(bad, root.resolve(), out)
+        lambda e, rest: next((k for k, (_, p) in enumerate(rest) if p == e.path), None), listed, by_label=True)
+    bad.update({p: reason for (_, p), reason in failed})
     none_decoded(done, out)
     write_predictions(out, [r for r, _ in done], logits, model, s.predict.top_k)
     print(f"predict: {len(done)} image(s) labelled in {out / 'predictions.tsv'}"
@@ -161,12 +162,14 @@ def none_decoded(done: list, out: Path) -> None:
         raise InputError(f"DALI could decode none of the images; they are listed in {out / 'bad_images.tsv'}")
 
 
-def around_bad(s: Settings, model, items: list, loader_for, failed_at, *, by_label: bool):
+def around_bad(s: Settings, model, items: list, loader_for, failed_at, listed, *, by_label: bool,
+               most: int = DECODE_FAILURES):
     """The model over `items` through `loader_for(items)`, in order; an item DALI cannot decode (one the checks
     before let through: --scan fast looks at headers) is left out and the run goes on after it, through a new
-    pipeline over the rest, so every other item is labelled (at most DECODE_FAILURES of them; then the error,
+    pipeline over the rest, so every other item is labelled (at most `most` of them; then the error,
     which says to rerun with --scan full). `failed_at(error, rest)`: the failed item's position in `rest`;
     `by_label`: the loader's labels are positions in `rest` (files), else it yields `rest` in order (shards).
+    `listed(failed)` writes bad_images.tsv with those left out so far, before the run ends either way.
     Returns (logits, the items labelled in their order, [(item, reason)] of those left out)."""
     import torch
 
@@ -185,13 +188,17 @@ def around_bad(s: Settings, model, items: list, loader_for, failed_at, *, by_lab
         if error is None:
             break
         k = failed_at(error, rest)
-        if k is None or len(failed) >= DECODE_FAILURES:
+        if k is None or len(failed) >= most:
+            if failed:
+                listed(failed)  # what was found so far stays listed
             raise error
         failed.append((rest[k], f"DALI could not decode it{f' ({error.reason})' if error.reason else ''}"))
         print(f"predict: DALI {error.what}; left out (listed in bad_images.tsv), going on with the rest",
               file=sys.stderr)
         left = {id(x) for x in ran} | {id(rest[k])}
         rest = [x for x in rest if id(x) not in left]
+    if failed:
+        listed(failed)
     return (torch.cat(logits) if logits else None), done, failed
 
 
@@ -209,12 +216,13 @@ def _predict_shards(s: Settings, dm, model, out: Path) -> dict:
         excluded = everything.excluded | ({m for m, _ in members} - {m for m, _ in rest})
         return dm.loader(dataclasses.replace(everything, excluded=excluded, samples=len(rest)), training=False)
 
-    logits, done, failed = around_bad(s, model, members, loader_for,
-                                      lambda e, rest: next((k for k, (m, _) in enumerate(rest) if m == e.member), None),
-                                      by_label=False)
-    if failed:
+    def listed(failed):
         write_member_report(shards, out, extra=[(shards.shard_at(everything, m[0]), m[1], reason)
                                                 for (m, _), reason in failed])
+
+    logits, done, failed = around_bad(s, model, members, loader_for,
+                                      lambda e, rest: next((k for k, (m, _) in enumerate(rest) if m == e.member), None),
+                                      listed, by_label=False)
     none_decoded(done, out)
     write_predictions(out, [name for _, name in done], logits, model, s.predict.top_k)
     bad = len(shards.bad) + len(failed)

@@ -299,6 +299,10 @@ class ShardReader:
             except OSError as err:
                 raise ShardReadError(f"{self.shards.paths[shard]} cannot be read ({err}); it was there when "
                                      "training started: restore it") from None
+            if len(got[1]) - 1 != len(e.group.labels):  # (the footer, which the span's hash does not cover, changed)
+                raise ShardReadError(f"{path} changed after it was checked (row group {e.group.group} holds "
+                                     f"{len(got[1]) - 1} rows, {len(e.group.labels)} when checked): copy the file "
+                                     "again; it is checked again once its modification time changes (touch it)")
             self._groups[shard] = got
             while len(self._groups) > OPEN_GROUPS:
                 self._groups.popitem(last=False)

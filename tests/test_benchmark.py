@@ -184,10 +184,11 @@ def test_each_loader_run_ends_with_its_workers_and_model_gone(photo_root, tmp_pa
     b = bench.Bench(s)
     made, module = [], b.module
     b.module = lambda: made.append(weakref.ref(m := module())) or m
+    before = {c.pid for c in psutil.Process().children(recursive=True)}  # (the suite's own, under xdist)
     try:
         gc.disable()  # the collector must not be what frees them by chance
         m = b.measure("baseline", "baseline")["metrics"]
-        children = psutil.Process().children(recursive=True)
+        children = [c for c in psutil.Process().children(recursive=True) if c.pid not in before]
         alive = [r for r in made if r() is not None]
     finally:
         gc.enable()

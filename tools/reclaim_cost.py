@@ -167,7 +167,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="tiny", help="tiny, vit-b16-random, or a local model folder")
     p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--epochs", type=int, default=20)  # enough that the SIGTERM lands mid-run on a fast machine (2: ended before it)
     p.add_argument("--every", type=int, default=10, help="--checkpoint-every-steps of the kill -9 scenario")
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--s3", action="store_true", help="also time a new instance's restart through sync and stream")

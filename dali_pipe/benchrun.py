@@ -34,6 +34,7 @@ from pathlib import Path
 import pytorch_lightning as pl
 
 from .baseline import classic_loader
+from .benchplan import machine_defaults, memory_gib
 from .benchreport import flags, plot, ratio_lines, round_table, table
 from .config import LOADERS, UsageError, resolve_precision
 from .decoder import DecoderLog
@@ -410,8 +411,9 @@ def finish(report: dict, out: Path) -> dict:
 
 
 # -- your own module --------------------------------------------------------------------------------
-def benchmark(module, datamodule, *, loaders: str = "dali,baseline,synthetic", steps: int = 50, warmup: int = 10,
-              repeat: int = 1, precision: str = "auto", cpus: int | None = None, output=None, **trainer_kwargs) -> dict:
+def benchmark(module, datamodule, *, loaders: str = "dali,baseline,synthetic", steps: int | None = None,
+              warmup: int | None = None, repeat: int | None = None, precision: str = "auto", cpus: int | None = None,
+              output=None, **trainer_kwargs) -> dict:
     """Why is MY GPU idle? Your LightningModule fed by DALI, the classic DataLoader and synthetic data,
     side by side, as `train.py --benchmark` does for the built-in classifier.
 
@@ -422,7 +424,9 @@ def benchmark(module, datamodule, *, loaders: str = "dali,baseline,synthetic", s
     image spec and device; its trainer-less device "auto" means the GPU when CUDA is there). `loaders`:
     a comma-separated subset of dali, baseline, synthetic. Each loader runs `warmup` untimed and `steps`
     timed steps of your `training_step` in a Trainer (one device, `precision` as the CLI resolves it,
-    `trainer_kwargs` passed on); `repeat` rounds alternate their order. `cpus` pins this process to that
+    `trainer_kwargs` passed on); `repeat` rounds alternate their order. Those not given are chosen for the
+    machine as `train.py --benchmark` chooses them for a model (benchplan.machine_defaults: 10 + 50 steps and
+    3 rounds on a GPU, 2 + 6 steps and 2 rounds on the CPU), said in one line. `cpus` pins this process to that
     many cores for the run (restored after). `output` (default: the DataModule's output) gets
     benchmark.json and benchmark.png. Prints one line per loader, a table per round and the summary
     (images/s, step times, data wait, CPU/GPU utilization, the ratios, each loader's time budget and
@@ -451,6 +455,13 @@ def benchmark(module, datamodule, *, loaders: str = "dali,baseline,synthetic", s
         device = torch.device("cuda", 0) if gpu else torch.device("cpu")
         precision = resolve_precision(precision, device_name)
         batch = dm.data.batch_size
+        chosen = {k: v for k, v in machine_defaults(gpu=gpu, model=True, memory=memory_gib()).items()
+                  if {"steps": steps, "warmup": warmup, "repeat": repeat}.get(k, 0) is None}
+        steps, warmup, repeat = (chosen.get("steps", steps), chosen.get("warmup", warmup),
+                                 chosen.get("repeat", repeat))
+        if chosen:
+            print(f"benchmark: chose {', '.join(f'{k}={v}' for k, v in chosen.items())} for this machine "
+                  f"({'a GPU' if gpu else 'no GPU'}, {len(cores)} core(s)); pass them to choose", flush=True)
 
         def build(name):
             if name == "dali":

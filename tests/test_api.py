@@ -225,12 +225,14 @@ def test_benchmark_your_own_module(photo_root, tmp_path, cache_dir, capsys):
     dm = dali_pipe.DaliDataModule(data=photo_root, model="tiny", batch_size=8, device="cpu", num_threads=1)
     dm.prepare_data()
     report = dali_pipe.benchmark(lambda: _Traced(dm.classes, tmp_path / "t.jsonl"), dm, loaders="dali,synthetic",
-                                 steps=3, warmup=1, output=tmp_path / "b")
+                                 steps=3, repeat=1, output=tmp_path / "b")  # warmup: chosen for the machine
     assert set(report["loaders"]) == {"dali", "synthetic"} and "dali_vs_synthetic" in report["ratios"]
     for m in report["loaders"].values():
         assert m["images_per_sec"] > 0 and abs(sum(m["time_budget"]["shares"].values()) - 1) < 1e-9
     assert json.loads((tmp_path / "b" / "benchmark.json").read_text())["config"]["model"] == "<lambda>"
     out = capsys.readouterr().out
+    assert "benchmark: chose warmup=2 for this machine (no GPU" in out, out[:500]
+    assert report["config"]["warmup"] == 2 and report["config"]["steps"] == 3
     assert out.count("round 1/1      dali: ") == 1 and "round 1/1 (then each loader's time budget" in out
     assert "METRIC" not in out and "GPU available" not in out
 

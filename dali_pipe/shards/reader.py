@@ -234,10 +234,7 @@ class ShardReader:
             return
         name, expected = sums[0]
         digest = fast_digest() if name == "xxh3" else hashlib.sha256()
-        offset = 0
-        while chunk := os.pread(fd, VERIFY_CHUNK, offset):
-            digest.update(chunk)
-            offset += len(chunk)
+        offset = hash_fd(fd, digest)
         size = self.shards.sizes[shard] if self.shards.sizes is not None else None
         if (size is not None and offset != size) or digest.hexdigest() != expected:
             why = f"{offset} bytes where {size} were checked" if size is not None and offset != size else \
@@ -252,32 +249,21 @@ class ShardReader:
         the file pyarrow reads for it, hashed as checked) before the group is first read, so a file of any size
         costs one more pass over what is read anyway; an Arrow file (memory-mapped whole) by its file checksum
         (_verify) when the first of its batches is read."""
-        span = self.entries[shard].group.span
-        if span is not None:
-            if shard in self._verified:
-                return
-            start, end, expected = span
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                got = hash_span(fd, start, end)
-            finally:
-                os.close(fd)
-            if got != expected:
-                raise ShardReadError(f"{path} changed after it was checked (the image bytes of row group "
-                                     f"{self.entries[shard].group.group} are not the ones checked), though its size "
-                                     "and modification time may not have (a copy that keeps them, or damage on disk): "
-                                     "copy the file again; it is checked again once its modification time changes "
-                                     "(touch it)")
-            self._verified.add(shard)
-            return
-        if path in self._verified_files:
+        group = self.entries[shard].group
+        if shard in self._verified if group.span is not None else path in self._verified_files:
             return
         fd = os.open(path, os.O_RDONLY)
         try:
-            self._verify(shard, fd)
+            if group.span is None:
+                self._verify(shard, fd)
+            elif hash_span(fd, group.span[0], group.span[1]) != group.span[2]:
+                raise _table_changed(path, f"the image bytes of row group {group.group} are not the ones checked")
         finally:
             os.close(fd)
-        self._verified_files.add(path)
+        if group.span is not None:
+            self._verified.add(shard)
+        else:
+            self._verified_files.add(path)
 
     def _close_finished(self, plan: Plan, position: int) -> None:
         """Close the shards this epoch has no more use for (the cache may then evict them)."""
@@ -300,9 +286,8 @@ class ShardReader:
                 raise ShardReadError(f"{self.shards.paths[shard]} cannot be read ({err}); it was there when "
                                      "training started: restore it") from None
             if len(got[1]) - 1 != len(e.group.labels):  # (the footer, which the span's hash does not cover, changed)
-                raise ShardReadError(f"{path} changed after it was checked (row group {e.group.group} holds "
-                                     f"{len(got[1]) - 1} rows, {len(e.group.labels)} when checked): copy the file "
-                                     "again; it is checked again once its modification time changes (touch it)")
+                raise _table_changed(path, f"row group {e.group.group} holds {len(got[1]) - 1} rows, "
+                                           f"{len(e.group.labels)} when checked")
             self._groups[shard] = got
             while len(self._groups) > OPEN_GROUPS:
                 self._groups.popitem(last=False)
@@ -374,14 +359,28 @@ class ShardReader:
 
 
 # -- table groups (Hugging Face datasets) ---------------------------------------------------------------
+def hash_fd(fd: int, digest, start: int = 0, end: int | None = None) -> int:
+    """Feed `digest` the bytes [start, end) of the open file `fd` (to its end when `end` is None), VERIFY_CHUNK
+    at a time; returns the offset reached (less than `end` when the file is shorter)."""
+    offset = start
+    while (end is None or offset < end) and (chunk := os.pread(
+            fd, VERIFY_CHUNK if end is None else min(VERIFY_CHUNK, end - offset), offset)):
+        digest.update(chunk)
+        offset += len(chunk)
+    return offset
+
+
 def hash_span(fd: int, start: int, end: int) -> str:
     """XXH3-128 of bytes [start, end) of the open file `fd` (fewer when the file is shorter: its hash differs)."""
     digest = fast_digest()
-    offset = start
-    while offset < end and (chunk := os.pread(fd, min(VERIFY_CHUNK, end - offset), offset)):
-        digest.update(chunk)
-        offset += len(chunk)
+    hash_fd(fd, digest, start, end)
     return digest.hexdigest()
+
+
+def _table_changed(path: str, why: str) -> ShardReadError:
+    return ShardReadError(f"{path} changed after it was checked ({why}), though its size and modification time may "
+                          "not have (a copy that keeps them, or damage on disk): copy the file again; it is checked "
+                          "again once its modification time changes (touch it)")
 
 
 class TableFiles:

@@ -455,8 +455,8 @@ def benchmark(module, datamodule, *, loaders: str = "dali,baseline,synthetic", s
         device = torch.device("cuda", 0) if gpu else torch.device("cpu")
         precision = resolve_precision(precision, device_name)
         batch = dm.data.batch_size
-        chosen = {k: v for k, v in machine_defaults(gpu=gpu, model=True, memory=memory_gib()).items()
-                  if {"steps": steps, "warmup": warmup, "repeat": repeat}.get(k, 0) is None}
+        defaults = machine_defaults(gpu=gpu, model=True, memory=memory_gib())  # (the batch is the DataModule's)
+        chosen = {k: defaults[k] for k, v in (("steps", steps), ("warmup", warmup), ("repeat", repeat)) if v is None}
         steps, warmup, repeat = (chosen.get("steps", steps), chosen.get("warmup", warmup),
                                  chosen.get("repeat", repeat))
         if chosen:

@@ -210,12 +210,12 @@ def main(argv: list[str] | None = None, style: str = "flag") -> dict:
     manifest = described(s.data) if s.run.num_nodes == 1 else None
     refusal = None
     if not s.bench.benchmark:
-        refusal = stream_refusal(s)
-        if refusal is not None and not (s.run.output and (Path(s.run.output) / "metrics.json").is_file()):
-            raise refusal  # (a finished run's folder is asked first whether there is anything to do: below)
         with command_imports():
-            from .finished import fits, nothing_to_do  # lazy: it loads numpy (0.3 s); --help must answer at once
+            from .finished import fits, holds_a_run, nothing_to_do  # lazy: it loads numpy (0.3 s); --help at once
 
+        refusal = stream_refusal(s)
+        if refusal is not None and not holds_a_run(s.run.output):
+            raise refusal  # (a finished run's folder is asked first whether there is anything to do: below)
         fits(s, manifest)  # --batch-size and --grad-accum against a local training split
     s = prepared(s)  # (it may load torch, to ask for a GPU)
     if s.bench.benchmark:

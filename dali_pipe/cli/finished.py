@@ -43,6 +43,11 @@ def fits(s: Settings, manifest) -> None:
     check_accumulation(len(manifest.train), s.data.batch_size, world, s.model.grad_accum)
 
 
+def holds_a_run(output: str | None) -> bool:
+    """Whether OUT holds a run's export record (the rerun of a finished run is then decided by nothing_to_do)."""
+    return bool(output) and read_record(Path(output)) is not None
+
+
 def world_size(s: Settings) -> int:
     if s.run.devices != "auto":
         return s.run.devices * s.run.num_nodes

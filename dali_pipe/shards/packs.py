@@ -59,6 +59,13 @@ def open_pack(data, *, members: bool, num_threads: int = 1, progress: bool = Fal
     return ShardSet(data.data, "pack", classes, shards, root=root, meta=meta, unscanned=unscanned, split_rule="pack")
 
 
+def has_local_copy(root: Path, s: dict) -> bool:
+    """Whether packed.json's shard `s` lies whole in the pack's folder `root` (for an s3:// pack, what an earlier
+    sync left in its local copy): it is then read from there, not fetched."""
+    local = root / s["name"]
+    return local.is_file() and local.stat().st_size == s["size"]
+
+
 def _pack_shard(root: Path, s: dict, split: str, packed: Path, prefix: str | None) -> Shard:
     idx = root / s["index"]
     if not idx.is_file():
@@ -73,7 +80,7 @@ def _pack_shard(root: Path, s: dict, split: str, packed: Path, prefix: str | Non
                                f"{idx.name} lists {len(entries)}; packed.json was edited or damaged: pack the data "
                                "again")
     local = root / s["name"]
-    if local.is_file() and local.stat().st_size == s["size"]:
+    if has_local_copy(root, s):
         where = str(local.resolve())
     elif prefix is not None:
         where = f"{prefix}/{s['name']}"

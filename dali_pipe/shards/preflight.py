@@ -13,6 +13,7 @@ from ..s3 import local_target
 from ..sync import read_object
 from .cache import least, reader_need, stream_bound, stream_folder, too_small
 from .format import PACKED_NAME, parse_packed
+from .packs import has_local_copy
 from .packsync import auto_mode, room
 from .plan import epoch_plan
 
@@ -34,23 +35,19 @@ def stream_preflight(data: str, cache_dir: str | Path, *, mode: str, stream_cach
     local = local_target(data, Path(cache_dir))
     if mode == "auto" and auto_mode(*room(shards, local)) == "sync":
         return
-    # a shard an earlier sync left whole in the pack's local copy is read from there (packs._pack_shard), and
-    # the stream cache counts it as nothing; a split without a streamed shard registers no reader
-    sizes = {s["name"]: 0 if (local / s["name"]).is_file() and (local / s["name"]).stat().st_size == s["size"]
-             else s["size"] for s in shards}
+    # a shard an earlier sync left whole in the pack's local copy is read from there, and the stream cache counts
+    # it as nothing; a split without a streamed shard registers no reader
+    sizes = {s["name"]: 0 if has_local_copy(local, s) else s["size"] for s in shards}
     splits = [(info["shards"], name == "train") for name, info in meta["splits"].items()
               if name in ("train", "val") and any(sizes[s["name"]] for s in info["shards"])]
     if not splits:
         return
     largest = max(sizes[s["name"]] for split, _ in splits for s in split)
-    needs = []
-    for rank in range(world):
-        need = 0
-        for split, training in splits:
-            usable = [np.arange(s["samples"]) for s in split]
-            need += reader_need(lambda e: epoch_plan(usable, seed=seed, epoch=e, rank=rank, world=world, batch=batch,
-                                                     training=training), [sizes[s["name"]] for s in split], batch)
-        needs.append(need)
+    readers = [([np.arange(s["samples"]) for s in split], [sizes[s["name"]] for s in split], training)
+               for split, training in splits]
+    needs = [sum(reader_need(lambda e: epoch_plan(usable, seed=seed, epoch=e, rank=rank, world=world, batch=batch,
+                                                  training=training), split_sizes, batch)
+                 for usable, split_sizes, training in readers) for rank in range(world)]
     folder = stream_folder(data, cache_dir) / "rank-0"
     refusal = too_small(stream_bound(stream_cache, folder, local_ranks), least([max(needs, default=0)], largest,
                                                                               local_ranks), largest, folder, local_ranks)

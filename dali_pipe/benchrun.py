@@ -43,6 +43,7 @@ from .monitor import MonitorCallback
 from .prescribe import diagnose, time_budget
 from .sampler import Sampler, StepLog, TreeMemory
 from .samples import Shards
+from .stop import check
 from .workdir import OutputError, remove_dead_temps, write_atomic
 
 NO_MODEL_NOTE = ("synthetic left out: without a model it would only time a tensor that is already there; it is the "
@@ -192,6 +193,7 @@ def time_loader(batches, device, *, warmup: int, steps: int, progress: Progress 
     waits = []
     t0 = prev = time.perf_counter()
     for i in range(warmup + steps):
+        check()  # SIGTERM, Ctrl-C (stop.py): a flag's look, nothing against a step's time
         if i == warmup:
             sync()
             t0 = prev = time.perf_counter()
@@ -373,6 +375,7 @@ def run_rounds(names: list[str], measure_one, repeat: int) -> dict[str, list[dic
     for r in range(repeat):
         order = names if r % 2 == 0 else names[::-1]
         for name in order:
+            check()
             rounds[name].append(measure_one(name, f"round {r + 1}/{repeat} {name:>9}"))
         print(round_table(r + 1, repeat, {n: rounds[n][-1]["metrics"] for n in names}), flush=True)
     return rounds

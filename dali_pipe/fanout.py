@@ -14,6 +14,7 @@ import subprocess
 import sys
 
 from .config import cores
+from .stop import check
 
 
 def fan_out(names: list[str], script: str, args: list[str], record: int, here, *, parallel_from: int,
@@ -33,10 +34,17 @@ def fan_out(names: list[str], script: str, args: list[str], record: int, here, *
         except OSError:
             w = None
         workers.append((w, a, b))
-    out = [here(names[:bounds[1]])]
-    for w, a, b in workers:
-        got = w.stdout.read() if w is not None else b""
-        if w is None or w.wait() != 0 or len(got) != (b - a) * record:
-            got = here(names[a:b])
-        out.append(got)
+    try:
+        out = [here(names[:bounds[1]])]
+        for w, a, b in workers:
+            check()  # SIGTERM, Ctrl-C: after this process's share (about a second a million names), not after all
+            got = w.stdout.read() if w is not None else b""
+            if w is None or w.wait() != 0 or len(got) != (b - a) * record:
+                got = here(names[a:b])
+            out.append(got)
+    except BaseException:
+        for w, _, _ in workers:
+            if w is not None:
+                w.kill()
+        raise
     return b"".join(out)

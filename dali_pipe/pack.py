@@ -64,8 +64,9 @@ from .shards.format import (
 )
 from .shards.shardset import write_member_report
 from .shards.verdicts import Verdicts, verdict_key
+from .stop import check
 from .tsv import MANIFEST_NAME, read_table
-from .workdir import atomic, critical, remove_dead_temps, write_atomic
+from .workdir import atomic, remove_dead_temps, write_atomic
 
 
 class PackError(UserError):
@@ -230,13 +231,12 @@ class ShardWriter:
                 "image_paths": self.image_paths, "next": self.next}
 
     def abort(self) -> None:
-        with critical():  # a second stop waits for the temporary files to go
-            try:
-                self._f.close()
-            except OSError:  # a full disk fails the flush too; the file goes anyway
-                pass
-            self.tmp.unlink(missing_ok=True)
-            self.idx_tmp.unlink(missing_ok=True)
+        try:
+            self._f.close()
+        except OSError:  # a full disk fails the flush too; the file goes anyway
+            pass
+        self.tmp.unlink(missing_ok=True)
+        self.idx_tmp.unlink(missing_ok=True)
 
 
 # -- the pack --------------------------------------------------------------------------------------
@@ -396,6 +396,7 @@ def pack_items(items: list[Item], classes: list[str], dst: Path, *, settings: di
         chunk = max(1, min(64, len(jobs) // (8 * workers)))  # few round trips, yet every worker busy to the end
         results = pool.imap(_normalise_job, jobs, chunksize=chunk) if pool else map(_normalise_job, jobs)
         for n, result in results:
+            check()  # SIGTERM, Ctrl-C: the shards being written are removed (below), the finished ones kept
             split, i, item = todo[n]
             bar.update(1)
             if isinstance(result, str):
@@ -403,8 +404,7 @@ def pack_items(items: list[Item], classes: list[str], dst: Path, *, settings: di
                 continue
             if writers[split] is None:
                 number = len(prog["splits"].setdefault(split, []))
-                with critical():  # a stop lands once the writer is known (and can be aborted), not in between
-                    writers[split] = ShardWriter(dst, f"{split}-{number:06d}")
+                writers[split] = ShardWriter(dst, f"{split}-{number:06d}")
             writers[split].add(keys[item.rel], result[0], item.label, classes[item.label], item.image_path, i)
             full = writers[split].size >= settings["shard_size"]
             if full or len(writers[split].entries) >= cap[split]:

@@ -35,6 +35,7 @@ import numpy as np
 from .config import SCAN_MODES
 from .fanout import fan_out
 from .redact import redact
+from .stop import each, join
 from .tsv import row as tsv_row
 from .workdir import atomic
 
@@ -374,7 +375,7 @@ def _headers(paths: list[str], max_pixels: int, bar, parallel_from: int) -> list
     workers = min(len(os.sched_getaffinity(0)), 8)
     if len(paths) < parallel_from or workers < 2:
         out = []
-        for p in paths:
+        for p in each(paths):
             out.append(check_header(p, max_pixels))
             bar.update(1)
         return out
@@ -384,9 +385,12 @@ def _headers(paths: list[str], max_pixels: int, bar, parallel_from: int) -> list
     results: list[list] = [[] for _ in parts]
     lock = threading.Lock()
 
+    procs = []
+
     def run(i: int) -> None:
         proc = subprocess.Popen([sys.executable, "-c", code, str(max_pixels)], stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        procs.append(proc)
         feed = threading.Thread(target=_feed, args=(proc.stdin, parts[i]), daemon=True)
         feed.start()
         done = 0
@@ -408,8 +412,13 @@ def _headers(paths: list[str], max_pixels: int, bar, parallel_from: int) -> list
     threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(len(parts))]
     for t in threads:
         t.start()
-    for t in threads:
-        t.join()
+    try:
+        for t in threads:
+            join(t)  # SIGTERM, Ctrl-C: the workers are stopped (below)
+    except BaseException:
+        for proc in procs:
+            proc.kill()
+        raise
     out = []
     for part, got in zip(parts, results):
         if len(got) != len(part):  # a worker that died (killed, out of memory): its files are checked here

@@ -50,6 +50,7 @@ from .s3 import (
     explain,
     parse_s3_uri,
 )
+from .stop import check
 from .transfer import Engine
 from .tsv import MANIFEST_NAME, ManifestError, check_columns, check_header, read_table, safe_relpath
 from .workdir import (
@@ -337,6 +338,7 @@ def fetch_files(engine: Engine, bucket: str, base: str, dest: Path, todo: list[t
     try:
         pending = len(jobs)
         while pending:
+            check()  # SIGTERM, Ctrl-C: the rest is cancelled (below)
             if not results:
                 if future.done() and future.exception() is not None:
                     raise future.exception()

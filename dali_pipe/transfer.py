@@ -65,6 +65,7 @@ from .s3 import (
     from_botocore,
     list_with_boto3,
 )
+from .stop import result
 from .stores import HTTP_STORES, Chunks, client_options, http_store, retry_config
 from .workdir import atomic
 
@@ -160,11 +161,7 @@ class Engine:
     def wait(fut: Future, timeout: float | None = None):
         """The result of `fut` (a coroutine submitted to the engine), waited for here; cancelled if this thread is
         interrupted (SIGTERM, Ctrl-C) or the wait times out."""
-        try:
-            return fut.result(timeout)
-        except BaseException:
-            fut.cancel()
-            raise
+        return result(fut, timeout)  # the stop's flag looked at while waiting (stop.py)
 
     def close(self) -> None:
         """Cancel what still runs and stop the loop's thread."""

@@ -30,7 +30,6 @@ import hashlib
 import os
 import re
 import shutil
-import threading
 from contextlib import contextmanager, suppress
 from pathlib import Path
 
@@ -40,7 +39,6 @@ from .redact import redact
 
 LEGACY_LOCK_NAME = ".dali_pipe.lock"  # where older versions kept the lock: inside the directory
 _held: dict[str, tuple[int, Path]] = {}  # resolved directory -> (descriptor, lock file) this process holds
-_critical = [0, None]  # the main thread's open critical() blocks, and the action a signal handler deferred to their end
 
 
 class BusyError(UserError):
@@ -207,15 +205,14 @@ def remove_dead_temps(directory: Path | str, pattern: str, *, recursive: bool = 
 
 def unlock(directory: Path | str) -> None:
     """Release DIR's lock and remove the lock file (removal first, so a waiter never locks a dead name)."""
-    with critical():
-        held = _held.pop(str(Path(directory).resolve()), None)
-        if held is not None:
-            fd, path = held
-            try:
-                path.unlink()
-            except OSError:
-                pass
-            os.close(fd)  # closing the descriptor releases the flock
+    held = _held.pop(str(Path(directory).resolve()), None)
+    if held is not None:
+        fd, path = held
+        try:
+            path.unlink()
+        except OSError:
+            pass
+        os.close(fd)  # closing the descriptor releases the flock
 
 
 def check_writable(directory: Path | str, flag: str, needed_bytes: int = 0,
@@ -359,35 +356,6 @@ def temp_name(path: Path | str) -> Path:
 
 
 @contextmanager
-def critical():
-    """A block that a stop (SIGTERM, Ctrl-C) must not cut: the rename that lands a file and the clean-up after a
-    failure, the release of a lock. The commands' signal handlers raise to unwind (training's only set a flag,
-    acted on at the next step boundary); one that fires while the main thread is inside such a block defers
-    its exception to the block's end (defer), so a stop never leaves a temporary file, or a lock file, that the
-    clean-up was removing. Other threads' blocks do not count: the handlers run in the main thread."""
-    main = threading.current_thread() is threading.main_thread()
-    if main:
-        _critical[0] += 1
-    try:
-        yield
-    finally:
-        if main:
-            _critical[0] -= 1
-            action, _critical[1] = (_critical[1], None) if not _critical[0] else (None, _critical[1])
-            if action is not None:
-                action()
-
-
-def defer(action) -> bool:
-    """From a signal handler: when the main thread is inside critical(), run `action` (which raises) at the end
-    of the outermost block and return True; else False (the handler acts now)."""
-    if not _critical[0]:
-        return False
-    _critical[1] = _critical[1] or action
-    return True
-
-
-@contextmanager
 def atomic(path: Path | str, tmp: Path | str | None = None):
     """The one way a file lands here: the block writes the path it is given (`tmp`, else temp_name(path)),
     which is renamed onto `path` when the block ends, so a reader sees the old file or the new one, never
@@ -397,15 +365,13 @@ def atomic(path: Path | str, tmp: Path | str | None = None):
     tmp = tmp if tmp is not None else temp_name(path)  # as given (str or Path): a sync lands a million
     try:
         yield tmp
-        with critical():
-            os.replace(tmp, path)
+        os.replace(tmp, path)
     except BaseException as e:
-        with critical():  # a stop while the temporary file is removed waits for the removal
-            if os.path.isdir(tmp) and not os.path.islink(tmp):
-                shutil.rmtree(tmp, ignore_errors=True)
-            else:
-                with suppress(FileNotFoundError):
-                    os.unlink(tmp)
+        if os.path.isdir(tmp) and not os.path.islink(tmp):
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            with suppress(FileNotFoundError):
+                os.unlink(tmp)
         if isinstance(e, OSError) and is_disk_full(e) and not e.filename:
             e.filename = str(path)
         raise

@@ -47,6 +47,7 @@ from pytorch_lightning.utilities.exceptions import SIGTERMException
 
 from dali_pipe.datamodule import CheckedLoad
 from dali_pipe.errors import UserError
+from dali_pipe.stop import asked, clear
 from dali_pipe.workdir import atomic, fix_for, temp_name, write_atomic, write_failure
 
 from .loading import load_config
@@ -288,6 +289,10 @@ class SpotSafeCheckpoint(pl.Callback):
         if not self._installed and threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, self._on_sigterm)  # replaces Lightning's (registered just before)
             self._installed = True
+            taken = asked()  # a stop the CLI's handler noted while the loaders were built: this one's now
+            if taken is not None:
+                clear()
+                (self._on_sigint if taken == signal.SIGINT else self._on_sigterm)(taken, None)
 
     def on_sanity_check_start(self, trainer, pl_module) -> None:
         self._install()
@@ -317,9 +322,12 @@ class SpotSafeCheckpoint(pl.Callback):
     def _on_sigint(self, signum, frame) -> None:
         if not self._fitting:
             previous = self._previous_sigint
-            if callable(previous):
+            if callable(previous):  # the CLI's (a flag its commands look at), or Python's own in a user's script
                 return previous(signum, frame)
-            raise KeyboardInterrupt
+            if previous != signal.SIG_IGN:  # the default action, as the handler before this one would have had it
+                signal.signal(signal.SIGINT, signal.SIG_DFL)
+                os.kill(os.getpid(), signal.SIGINT)
+            return
         signal.signal(signal.SIGINT, signal.SIG_DFL)  # a second Ctrl-C: the default action, at once
         print("Ctrl-C: saving a checkpoint after the current step, then stopping (exit status 130); press Ctrl-C "
               "again to stop at once without saving (the last checkpoint saved is kept)", file=sys.stderr,

@@ -95,12 +95,13 @@ def test_ctrl_c_outside_training_stops_and_a_second_one_stops_at_once(tmp_path, 
     import signal
 
     from dali_pipe.cli import cli
+    from dali_pipe.stop import check
     from model.checkpoint import SpotSafeCheckpoint
 
     signal.signal(signal.SIGINT, signal.default_int_handler)  # Python's own, as a new process has it
     before = signal.signal(signal.SIGTERM, signal.SIG_DFL)
     try:
-        assert cli(lambda: signal.raise_signal(signal.SIGINT)) == 130
+        assert cli(lambda: (signal.raise_signal(signal.SIGINT), check())) == 130  # a command that looks
         assert capsys.readouterr().err.strip() == "stopped by Ctrl-C"
         assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # as it was before cli()
         # SIGTERM too: one that comes while the interpreter exits, the result told, ends the process as

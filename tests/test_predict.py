@@ -245,3 +245,35 @@ def test_past_the_most_failures_the_ones_found_stay_listed(trained, photo_root, 
                    lambda e, rest: next((k for k, (_, p) in enumerate(rest) if p == e.path), None),
                    lambda failed: listed.append([name for (name, _), _ in failed]), by_label=True, most=2)
     assert listed == [["1.jpg", "2.jpg"]], listed
+
+
+def test_a_stop_is_acted_on_at_the_next_batch():
+    """SIGTERM while evaluate or predict runs the model: the handler only notes it (dali_pipe/stop.py), and the
+    batch loop stops at its next batch, raising Terminated (exit 143: nothing is written), not at the end."""
+    import os
+    import signal
+
+    import torch
+
+    from dali_pipe import stop
+    from dali_pipe.cli.infer import run_model
+
+    class Model(torch.nn.Module):
+        def forward(self, pixel_values):
+            return type("Out", (), {"logits": pixel_values.mean(dim=(2, 3))})()
+
+    def loader():
+        for i in range(5):
+            yield torch.zeros(2, 3, 4, 4), torch.arange(2)
+            if i == 1:
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    old = signal.signal(signal.SIGTERM, stop.ask)
+    got = []
+    try:
+        with pytest.raises(stop.Terminated):
+            run_model(Model(), loader(), "cpu", "32-true", got=got)
+    finally:
+        stop.clear()
+        signal.signal(signal.SIGTERM, old)
+    assert len(got) == 2  # the batches before the signal, none after

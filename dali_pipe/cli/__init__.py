@@ -27,7 +27,8 @@ from ..demo import demo_dataset
 from ..errors import RunFailed, UserError, dali_missing
 from ..limits import own_process
 from ..redact import RedactingStream, redact
-from ..workdir import defer, fix_for, is_disk_full, output_failure
+from ..stop import Terminated, ask, check, clear
+from ..workdir import fix_for, is_disk_full, output_failure
 from .parser import build_parser, parse, settings_from
 
 TRAIN_DOC = """Train an image classifier from a dataset.tsv of JPEGs (local or S3) with a DALI pipeline.
@@ -146,14 +147,15 @@ def command_imports():
     already, it changes nothing."""
     if not _COMMAND or not gc.isenabled():
         yield
-        return
-    thresholds = gc.get_threshold()
-    try:
-        gc.set_threshold(thresholds[0], thresholds[1], NO_FULL_PASS)
-        yield
-    finally:
-        gc.freeze()
-        gc.set_threshold(*thresholds)
+    else:
+        thresholds = gc.get_threshold()
+        try:
+            gc.set_threshold(thresholds[0], thresholds[1], NO_FULL_PASS)
+            yield
+        finally:
+            gc.freeze()
+            gc.set_threshold(*thresholds)
+    check()  # a stop asked for while they loaded (seconds, in which nothing looks at the flag)
 
 
 def _freeze_at_exit() -> None:
@@ -234,52 +236,6 @@ def main(argv: list[str] | None = None, style: str = "flag") -> dict:
     return run(s, manifest, style, started=started)
 
 
-class Terminated(SystemExit):
-    """SIGTERM outside training (sync, scan, export): unwind, removing temporary files, and exit 143."""
-
-    def __init__(self):
-        super().__init__(143)
-
-
-def _terminate(signum, frame):
-    """Raise Terminated where the code running can pass it on. Inside a finaliser (a __del__, a weakref callback:
-    Python prints and drops what they raise) the signal is sent again 50 ms later instead: a SIGTERM that fired in
-    one was lost, and the run trained to its end, exit 0. Inside a workdir.critical() block (a file's rename, the
-    removal of a temporary file, a lock's release) it is raised at the block's end."""
-    if _in_finaliser(frame):
-        threading.Timer(0.05, os.kill, (os.getpid(), signum)).start()
-        return
-    if defer(_raise_terminated):
-        return
-    raise Terminated()
-
-
-def _raise_terminated():
-    raise Terminated()
-
-
-def _raise_interrupt():
-    raise KeyboardInterrupt
-
-
-def _in_finaliser(frame) -> bool:
-    while frame is not None:
-        if frame.f_code.co_name in ("__del__", "_exitfunc") or (
-                frame.f_code.co_name == "__call__" and frame.f_globals.get("__name__") == "weakref"):
-            return True
-        frame = frame.f_back
-    return False
-
-
-def _interrupt(signum, frame):
-    """Ctrl-C outside training: unwind as for SIGTERM (KeyboardInterrupt; exit 130), and give SIGINT its
-    default action back, so that a second Ctrl-C stops at once (training installs its own: save first)."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-    if defer(_raise_interrupt):
-        return
-    raise KeyboardInterrupt
-
-
 def exit_status(result) -> int:
     """0, or 130 for a run that Ctrl-C stopped after saving its checkpoint."""
     return 130 if isinstance(result, dict) and result.get("stopped_by") == "SIGINT" else 0
@@ -305,10 +261,10 @@ def cli(entry=main) -> int:
         sys.stdout, sys.stderr = RedactingStream(sys.stdout), RedactingStream(sys.stderr)
     warnings.formatwarning = plain_warning
     sigterm = signal.getsignal(signal.SIGTERM)
-    signal.signal(signal.SIGTERM, _terminate)  # training replaces it with its own (save, then exit 0)
+    signal.signal(signal.SIGTERM, ask)  # a flag the commands look at (stop.py); training's own: save, then exit 0
     sigint = signal.getsignal(signal.SIGINT)
     if sigint is signal.default_int_handler:  # not where the shell ignores it (a job started with &)
-        signal.signal(signal.SIGINT, _interrupt)  # training replaces it with its own (save, then exit 130)
+        signal.signal(signal.SIGINT, ask)  # the same flag; training's own: save, then exit 130
     try:
         return exit_status(entry())
     except UserError as e:
@@ -349,3 +305,4 @@ def cli(entry=main) -> int:
             signal.signal(signal.SIGTERM, sigterm if sigterm is not None else signal.SIG_DFL)
             if sigint is not None:
                 signal.signal(signal.SIGINT, sigint)
+        clear()

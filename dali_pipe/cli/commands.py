@@ -14,6 +14,7 @@ from ..limits import tune_for_transfers
 from ..s3 import ManifestMissing
 from ..shards.format import PACKED_NAME
 from ..shards.packsync import fetch_to
+from ..stop import result
 from ..sync import SyncStats, ask_listing, make_engine, read_object, sync
 from ..tsv import MANIFEST_NAME
 from . import NoDataError, command_imports, data_check, described
@@ -147,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
                 stats = sync(s.sync.uri, s.sync.local_dir, workers=s.sync.workers, skip_missing=s.data.skip_missing,
                              progress=not s.sync.no_progress, engine=engine, asked=asked)
             except ManifestMissing:
-                raw = packed.result()
+                raw = result(packed)  # looking at the stop's flag while it waits
                 if raw is None:  # not a dataset.tsv folder nor a pack: another form, or none
                     stats = _download(s, MANIFEST_NAME)
                 else:

@@ -47,6 +47,7 @@ from ..naming import named
 from ..prescribe import prescription
 from ..scan import is_empty_report
 from ..spec import ImageSpec
+from ..stop import check
 from ..workdir import OutputError, check_writable, fix_for, no_empty_folders_on_failure, output_failure
 from .finished import (
     check_reports,
@@ -170,16 +171,19 @@ def preflight(s: Settings, out: Path, ckpt_dir: Path, main: bool, manifest: Mani
         check_writable(ckpt_dir, "--checkpoint-dir")
     pl.seed_everything(s.data.seed, workers=True, verbose=False)
     processor = load_processor(s.model.model)
+    check()  # a stop asked for meanwhile (stop.py): at each stage of the pre-flight, before training's own handlers
     source = image_source(s.model.model)  # after the processor loaded (a hub model's files are cached by then)
     spec = ImageSpec.from_processor(processor)
     dm = DaliDataModule(s.data, s.pipeline, spec, Path(s.run.report_dir or out),  # reports: OUT, or output/data
                         manifest=manifest)
     if main:
         dm.prepare_data()
+    check()
     manifest = dm.setup_manifest(world_size(s))
     check_accumulation(len(manifest.train), s.data.batch_size, world_size(s), s.model.grad_accum)
     params = parameter_count(s.model.model, manifest.classes)
     fingerprint = run_fingerprint(s, dm.fingerprint(world_size(s)))
+    check()
     plan = plan_resume(s.run.resume, ckpt_dir, fingerprint, targets(s), may_modify=main,
                        steps=total_steps(s, manifest))
     if main and plan.done_step is None:  # room to train (a finished run needs none, or the model's: finished())
@@ -223,6 +227,7 @@ def _fit(s: Settings, out: Path, ckpt_dir: Path, main: bool, meeting=None,
     callbacks += [monitor] if monitor else []
     trainer = make_trainer(s, callbacks, log_every_n_steps=max(1, min(LOG_EVERY, steps_per_epoch(s, p.manifest))),
                            purge_step=tensorboard_purge_step(p.plan))
+    check()  # from here SpotSafeCheckpoint takes a stop over: saved after the next step
     try:
         trainer.fit(module, datamodule=p.dm, ckpt_path=p.plan.ckpt_path)
     except SIGTERMException:

@@ -21,10 +21,10 @@ Lightning's, and SageMaker starts one process per host itself); torch's TCPStore
 """
 from __future__ import annotations
 
-import _thread
 import atexit
 import json
 import os
+import signal
 import socket
 import sys
 import tempfile
@@ -38,6 +38,7 @@ from model.resume import differences, read_meta
 
 from ..errors import UserError
 from ..redact import redact
+from ..stop import ask, check, sleep
 
 POLL = 0.2  # seconds between looks at the meeting
 WATCH = 1.0  # seconds between looks for a failed host while this one syncs and scans
@@ -62,7 +63,8 @@ class Interrupted(SystemExit):
 
 @contextmanager
 def _sigterm_means(doing: str):
-    """A SIGTERM (the CLI's handler raises SystemExit(143)) inside the block ends it with a clear reason."""
+    """A SIGTERM inside the block (stop.Terminated, raised where the waits look at the stop's flag) ends it with a
+    clear reason."""
     try:
         yield
     except SystemExit as e:
@@ -92,9 +94,9 @@ class Meeting:
         self._threads = []
 
     def watch(self) -> None:
-        """Until arrive(): a daemon thread looks for a failed host every WATCH seconds and then interrupts
-        the main thread (KeyboardInterrupt, as Ctrl-C: sync and scan stop cleanly), so that no host syncs
-        for an hour for a job that has already failed. `interrupted_by` says why."""
+        """Until arrive(): a daemon thread looks for a failed host every WATCH seconds and then asks the main
+        thread to stop (as Ctrl-C does: stop.ask; sync and scan stop cleanly where they look at the flag), so
+        that no host syncs for an hour for a job that has already failed. `interrupted_by` says why."""
         store, stop = self.store.clone(), threading.Event()  # a connection of its own for the thread
 
         def run():
@@ -108,7 +110,7 @@ class Meeting:
                 if why and not stop.is_set():
                     self.interrupted_by = why
                     print(f"hosts: {why}; stopping this host", flush=True)
-                    _thread.interrupt_main()
+                    ask(signal.SIGINT)  # the main thread's next look at the stop's flag raises it
                     return
 
         self._watching = stop
@@ -156,7 +158,7 @@ class Meeting:
                 print(redact(f"hosts: {self.me} waiting for {', '.join(missing)} ({now - start:.0f} s of at most "
                              f"{self.timeout:g} s, --dist-timeout)"), flush=True)
                 said_at = now
-            time.sleep(POLL)
+            sleep(POLL)  # SIGTERM, Ctrl-C: raised here (stop.py)
         arrived = [json.loads(self.store.get(k)) for k in self._keys("arrived")]
         if len({a["plan"] for a in arrived}) > 1:
             raise HostsError("the hosts disagree on where training starts: " +
@@ -201,7 +203,7 @@ class Meeting:
         HostsError when the first host itself is gone."""
         try:
             before = [self.store.add(f"beat/{r}", 0) for r in range(len(self.names))]
-            time.sleep(2.5 * BEAT)
+            sleep(2.5 * BEAT)
             after = [self.store.add(f"beat/{r}", 0) for r in range(len(self.names))]
         except Exception:  # noqa: BLE001
             raise HostsError(self._lost()) from None
@@ -408,7 +410,8 @@ def _connect(addr: str, port: int, names: list[str], rank: int, timeout: float):
                 with cpp_stderr_quiet():
                     thread.start()
                     while thread.is_alive() and time.monotonic() <= until:
-                        thread.join(POLL)  # a SIGTERM's handler runs between the slices
+                        check()  # SIGTERM, Ctrl-C (stop.py), between the slices
+                        thread.join(POLL)
                     stuck = thread.is_alive()
                     if stuck:  # on a silent peer: end its connections so the thread ends before we exit, and
                         ends = time.monotonic() + left + 10.0  # keep fd 2 quiet until it has (its retries can
@@ -436,7 +439,7 @@ def _connect(addr: str, port: int, names: list[str], rank: int, timeout: float):
                 print(redact(f"hosts: {names[rank]} waiting for host {names[0]} at {addr}:{port}: {error} "
                              f"({now - start:.0f} s of at most {timeout:g} s, --dist-timeout)"), flush=True)
                 said, said_at = error, now
-            time.sleep(POLL)
+            sleep(POLL)  # SIGTERM, Ctrl-C: raised here (stop.py)
 
 
 def _shutdown_connections(port: int) -> None:

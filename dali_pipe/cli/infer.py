@@ -8,6 +8,7 @@ from model.files import read_record
 
 from ..config import Settings, resolve
 from ..errors import UserError
+from ..stop import check
 from .noise import quiet_known_noise
 
 
@@ -43,5 +44,6 @@ def run_model(model, loader, device: str, precision: str, got: list | None = Non
     got = [] if got is None else got
     with torch.no_grad(), autocast:
         for images, y in loader:  # images (B,3,H,W) float on the loader's device; y (B,) int64
+            check()  # SIGTERM, Ctrl-C: nothing is written (stop.py)
             got.append((model(pixel_values=images.to(dev, non_blocking=True)).logits.float().cpu(), y.cpu()))
     return torch.cat([x for x, _ in got]), torch.cat([y for _, y in got])

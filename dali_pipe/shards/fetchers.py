@@ -15,6 +15,7 @@ from ..https import explain_http, is_http, shown, status_of
 from ..landing import temp_path
 from ..redact import redact
 from ..s3 import Bounds, SyncError, TransferError, explain, parse_s3_uri
+from ..stop import check
 from ..stores import locate
 from ..sync import endpoint, listing
 from ..transfer import REQUEST_LIMIT, Engine
@@ -181,6 +182,7 @@ class Fetcher:
         try:
             while not future.done():  # a watchdog: nothing for `stall` seconds, or past the deadline
                 wait([future], timeout=0.2)  # returns as soon as the download ends
+                check()  # in the main thread (a sync), SIGTERM and Ctrl-C are acted on here (stop.py)
                 if self._closed or (stop is not None and stop.is_set()):
                     future.cancel()
                     raise TimeoutError("the run is ending")

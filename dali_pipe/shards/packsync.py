@@ -8,11 +8,12 @@ import shutil
 import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor, as_completed
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from ..config import default_cache_dir
 from ..s3 import SyncError, local_target, parse_s3_uri
+from ..stop import completed
 from ..sync import AskedListing, SyncStats, byte_bar, engine_for, listing, listing_asked, read_object, sync_objects
 from ..transfer import Engine
 from ..workdir import human_bytes, lock, remove_dead_temps, unlock, write_atomic
@@ -131,7 +132,7 @@ def sync_shards(remotes: list[Remote], local: Path, *, cache_dir: str | Path, pr
         try:
             futures = [pool.submit(fetcher.fetch, r, dest, stop=stop, verdicts=verdicts, on_bytes=bar.update)
                        for r, dest in todo]
-            for fut in as_completed(futures):
+            for fut in completed(futures):  # SIGTERM, Ctrl-C: raised here (stop.py), the rest stopped below
                 done += fut.result()  # the first failure stops the rest
         except BaseException:
             stop.set()

@@ -215,6 +215,15 @@ def unlock(directory: Path | str) -> None:
         os.close(fd)  # closing the descriptor releases the flock
 
 
+def free_bytes(path: Path | str) -> int:
+    """The free space of the disk `path` would be on: its own, or its nearest existing parent's (a check before
+    anything is written creates no folder, so a refusal leaves none behind)."""
+    path = Path(path).absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return shutil.disk_usage(path).free
+
+
 def check_writable(directory: Path | str, flag: str, needed_bytes: int = 0,
                    what: str = "two checkpoints and the model") -> None:
     """DIR is (or can be made) a writable directory with `needed_bytes` (`what` the run writes) free; else

@@ -760,6 +760,7 @@ def test_a_stream_cache_too_small_is_told_from_packed_json_before_torch_loads(bu
                               str(tmp_path / "cache")])
     assert said.startswith("StreamCacheError --stream-cache gives this process 10.0 kB"), said
     assert advice(said) == asked_1(split, remotes, tmp_path), said
+    assert not (tmp_path / "cache").exists()  # a refusal leaves no folder behind (the disk asked, none made)
     # shards an earlier sync left whole in the pack's local copy are read from there: counted as nothing
     copy = tmp_path / "cache" / "s3" / "data" / "whole"
     copy.mkdir(parents=True, exist_ok=True)

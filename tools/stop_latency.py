@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import shutil
 import signal
@@ -118,6 +119,7 @@ def main() -> int:
         import boto3
         from s3server import delayed_server  # a moto server, 20 ms a request, with the photos uploaded
 
+        logging.getLogger("werkzeug").setLevel(logging.ERROR)  # no line per request
         server = delayed_server(0.0)
         url = "http://%s:%d" % server.get_host_and_port()
         keys = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}

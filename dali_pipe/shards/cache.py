@@ -52,7 +52,6 @@ from __future__ import annotations
 
 import hashlib
 import math
-import shutil
 import sys
 import threading
 import time
@@ -64,7 +63,7 @@ from ..config import parse_size
 from ..errors import UserError
 from ..https import cache_name, is_http
 from ..s3 import Bounds, local_target
-from ..workdir import lock, remove, remove_dead_temps, unlock
+from ..workdir import free_bytes, lock, remove, remove_dead_temps, unlock
 from .fetchers import SHARD_BOUNDS, fetcher_for, where
 from .verdicts import (
     HASH_WORKERS,
@@ -102,9 +101,8 @@ def _mb(n: float, *, up: bool = False, down: bool = False) -> str:
 def stream_room(folder: Path, local_ranks: int = 1) -> int:
     """The disk the node's stream caches could use: the free space of `folder`'s disk and what this rank's
     cache holds already (each rank's about as much)."""
-    folder.mkdir(parents=True, exist_ok=True)
-    here = sum(f.stat().st_size for f in folder.iterdir() if f.is_file())
-    return shutil.disk_usage(folder).free + here * local_ranks
+    here = sum(f.stat().st_size for f in folder.iterdir() if f.is_file()) if folder.is_dir() else 0
+    return free_bytes(folder) + here * local_ranks  # (not created here: the pre-flight asks before torch loads)
 
 
 def stream_folder(data: str, cache_dir: str | Path) -> Path:

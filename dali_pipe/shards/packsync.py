@@ -4,7 +4,6 @@ dataset's files are synced, the shards fetched and checked as they land), or mad
 """
 from __future__ import annotations
 
-import shutil
 import sys
 import threading
 import time
@@ -16,7 +15,7 @@ from ..s3 import SyncError, local_target, parse_s3_uri
 from ..stop import completed
 from ..sync import AskedListing, SyncStats, byte_bar, engine_for, listing, listing_asked, read_object, sync_objects
 from ..transfer import Engine
-from ..workdir import human_bytes, lock, remove_dead_temps, unlock, write_atomic
+from ..workdir import free_bytes, human_bytes, lock, remove_dead_temps, unlock, write_atomic
 from .cache import FETCH_PARALLEL, local_name
 from .fetchers import fetcher_for, listed
 from .format import FAST_SUM, PACKED_NAME, PackedFormatError, parse_packed
@@ -95,10 +94,8 @@ def fetch_to(data: str, local: Path, *, mode: str, workers: int, progress: bool 
 
 def room(shards: list[dict], local: Path) -> tuple[int, int]:
     """(the bytes of packed.json's `shards`, the room for them in `local`: its disk's free space and the
-    shards there already)."""
-    local.mkdir(parents=True, exist_ok=True)
-    free = shutil.disk_usage(local).free + sum((local / s["name"]).stat().st_size for s in shards
-                                               if (local / s["name"]).is_file())
+    shards there already); `local` is not created (the stream pre-flight asks, before anything is decided)."""
+    free = free_bytes(local) + sum((local / s["name"]).stat().st_size for s in shards if (local / s["name"]).is_file())
     return sum(s["size"] for s in shards), free
 
 

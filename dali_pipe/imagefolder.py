@@ -33,6 +33,7 @@ from .forms import IMG_EXTENSIONS, find_classes, is_image_name, pair_folders, pa
 from .manifest import MANIFEST_NAME, Manifest, ManifestError, absolute_paths, sort_classes, stratified_split
 from .s3 import SyncError
 from .samples import Samples, member, strings
+from .stop import each
 from .sync import SyncStats, sync_files
 from .workdir import write_atomic
 
@@ -111,7 +112,7 @@ def tree(root: Path, listing: list[str] | None = None, links: set[str] | None = 
     one dataset (class_files)."""
     if listing is None:
         seen = {} if seen is None else seen
-        return {c: class_files(root, c, links, seen, split) for c in find_classes(root)}
+        return {c: class_files(root, c, links, seen, split) for c in each(find_classes(root), every=1)}
     out: dict[str, list[tuple[str, str]]] = {}
     for key in listing:
         head, _, rest = key.partition("/")

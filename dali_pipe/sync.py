@@ -50,7 +50,7 @@ from .s3 import (
     explain,
     parse_s3_uri,
 )
-from .stop import check
+from .stop import check, each
 from .transfer import Engine
 from .tsv import MANIFEST_NAME, ManifestError, check_columns, check_header, read_table, safe_relpath
 from .workdir import (
@@ -455,7 +455,7 @@ def sync(uri: str, dest: Path | str, *, workers: int, skip_missing: bool = False
             stats = SyncStats(listed=len(wanted))
             todo, missing = [], []
             markers = set(folder_rows([r for r in wanted if remote.get(r, (1,))[0] == 0], remote))
-            for rel in wanted:
+            for rel in each(wanted):  # (a stat each: seconds at a million files)
                 if rel not in remote or rel in markers:  # an empty object named like a folder: its marker
                     missing.append(rel)
                 elif state.unchanged(rel, *remote[rel], dest / rel):
@@ -519,7 +519,7 @@ def sync_objects(uri: str, dest: Path | str, names: list[str], *, workers: int, 
                             "upload the whole pack again")
         state = SyncState(dest)
         stats = SyncStats(listed=len(names))
-        todo = [(n, *remote[n]) for n in names if not state.unchanged(n, *remote[n], dest / n)]
+        todo = [(n, *remote[n]) for n in each(names) if not state.unchanged(n, *remote[n], dest / n)]
         stats.skipped = len(names) - len(todo)
         check_room(dest, todo)
         failures = fetch_files(engine, bucket, base, dest, todo, state, stats, progress=progress, stall=bounds.stall)
@@ -567,7 +567,7 @@ def sync_files(uri: str, dest: Path | str, *, keep, workers: int, progress: bool
                             f"name, e.g. {refused[0]!r}; rename them. Nothing was downloaded.")
         state = SyncState(dest)
         stats = SyncStats(listed=len(names), unrequestable=unrequestable)
-        todo = [(rel, *remote[rel]) for rel in names if not state.unchanged(rel, *remote[rel], dest / rel)]
+        todo = [(rel, *remote[rel]) for rel in each(names) if not state.unchanged(rel, *remote[rel], dest / rel)]
         stats.skipped = len(names) - len(todo)
         check_room(dest, todo)
         failures = fetch_files(engine, bucket, base, dest, todo, state, stats, progress=progress, stall=bounds.stall)

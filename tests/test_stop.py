@@ -171,3 +171,17 @@ def test_a_pack_sync_looks_at_the_flag_while_it_checks_the_shards_already_there(
     with pytest.raises(stop.Terminated):
         packsync.sync_shards(remotes, local, cache_dir=tmp_path / "cache", progress=False, listed_already=True)
     assert time.monotonic() - t < 0.2 + 0.3 + 0.5  # 12 shards one at a time: 3.6 s
+
+
+def test_a_stop_while_manifest_lists_the_folders_writes_nothing(handlers, tmp_path):
+    """`python -m dali_pipe manifest` walks the class folders (minutes for a million files on a network disk):
+    a stop asked for meanwhile ends it there, 143, with no dataset.tsv written, as it did before the flag."""
+    from dali_pipe.imagefolder import write_manifest
+
+    for c in ("cat", "dog"):
+        (tmp_path / c).mkdir()
+        (tmp_path / c / "1.jpg").write_bytes(b"\xff\xd8")
+    stop.ask(signal.SIGTERM)
+    with pytest.raises(stop.Terminated):
+        write_manifest(tmp_path, force=False)
+    assert not (tmp_path / "dataset.tsv").exists()

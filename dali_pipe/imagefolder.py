@@ -33,7 +33,7 @@ from .forms import IMG_EXTENSIONS, find_classes, is_image_name, pair_folders, pa
 from .manifest import MANIFEST_NAME, Manifest, ManifestError, absolute_paths, sort_classes, stratified_split
 from .s3 import SyncError
 from .samples import Samples, member, strings
-from .stop import each
+from .stop import check
 from .sync import SyncStats, sync_files
 from .workdir import write_atomic
 
@@ -61,6 +61,7 @@ def class_files(root: Path, cls: str, links: set[str] | None = None, seen: dict 
     seen = {} if seen is None else seen
 
     def walk(folder: str, ancestors: dict) -> None:
+        check()  # SIGTERM, Ctrl-C (stop.py): once a folder (a million files on a network disk take minutes)
         try:
             st = os.stat(folder)
             with os.scandir(folder) as it:
@@ -112,7 +113,7 @@ def tree(root: Path, listing: list[str] | None = None, links: set[str] | None = 
     one dataset (class_files)."""
     if listing is None:
         seen = {} if seen is None else seen
-        return {c: class_files(root, c, links, seen, split) for c in each(find_classes(root), every=1)}
+        return {c: class_files(root, c, links, seen, split) for c in find_classes(root)}
     out: dict[str, list[tuple[str, str]]] = {}
     for key in listing:
         head, _, rest = key.partition("/")
@@ -260,6 +261,7 @@ def write_manifest(root: Path | str, *, force: bool) -> tuple[Path, int, list[st
     if not rows:
         raise ImageFolderError(f"{root} holds no class folders of images (CLASS/IMAGE, images ending in "
                                f"{', '.join(IMG_EXTENSIONS)}); nothing to write")
+    check()  # a stop asked for while the folders were listed: nothing written
     try:
         write_atomic(target, text)
     except OSError as e:

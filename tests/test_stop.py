@@ -118,3 +118,70 @@ def test_other_threads_go_on(handlers):
     assert seen == [True]
     with pytest.raises(stop.Terminated):
         stop.check()
+
+
+def _slow_shards(tmp_path, monkeypatch, module, name, n=12, each=0.3):
+    """n local shard files with their xxh3, and `module.name` (the per-shard check) slowed to `each` seconds."""
+    from dali_pipe.shards.format import file_xxh3
+
+    paths = []
+    for i in range(n):
+        p = tmp_path / f"train-{i:06d}.tar"
+        p.write_bytes(os.urandom(1024) * (i + 1))
+        paths.append(p)
+    real = getattr(module, name)
+
+    def slow(*a, **kw):
+        time.sleep(each)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(module, name, slow)
+    return paths, [file_xxh3(p) for p in paths]
+
+
+def test_the_check_of_local_shards_before_training_looks_at_the_flag(handlers, tmp_path, monkeypatch):
+    """verify_local hashes every local shard of a pack before training (minutes for a large pack on a cold disk);
+    a SIGTERM meanwhile is acted on after the shards being hashed, not after all of them."""
+    from types import SimpleNamespace
+
+    from dali_pipe.shards import verdicts
+
+    paths, sums = _slow_shards(tmp_path, monkeypatch, verdicts, "check_file")
+    shards = SimpleNamespace(paths=[str(p) for p in paths], sizes=[p.stat().st_size for p in paths],
+                             sha256=None, xxh3=sums)
+    _kill_soon(signal.SIGTERM)
+    t = time.monotonic()
+    with pytest.raises(stop.Terminated):
+        verdicts.verify_local(shards, tmp_path / "cache", progress=False)
+    assert time.monotonic() - t < 0.2 + 2 * 0.3 + 0.5  # the 4 being hashed finish; not the 12 (0.9 s at 4 a time)
+
+
+def test_a_pack_sync_looks_at_the_flag_while_it_checks_the_shards_already_there(handlers, tmp_path, monkeypatch):
+    """sync_shards checks each shard already in LOCAL (hashed where no verdict is cached) before fetching the
+    rest: a SIGTERM there is acted on at the next shard."""
+    from dali_pipe.shards import packsync
+    from dali_pipe.shards.verdicts import Remote
+
+    local = tmp_path / "local"
+    local.mkdir()
+    paths, sums = _slow_shards(local, monkeypatch, packsync, "check_remote")
+    remotes = [Remote(f"s3://bkt/p/{p.name}", p.stat().st_size, None, xxh3=x) for p, x in zip(paths, sums)]
+    _kill_soon(signal.SIGTERM)
+    t = time.monotonic()
+    with pytest.raises(stop.Terminated):
+        packsync.sync_shards(remotes, local, cache_dir=tmp_path / "cache", progress=False, listed_already=True)
+    assert time.monotonic() - t < 0.2 + 0.3 + 0.5  # 12 shards one at a time: 3.6 s
+
+
+def test_a_stop_while_manifest_lists_the_folders_writes_nothing(handlers, tmp_path):
+    """`python -m dali_pipe manifest` walks the class folders (minutes for a million files on a network disk):
+    a stop asked for meanwhile ends it there, 143, with no dataset.tsv written, as it did before the flag."""
+    from dali_pipe.imagefolder import write_manifest
+
+    for c in ("cat", "dog"):
+        (tmp_path / c).mkdir()
+        (tmp_path / c / "1.jpg").write_bytes(b"\xff\xd8")
+    stop.ask(signal.SIGTERM)
+    with pytest.raises(stop.Terminated):
+        write_manifest(tmp_path, force=False)
+    assert not (tmp_path / "dataset.tsv").exists()

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from ..config import default_cache_dir
 from ..s3 import SyncError, local_target, parse_s3_uri
-from ..stop import completed
+from ..stop import check, completed
 from ..sync import AskedListing, SyncStats, byte_bar, engine_for, listing, listing_asked, read_object, sync_objects
 from ..transfer import Engine
 from ..workdir import free_bytes, human_bytes, lock, remove_dead_temps, unlock, write_atomic
@@ -116,6 +116,7 @@ def sync_shards(remotes: list[Remote], local: Path, *, cache_dir: str | Path, pr
         remove_dead_temps(local, ".*.part-*")
         todo = []
         for r in remotes:
+            check()  # SIGTERM, Ctrl-C (stop.py): a shard already there may be hashed (seconds a GB)
             dest = local / local_name(r.url)
             if dest.is_file() and check_remote(dest, r, verdicts) is None:
                 continue

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from ..errors import UserError
 from ..https import is_http
+from ..stop import result
 from ..workdir import write_atomic
 from .format import FAST_SUM, fast_digest, file_sha256, file_xxh3
 
@@ -156,10 +157,12 @@ def verify_local(shards, cache_dir: str | Path, *, progress: bool = True) -> Non
             bar.update(os.stat(path).st_size)
         return path, problem
 
+    pool = ThreadPoolExecutor(HASH_WORKERS)
     try:
-        with ThreadPoolExecutor(HASH_WORKERS) as pool:
-            bad = [(p, why) for p, why in pool.map(one, unknown) if why]
+        futures = [pool.submit(one, t) for t in unknown]
+        bad = [(p, why) for p, why in (result(f) for f in futures) if why]  # SIGTERM, Ctrl-C: looked at (stop.py)
     finally:
+        pool.shutdown(wait=True, cancel_futures=True)  # a stop: the shards being hashed finish, no other starts
         bar.close()
         verdicts.save()
     if bad:

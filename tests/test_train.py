@@ -551,6 +551,34 @@ def test_a_sigterm_that_lands_in_a_finaliser_still_stops_the_command(tmp_path):
     assert (p.returncode, out, err) == (143, "", "stopped by SIGTERM\n")
 
 
+def test_a_command_that_cancelled_requests_ends_without_finalization():
+    """obstore's threads may still be finishing a request the command cancelled (a stop, a refusal while the LIST
+    ran ahead), and one that hands its result to a finalized interpreter crashes the process (SIGSEGV after
+    "stopped by SIGTERM", 3 of 118 stopped syncs). Such a command ends inside cli(), without finalization: its
+    status, its last line and its atexit handlers as at a normal exit; one that cancelled nothing returns."""
+    code = (
+        "import asyncio, atexit, sys\n"
+        "from dali_pipe.cli import as_a_command, cli\n"
+        "from dali_pipe.errors import UserError\n"
+        "from dali_pipe.transfer import Engine\n"
+        "as_a_command()\n"
+        "atexit.register(lambda: print('atexit ran', flush=True))\n"
+
+        "def entry():\n"
+        "    engine = Engine(concurrency=1, connect_timeout=1, read_timeout=1, attempts=1)\n"
+        "    if sys.argv[1] == 'cancel':\n"
+        "        engine.submit(asyncio.sleep(30)).cancel()\n"
+        "    engine.close()\n"
+        "    raise UserError('refused')\n"
+        "status = cli(entry)\n"
+        "print('cli returned: the interpreter exits as usual', flush=True)\n"
+        "sys.exit(status)\n")
+    for how, returned in (("cancel", []), ("none", ["cli returned: the interpreter exits as usual"])):
+        r = subprocess.run([sys.executable, "-c", code, how], capture_output=True, text=True, cwd=ROOT, timeout=60)
+        assert r.returncode == 2 and r.stderr == "error: refused\n", (how, r.stderr)
+        assert r.stdout.splitlines() == returned + ["atexit ran"], (how, r.stdout)
+
+
 def test_grad_accum_over_the_batches_of_an_epoch_is_refused_naming_the_most_that_applies(photo_root, tmp_path,
                                                                                            cache_dir):
     """43 training images in batches of 8 are 5 batches an epoch: --grad-accum 16 trained, each step over those 5,

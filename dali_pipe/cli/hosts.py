@@ -247,7 +247,7 @@ class Meeting:
         others = [k for r, k in enumerate(self._keys("seen")) if r != self.rank]
         arrived = [r for r, k in enumerate(self._keys("arrived")) if r != self.rank and self._safe_check(k)]
         while time.monotonic() < deadline and arrived and not all(self._safe_check(k) for k in others):
-            time.sleep(POLL)
+            time.sleep(POLL)  # not stop.sleep: telling the others of a failure (a stop among them) is clean-up
 
     def _safe_check(self, key: str) -> bool:
         try:

@@ -796,3 +796,29 @@ def asked_1(split, remotes, tmp_path) -> str:
     finally:
         cache.close()
     return str(e.value).split("raise --stream-cache to at least ")[1].split(",")[0]
+
+
+def test_a_streamed_training_stopped_by_sigterm_releases_its_stream_lock(moto_with_pack, pack, tmp_path, monkeypatch):
+    """SIGTERM during a streamed run: SpotSafeCheckpoint saves after the step and the run exits 0, and the
+    stream cache is closed on the way out (Lightning tears the datamodule down only after a run that ends
+    normally): no lock of its rank-N folder is left under the cache dir's locks/."""
+    import resume_trace as rt
+
+    import train
+    from dali_pipe.s3 import make_client
+
+    for k, v in {"AWS_ENDPOINT_URL": moto_with_pack, "AWS_ACCESS_KEY_ID": "testing",
+                 "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}.items():
+        monkeypatch.setenv(k, v)
+    client = make_client(4)
+    for f in pack.iterdir():
+        if f.is_file() and not f.name.startswith("."):
+            client.upload_file(str(f), "data", f"whole/{f.name}")
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("DALI_PIPE_CACHE", str(cache))
+    rt.install(tmp_path / "trace.jsonl", sigterm_at_step=1, patch=monkeypatch.setattr)
+    res = train.main(["--data", "s3://data/whole", "--packed-s3", "stream", "--model", "tiny", "--device", "cpu",
+                      "--epochs", "1", "--batch-size", "4", "--num-threads", "1", "--output", str(tmp_path / "out"),
+                      "--cache-dir", str(cache)])
+    assert res["interrupted"] and res["stopped_by"] == "SIGTERM"
+    assert not list((cache / "locks").glob("*")), list((cache / "locks").glob("*"))

@@ -251,6 +251,8 @@ def _fit(s: Settings, out: Path, ckpt_dir: Path, main: bool, meeting=None,
         then = "then rerun the same command" + (" to resume." if resumable else ".")
         raise OutputError(f"training stopped: cannot write {path or 'an output'} ({why}); {left}. {fix[0].upper()}"
                           f"{fix[1:]} (or write elsewhere), {then}") from None
+    finally:  # Lightning tears the datamodule down only after a run that ends normally: a stopped or failed one
+        p.dm.teardown()  # closes the stream cache here (its fetches ended, its lock under locks/ released)
     if ckpt.interrupted:
         what = "Ctrl-C" if ckpt.stopped_by == "SIGINT" else "SIGTERM"
         print(f"stopped by {what}; checkpoint saved to {ckpt_dir} (step {trainer.global_step}). Rerun the same "

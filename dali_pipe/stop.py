@@ -8,7 +8,7 @@ temporary one or a lock's release. Raised by check(), at the points the commands
 error does: temporary files removed, locks released, then "stopped by SIGTERM" (143) or "stopped by Ctrl-C" (130).
 
 Where the commands look: once per file, shard, batch or page in their loops, and every POLL seconds in their
-waits (result(), sleep(), wait()), so a stop is acted on within about POLL seconds of a wait, or after the one
+waits (result(), sleep(), join(), completed()), so a stop is acted on within about POLL seconds of a wait, or after the one
 step that cannot look at a flag: an import, a DALI pipeline's build, one object-store request (bounded by its
 own timeouts). A second Ctrl-C stops the process at once (the first gives SIGINT its default action back).
 
@@ -23,8 +23,7 @@ from __future__ import annotations
 import signal
 import threading
 import time
-from concurrent.futures import FIRST_COMPLETED, Future
-from concurrent.futures import wait as wait_any
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 
 POLL = 0.1  # seconds between two looks at the flag while a command waits
 
@@ -81,18 +80,6 @@ def sleep(seconds: float) -> None:
         time.sleep(min(POLL, left))
 
 
-def wait(event: threading.Event, timeout: float | None = None) -> bool:
-    """event.wait(timeout), looking at the flag every POLL seconds; True once the event is set."""
-    end = None if timeout is None else time.monotonic() + timeout
-    while True:
-        check()
-        left = None if end is None else end - time.monotonic()
-        if left is not None and left <= 0:
-            return event.is_set()
-        if event.wait(POLL if left is None else min(POLL, left)):
-            return True
-
-
 def join(thread: threading.Thread) -> None:
     """thread.join(), looking at the flag every POLL seconds."""
     while thread.is_alive():
@@ -105,7 +92,7 @@ def completed(futures):
     pending = set(futures)
     while pending:
         check()
-        done, pending = wait_any(pending, timeout=POLL, return_when=FIRST_COMPLETED)
+        done, pending = wait(pending, timeout=POLL, return_when=FIRST_COMPLETED)
         yield from done
 
 

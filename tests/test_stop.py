@@ -62,13 +62,13 @@ def test_the_first_stop_asked_for_is_the_one_raised(handlers):
 
 @pytest.mark.parametrize("sig, raised", [(signal.SIGTERM, stop.Terminated), (signal.SIGINT, KeyboardInterrupt)])
 def test_each_wait_ends_within_a_poll_of_the_signal(handlers, sig, raised):
-    """A future that never completes, an event never set, a thread that never ends, a long sleep: each wait
+    """A future that never completes, a thread that never ends, a long sleep: each wait
     ends by the stop, a few POLLs after the signal; the future is cancelled (its work dropped)."""
     release = threading.Event()
     never = threading.Thread(target=release.wait, daemon=True)
     never.start()
     future = Future()
-    waits = {"result": lambda: stop.result(future), "wait": lambda: stop.wait(threading.Event()),
+    waits = {"result": lambda: stop.result(future),
              "join": lambda: stop.join(never), "sleep": lambda: stop.sleep(60),
              "each": lambda: [time.sleep(0.001) for _ in stop.each(range(10 ** 6), every=10)]}
     try:
@@ -90,9 +90,6 @@ def test_waits_return_what_they_waited_for(handlers):
     done = Future()
     threading.Timer(0.15, done.set_result, ("value",)).start()
     assert stop.result(done) == "value"
-    event = threading.Event()
-    threading.Timer(0.15, event.set).start()
-    assert stop.wait(event) is True and stop.wait(threading.Event(), timeout=0.15) is False
     with pytest.raises(TimeoutError, match="no result within"):
         stop.result(Future(), timeout=0.15)
     failed = Future()

@@ -306,3 +306,38 @@ def test_a_dataset_of_test_files_only_is_named_as_such(hf, trained, tmp_path, ca
     with pytest.raises(UserError, match=rf"--split val: {said}.*; pass --split test"):
         main(["evaluate", "--model", str(trained), "--data", str(src), "--device", "cpu", "--split", "val",
               "--output", str(tmp_path / "ev")])
+
+
+def test_one_parquet_file_is_a_dataset_for_training_pack_and_predict(hf, trained, tmp_path, cache_dir):
+    """--data train.parquet, the one file a single Dataset.to_parquet call writes, is the Parquet form for training,
+    pack and predict (before: training and pack said "is not a directory", predict "not UTF-8 text"). A binary file
+    of no form given to predict is named as such, not as a list file that is not UTF-8."""
+    import csv
+
+    from helpers import datamodule
+
+    from dali_pipe.cli.commands import main
+    from dali_pipe.errors import UserError
+    from dali_pipe.inputs import by_name, data_problem, detect, read
+
+    one = hf / "hub/data/train-00000-of-00002.parquet"
+    assert detect(str(one)) is by_name("parquet") and data_problem(str(one)) is None
+    got = _open(one, cache_dir, val_fraction=0.25)
+    folder = _open(hf / "hub", cache_dir)
+    assert len(got.train) + len(got.val) == len(folder.train) == 40 and len(got.val) > 0
+    assert got.classes == folder.classes  # the ClassLabel's 48 names, not only those of its rows
+    assert {k.split(":")[0] for s in got.shards for k in s.keys} == {one.name}
+    dm = datamodule(one, tmp_path / "out", batch_size=4, cache_dir=cache_dir, spec=SPEC)
+    dm.prepare_data()
+    dm.setup_manifest(1)
+    assert main(["pack", str(one), str(tmp_path / "packed"), "--workers", "1", "--cache-dir", str(cache_dir)]) == 0
+    packed = read(DataSettings(data=str(tmp_path / "packed"), cache_dir=str(cache_dir)))
+    assert len(packed.train) + len(packed.val) == 40
+    assert main(["predict", "--model", str(trained), "--data", str(one), "--device", "cpu",
+                 "--output", str(tmp_path / "pred"), "--cache-dir", str(cache_dir)]) == 0
+    with open(tmp_path / "pred/predictions.tsv", newline="") as f:
+        assert len(list(csv.DictReader(f, delimiter="\t"))) == 40
+    arrow = next((hf / "dict/train").glob("*.arrow"))
+    with pytest.raises(UserError, match=r"is a file predict does not read \(binary.*pass its folder"):
+        main(["predict", "--model", str(trained), "--data", str(arrow), "--device", "cpu",
+              "--output", str(tmp_path / "pred2"), "--cache-dir", str(cache_dir)])

@@ -18,7 +18,7 @@ from ..datamodule import DaliDataModule
 from ..errors import UserError
 from ..forms import IMG_EXTENSIONS, LayoutError
 from ..imagefolder import sync_image_folder
-from ..inputs import detect
+from ..inputs import detect, forms_text
 from ..loader import PipelineDecodeError
 from ..manifest import MANIFEST_NAME, PathResolver, Sample, read_table, safe_relpath
 from ..s3 import local_target
@@ -65,6 +65,10 @@ def read_list(path: Path) -> list[str]:
     try:
         text = path.read_text(encoding="utf-8-sig")
     except UnicodeDecodeError as e:
+        if b"\x00" in path.read_bytes()[:4096]:  # binary: no list file, whatever else it is
+            raise InputError(f"--data {str(path)!r} is a file predict does not read (binary, not an image it knows); "
+                             f"pass its folder if it is one file of a dataset, or --data may be: an image file, a list "
+                             "file of image paths (one per line), a .tsv manifest, or:" + forms_text("\n    ")) from None
         raise InputError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start}); a list file holds one image path "
                          "per line") from None
     paths = [line.strip() for line in text.splitlines() if line.strip()]

@@ -102,7 +102,7 @@ def data_problem(data: str) -> str | None:
         return problem
     if "://" in data or ("{" in data and is_shard_name(data)):  # (a brace pattern: its shards are checked when read)
         return None
-    if os.path.isfile(data) and is_shard_name(data):  # one shard
+    if any(f.is_path(data) for f in FORMS):  # one shard or Parquet file
         return None
     if not os.path.isdir(data):
         what = "is not a directory" if os.path.lexists(data) else "does not exist"

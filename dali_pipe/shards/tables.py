@@ -3,7 +3,7 @@
 `--data` holds a dataset as Hugging Face `datasets` writes it:
 
 - Parquet: `Dataset.to_parquet(...)`, or a Hub repository's `data/train-00000-of-00004.parquet`, ... (found
-  where `forms.parquet_files` looks: the folder, its data/, its split folders);
+  where `forms.parquet_files` looks: the folder, its data/, its split folders), or one such file;
 - save_to_disk: `state.json` + `dataset_info.json` + `data-00000-of-00001.arrow` (Arrow IPC streams), or a
   DatasetDict's `dataset_dict.json` with one such folder per split;
 - the same on s3://bucket/prefix: the files are synced to the cache dir first (ranged parallel GETs,
@@ -81,7 +81,9 @@ class TableFile:
 
 # -- which files -----------------------------------------------------------------------------------
 def list_tables(root: Path) -> list[TableFile]:
-    """The data files of the Hugging Face dataset at the local folder `root`, in order."""
+    """The data files of the Hugging Face dataset at the local folder `root` (or the one Parquet file), in order."""
+    if root.is_file():
+        return [TableFile(root.name, str(root.resolve()), "parquet", split_of(root.name))]
     if is_save_to_disk(root):
         if (root / "dataset_dict.json").is_file():
             splits = _json(root / "dataset_dict.json").get("splits") or []

@@ -66,6 +66,19 @@ def url_problem(data: str) -> str | None:
     return None
 
 
+FILE_SUFFIXES = (".parquet", ".arrow", ".tsv", ".csv", ".json", ".txt") + SHARD_SUFFIXES  # data files, not folders
+
+
+def names_a_file(uri: str) -> str:
+    """For an s3:// --data that holds no form: a hint where its last part names a data file or an image (an
+    s3:// --data is a prefix, a folder, never one object); "" otherwise."""
+    name = uri.rstrip("/").rsplit("/", 1)[-1]
+    if not name.lower().endswith(FILE_SUFFIXES + IMG_EXTENSIONS) or uri.rstrip("/").count("/") < 3:
+        return ""
+    return (f"; it names a file ({name}), and an s3:// --data is a prefix (a folder): pass "
+            f"{uri.rstrip('/').rsplit('/', 1)[0]}, the prefix holding it")
+
+
 def is_image_name(name: str) -> bool:
     """torchvision's `has_file_allowed_extension(name, IMG_EXTENSIONS)`."""
     return name.lower().endswith(IMG_EXTENSIONS)

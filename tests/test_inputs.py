@@ -185,3 +185,12 @@ def test_a_misspelt_s3_prefix_is_told_before_torch_loads(written, s3, tmp_path):
     said = told_before_torch(["--data", "s3://typo/datset", "--model", "tiny", "--output", str(tmp_path / "o"),
                               "--cache-dir", str(tmp_path / "c")])
     assert "NoDataError --data 's3://typo/datset' holds none of the input forms, or nothing at all" in said, said
+    assert "names a file" not in said
+    # an object's key, not a prefix: named as such, with the prefix to pass (for sync too)
+    boto3.client("s3").put_object(Bucket="typo", Key="hf/train.parquet", Body=b"PAR1")
+    said = told_before_torch(["--data", "s3://typo/hf/train.parquet", "--model", "tiny", "--output",
+                              str(tmp_path / "o"), "--cache-dir", str(tmp_path / "c")])
+    assert ("it names a file (train.parquet), and an s3:// --data is a prefix (a folder): pass s3://typo/hf, the "
+            "prefix holding it") in said, said
+    with pytest.raises(ManifestMissing, match=r"check the prefix; it names a file \(train.parquet\).*pass s3://typo/hf"):
+        main(["sync", "s3://typo/hf/train.parquet", str(tmp_path / "synced")])

@@ -10,6 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from ..config import validate
+from ..forms import names_a_file
 from ..limits import tune_for_transfers
 from ..s3 import ManifestMissing
 from ..shards.format import PACKED_NAME
@@ -94,9 +95,10 @@ def _download(s, missing: str) -> SyncStats:
     if form is None:
         look = S3Look(s.sync.uri)
         if not look.names and not look.folders:
-            raise ManifestMissing(f"{s.sync.uri} does not exist (no object under it); check the prefix")
+            raise ManifestMissing(f"{s.sync.uri} does not exist (no object under it); check the prefix"
+                                  f"{names_a_file(s.sync.uri)}")
         raise ManifestMissing(f"{s.sync.uri} holds none of the input forms (no {missing}, no packed.json, no shards, "
-                              "no Parquet or save_to_disk files, no class folders of images); check the prefix")
+                              f"no Parquet or save_to_disk files, no class folders of images); check the prefix{names_a_file(s.sync.uri)}")
     if not s.sync.no_progress:
         print(f"sync: no {missing} there; the prefix holds {form.title}: syncing its files", file=sys.stderr)
     return form.download(s.sync.uri, Path(s.sync.local_dir), workers=s.sync.workers, progress=not s.sync.no_progress)

@@ -303,3 +303,18 @@ def test_a_binary_file_of_no_form_is_named_as_such_and_a_utf16_list_as_not_utf8(
         list_images(str(tabbed), str(tmp_path / "cache"))
     with pytest.raises(InputError, match=rf"--data '{pq}' is a Parquet file not named .parquet.*rename it data.parquet"):
         list_images(str(pq), str(tmp_path / "cache"))
+
+
+def test_predict_told_an_s3_object_names_the_prefix_to_pass(s3, tmp_path):
+    """predict --data s3://bucket/hf/train.parquet (an object, not a prefix) said "s3://bucket/hf/train.parquet/
+    dataset.tsv does not exist; check the prefix (it must hold dataset.tsv)"; it now says, as training does, that
+    it names a file and which prefix to pass."""
+    import boto3
+
+    from dali_pipe.cli.predict import InputError, list_images
+
+    boto3.client("s3").create_bucket(Bucket="objs")
+    boto3.client("s3").put_object(Bucket="objs", Key="hf/train.parquet", Body=b"PAR1")
+    with pytest.raises(InputError, match=r"--data 's3://objs/hf/train.parquet'.*it names a file \(train.parquet\).*"
+                                         r"pass s3://objs/hf, the prefix holding it"):
+        list_images("s3://objs/hf/train.parquet", str(tmp_path / "cache"))

@@ -18,7 +18,7 @@ from ..datamodule import DaliDataModule
 from ..errors import UserError
 from ..forms import IMG_EXTENSIONS, LayoutError
 from ..imagefolder import sync_image_folder
-from ..inputs import detect, forms_text
+from ..inputs import detect, forms_text, object_hint
 from ..loader import PipelineDecodeError
 from ..manifest import MANIFEST_NAME, PathResolver, Sample, read_table, safe_relpath
 from ..s3 import local_target
@@ -106,7 +106,11 @@ def list_images(data: str, cache_dir: str) -> tuple[Path, list[str]]:
     file or s3://bucket/prefix), one image file, a list file's lines, or every image file under a folder."""
     if data.startswith("s3://"):
         root = local_target(data, Path(cache_dir))
-        if getattr(detect(data, cache_dir), "name", None) == "imagefolder":  # class folders of images, no dataset.tsv
+        form = detect(data, cache_dir)
+        hint = object_hint(data) if form is None else ""
+        if hint:  # (sync said "s3://b/hf/train.parquet/dataset.tsv does not exist; ... it must hold dataset.tsv")
+            raise InputError(f"--data {data!r}: no object is under it as a prefix{hint}")
+        if getattr(form, "name", None) == "imagefolder":  # class folders of images, no dataset.tsv
             return root, sync_image_folder(data, root, workers=SyncSettings.workers)[1]
         sync(data, root, workers=SyncSettings.workers, skip_missing=True)
         tsv = root / MANIFEST_NAME

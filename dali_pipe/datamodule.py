@@ -32,7 +32,7 @@ from .dataset import (
     differences,
     drop_note,
     fingerprint,
-    held_out_only,
+    no_training,
     prepare,
     read,
     scan_manifest,
@@ -172,7 +172,7 @@ class DaliDataModule(pl.LightningDataModule):
         the batch size for `world_size` ranks (default: the trainer's)."""
         self._read_manifest()
         check_batch(len(self.manifest.train), self.data.batch_size, world_size or self._rank()[1],
-                    held_out_only(self.data.data, self.manifest))
+                    no_training(self.data.data, self.manifest))
         return self.manifest
 
     def setup(self, stage: str | None = None) -> None:

@@ -177,6 +177,24 @@ def held_out_only(data: str, manifest) -> str:
             "rows validate)")
 
 
+def validation_only(data: str, manifest) -> str:
+    """Where no image of --data trains because its files are all named validation (a Hugging Face dataset's
+    validation-* files, one validation.parquet, shards named val): the files and what to do; '' otherwise.
+    Training said "--batch-size 8 is larger than the 0 training images; add training images"."""
+    if len(manifest.train) or not len(manifest.val) or getattr(manifest, "split_rule", None) != "names":
+        return ""
+    files = list(dict.fromkeys(s.name.split(" (", 1)[0] for s in manifest.shards if "val" in s.split))
+    more = f" and {len(files) - 1} more" if len(files) > 1 else ""
+    return (f"--data {data!r} holds only validation files ({len(manifest.val)} images in {files[0]}{more}), which "
+            "training validates on and trains on none; to train on them, rename them to names without a split word "
+            "(then --val-fraction of the rows validate) or train-*, or add the training files beside them")
+
+
+def no_training(data: str, manifest) -> str:
+    """Why --data gives training no image, where its files' names say so (check_batch's `held_out`); '' otherwise."""
+    return held_out_only(data, manifest) or validation_only(data, manifest)
+
+
 def check_batch(n: int, batch_size: int, num_shards: int, held_out: str = "") -> None:
     """Training keeps full batches only: each rank's share must hold at least one. `held_out`: why there are
     none (held_out_only), said instead of the batch size."""

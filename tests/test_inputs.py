@@ -194,3 +194,13 @@ def test_a_misspelt_s3_prefix_is_told_before_torch_loads(written, s3, tmp_path):
             "prefix holding it") in said, said
     with pytest.raises(ManifestMissing, match=r"check the prefix; it names a file \(train.parquet\).*pass s3://typo/hf"):
         main(["sync", "s3://typo/hf/train.parquet", str(tmp_path / "synced")])
+    # a prefix named like a file that holds objects (Spark's or pyarrow's partitioned out.parquet/) is a folder:
+    # no "it names a file ... pass s3://typo/spark" (which holds no form either)
+    boto3.client("s3").put_object(Bucket="typo", Key="spark/out.parquet/label=0/part-0.parquet", Body=b"PAR1")
+    said = told_before_torch(["--data", "s3://typo/spark/out.parquet", "--model", "tiny", "--output",
+                              str(tmp_path / "o"), "--cache-dir", str(tmp_path / "c")])
+    assert "holds none of the input forms" in said and "names a file" not in said, said
+    with pytest.raises(ManifestMissing) as e:
+        main(["sync", "s3://typo/spark/out.parquet", str(tmp_path / "synced")])
+    assert "holds none of the input forms" in str(e.value) and "names a file" not in str(e.value)
+

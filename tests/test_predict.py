@@ -277,3 +277,44 @@ def test_a_stop_is_acted_on_at_the_next_batch():
         stop.clear()
         signal.signal(signal.SIGTERM, old)
     assert len(got) == 2  # the batches before the signal, none after
+
+
+def test_a_binary_file_of_no_form_is_named_as_such_and_a_utf16_list_as_not_utf8(tmp_path):
+    """A list file saved as UTF-16 (PowerShell's `>`, Notepad's "Unicode") was called "a file predict does not read
+    (binary ...)" because UTF-16 holds NUL bytes: it is text, told to be saved as UTF-8. A binary file of no form
+    whose first bytes hold a tab before any newline (a Parquet file named .pq) was read as a tab-separated manifest
+    and called "line 1: not UTF-8 text ...; save it as UTF-8": it is named as a binary file predict does not read
+    (a Parquet file under another name, as one to name .parquet)."""
+    import datasets
+
+    from dali_pipe.cli.predict import InputError, list_images
+
+    utf16 = tmp_path / "list.txt"
+    utf16.write_text("a.jpg\nb.jpg\n", encoding="utf-16")
+    with pytest.raises(InputError, match=r"list.txt: not UTF-8 text \(UTF-16\); a list file .*: save it as UTF-8"):
+        list_images(str(utf16), str(tmp_path / "cache"))
+    tabbed = tmp_path / "blob.bin"
+    tabbed.write_bytes(b"\x00\x01\t\x02" + bytes(range(256)) * 4)  # its first "line" holds a tab
+    pq = tmp_path / "data.pq"
+    datasets.Dataset.from_dict({"image": [{"bytes": bytes(range(256)) * 8, "path": None}], "label": [0]},
+                               features=datasets.Features({"image": datasets.Image(), "label": datasets.Value("int64")})
+                               ).to_parquet(pq)
+    with pytest.raises(InputError, match=rf"--data '{tabbed}' is a file predict does not read \(binary"):
+        list_images(str(tabbed), str(tmp_path / "cache"))
+    with pytest.raises(InputError, match=rf"--data '{pq}' is a Parquet file not named .parquet.*rename it data.parquet"):
+        list_images(str(pq), str(tmp_path / "cache"))
+
+
+def test_predict_told_an_s3_object_names_the_prefix_to_pass(s3, tmp_path):
+    """predict --data s3://bucket/hf/train.parquet (an object, not a prefix) said "s3://bucket/hf/train.parquet/
+    dataset.tsv does not exist; check the prefix (it must hold dataset.tsv)"; it now says, as training does, that
+    it names a file and which prefix to pass."""
+    import boto3
+
+    from dali_pipe.cli.predict import InputError, list_images
+
+    boto3.client("s3").create_bucket(Bucket="objs")
+    boto3.client("s3").put_object(Bucket="objs", Key="hf/train.parquet", Body=b"PAR1")
+    with pytest.raises(InputError, match=r"--data 's3://objs/hf/train.parquet'.*it names a file \(train.parquet\).*"
+                                         r"pass s3://objs/hf, the prefix holding it"):
+        list_images("s3://objs/hf/train.parquet", str(tmp_path / "cache"))

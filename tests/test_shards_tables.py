@@ -341,3 +341,24 @@ def test_one_parquet_file_is_a_dataset_for_training_pack_and_predict(hf, trained
     with pytest.raises(UserError, match=r"is a file predict does not read \(binary.*pass its folder"):
         main(["predict", "--model", str(trained), "--data", str(arrow), "--device", "cpu",
               "--output", str(tmp_path / "pred2"), "--cache-dir", str(cache_dir)])
+
+
+def test_one_validation_file_is_named_as_such_by_training(hf, tmp_path, cache_dir):
+    """--data validation.parquet (one file, as `ds["validation"].to_parquet(...)` writes it): its name makes every
+    row validation, and training said "--batch-size 4 is larger than the 0 training images ...; add training
+    images". It now names the file, why nothing trains and the fix; pack still packs it (evaluate reads a pack of
+    validation images)."""
+    import datasets
+    from helpers import datamodule
+
+    from dali_pipe.cli.commands import main
+    from dali_pipe.dataset import NoTrainingError
+
+    one = tmp_path / "validation.parquet"
+    datasets.load_from_disk(str(hf / "dict"))["validation"].to_parquet(one)
+    dm = datamodule(one, tmp_path / "out", batch_size=4, cache_dir=cache_dir, spec=SPEC)
+    dm.prepare_data()
+    with pytest.raises(NoTrainingError, match=r"--data '.*validation.parquet' holds only validation files \(10 images "
+                                              r"in validation.parquet\).*trains on none.*without a split word.*--val-fraction"):
+        dm.setup_manifest(1)
+    assert main(["pack", str(one), str(tmp_path / "packed"), "--workers", "1"]) == 0

@@ -25,7 +25,6 @@ from pathlib import Path
 from ..config import TRAIN_GROUPS, DataSettings, Settings, UsageError, default_cache_dir, resolve, validate
 from ..demo import demo_dataset
 from ..errors import RunFailed, UserError, dali_missing
-from ..forms import names_a_file
 from ..limits import own_process
 from ..redact import RedactingStream, redact
 from ..stop import Terminated, ask, check, clear
@@ -88,7 +87,8 @@ def described(data: DataSettings, what: str = "--data") -> "Manifest | None":  #
     `what`. None where there is nothing local to read as files: s3:// (or https://) data (its manifest is
     checked as it is synced, before the first GET), shards and tables (checked as they are opened), the demo."""
     with command_imports():
-        from ..inputs import detect, forms_text  # lazy: the registry loads numpy (0.3 s); --help answers at once
+        # lazy: the registry loads numpy (0.3 s); --help answers at once
+        from ..inputs import detect, forms_text, object_hint
 
     if data.data is None or data.data.startswith(("https://", "http://")):  # https:// data: read as it is fetched
         return None
@@ -96,7 +96,7 @@ def described(data: DataSettings, what: str = "--data") -> "Manifest | None":  #
     if data.data.startswith("s3://"):  # (a few small requests; its files are synced with the heavy modules loaded)
         if form is None:
             raise NoDataError(f"{what} {data.data!r} holds none of the input forms, or nothing at all (check the "
-                              f"prefix's spelling){names_a_file(data.data)}; {what} may be:" + forms_text("\n    "))
+                              f"prefix's spelling){object_hint(data.data)}; {what} may be:" + forms_text("\n    "))
         return None
     root = Path(data.data)
     if form is None and not os.path.lexists(root):

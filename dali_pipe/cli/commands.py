@@ -98,7 +98,7 @@ def _download(s, missing: str) -> SyncStats:
             raise ManifestMissing(f"{s.sync.uri} does not exist (no object under it); check the prefix"
                                   f"{names_a_file(s.sync.uri)}")
         raise ManifestMissing(f"{s.sync.uri} holds none of the input forms (no {missing}, no packed.json, no shards, "
-                              f"no Parquet or save_to_disk files, no class folders of images); check the prefix{names_a_file(s.sync.uri)}")
+                              "no Parquet or save_to_disk files, no class folders of images); check the prefix")
     if not s.sync.no_progress:
         print(f"sync: no {missing} there; the prefix holds {form.title}: syncing its files", file=sys.stderr)
     return form.download(s.sync.uri, Path(s.sync.local_dir), workers=s.sync.workers, progress=not s.sync.no_progress)

@@ -23,7 +23,7 @@ from model.loading import image_source
 from model.resume import LAST, plan_resume, read_sidecar
 
 from ..config import Settings, recipe
-from ..dataset import check_accumulation, check_batch, fingerprint, held_out_only, prepare
+from ..dataset import check_accumulation, check_batch, fingerprint, no_training, prepare
 from ..manifest import Manifest
 from ..pipeline import resources_for_rank
 from ..redact import redact_tree
@@ -180,7 +180,7 @@ def _decide(s: Settings, manifest: Manifest | None, out: Path, ckpt_dir: Path, r
     data_set, _ = prepare(s.data, Path(s.run.report_dir or out), num_threads=resources_for_rank(s.pipeline).num_threads,
                           manifest=manifest)
     world = world_size(s)
-    check_batch(len(data_set.train), s.data.batch_size, world, held_out_only(s.data.data, data_set))
+    check_batch(len(data_set.train), s.data.batch_size, world, no_training(s.data.data, data_set))
     check_accumulation(len(data_set.train), s.data.batch_size, world, s.model.grad_accum)
     current = run_fingerprint(s, fingerprint(data_set.digest(), data_set.classes, image_size, world, s.data,
                                              s.pipeline))

@@ -18,7 +18,7 @@ from ..datamodule import DaliDataModule
 from ..errors import UserError
 from ..forms import IMG_EXTENSIONS, LayoutError
 from ..imagefolder import sync_image_folder
-from ..inputs import detect, forms_text
+from ..inputs import detect, forms_text, object_hint
 from ..loader import PipelineDecodeError
 from ..manifest import MANIFEST_NAME, PathResolver, Sample, read_table, safe_relpath
 from ..s3 import local_target
@@ -45,7 +45,8 @@ class InputError(UserError):
 def file_kind(path: Path) -> str:
     """What a file given as --data is: "image" (an image extension, or an image's first bytes outside a
     text file's name), "manifest" (a .tsv or .csv, or a first line that is a tab-separated header or names
-    image_path) or "list" (any other text: one image path per line)."""
+    image_path), "binary" (NUL bytes in a file that is none of these, nor UTF-16 text) or "list" (any other
+    text: one image path per line)."""
     suffix = path.suffix.lower()
     if suffix in IMAGE_EXTENSIONS:
         return "image"
@@ -55,8 +56,28 @@ def file_kind(path: Path) -> str:
         head = f.read(4096)
     if suffix not in LIST_SUFFIXES and sniff(head) is not None:
         return "image"
+    if suffix not in LIST_SUFFIXES and is_binary(head):  # (its first bytes may hold a tab: no manifest either)
+        return "binary"
     first = head.split(b"\n", 1)[0].removeprefix(b"\xef\xbb\xbf").strip().lower()
     return "manifest" if b"\t" in first or first == b"image_path" else "list"
+
+
+UTF16_BOMS = (b"\xff\xfe", b"\xfe\xff")  # what PowerShell's `>` and Notepad's "Unicode" write first
+
+
+def is_binary(head: bytes) -> bool:
+    """Whether a file's first bytes are binary: NUL bytes, outside UTF-16 text (a list saved as UTF-16 is text,
+    to be saved as UTF-8)."""
+    return b"\x00" in head and not head.startswith(UTF16_BOMS)
+
+
+def binary_problem(path: Path, head: bytes) -> str:
+    if head.startswith(b"PAR1"):  # Parquet's magic: a Parquet file under another name (data.pq)
+        return (f"--data {str(path)!r} is a Parquet file not named .parquet, which is how a Parquet --data is told; "
+                f"rename it {path.stem}.parquet")
+    return (f"--data {str(path)!r} is a file predict does not read (binary, not an image it knows); pass its folder "
+            "if it is one file of a dataset, or --data may be: an image file, a list file of image paths (one per "
+            "line), a .tsv manifest, or:" + forms_text("\n    "))
 
 
 def read_list(path: Path) -> list[str]:
@@ -65,12 +86,12 @@ def read_list(path: Path) -> list[str]:
     try:
         text = path.read_text(encoding="utf-8-sig")
     except UnicodeDecodeError as e:
-        if b"\x00" in path.read_bytes()[:4096]:  # binary: no list file, whatever else it is
-            raise InputError(f"--data {str(path)!r} is a file predict does not read (binary, not an image it knows); "
-                             f"pass its folder if it is one file of a dataset, or --data may be: an image file, a list "
-                             "file of image paths (one per line), a .tsv manifest, or:" + forms_text("\n    ")) from None
-        raise InputError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start}); a list file holds one image path "
-                         "per line") from None
+        head = path.read_bytes()[:4096]
+        if is_binary(head):  # binary: no list file, whatever else it is
+            raise InputError(binary_problem(path, head)) from None
+        utf16 = "UTF-16" if head.startswith(UTF16_BOMS) else f"{e.reason} at byte {e.start}"
+        raise InputError(f"{path}: not UTF-8 text ({utf16}); a list file holds one image path per line: save it as "
+                         "UTF-8") from None
     paths = [line.strip() for line in text.splitlines() if line.strip()]
     if not paths:
         raise InputError(f"{path}: lists no image path (one per line, relative to {path.parent} or absolute)")
@@ -85,7 +106,11 @@ def list_images(data: str, cache_dir: str) -> tuple[Path, list[str]]:
     file or s3://bucket/prefix), one image file, a list file's lines, or every image file under a folder."""
     if data.startswith("s3://"):
         root = local_target(data, Path(cache_dir))
-        if getattr(detect(data, cache_dir), "name", None) == "imagefolder":  # class folders of images, no dataset.tsv
+        form = detect(data, cache_dir)
+        hint = object_hint(data) if form is None else ""
+        if hint:  # (sync said "s3://b/hf/train.parquet/dataset.tsv does not exist; ... it must hold dataset.tsv")
+            raise InputError(f"--data {data!r}: no object is under it as a prefix{hint}")
+        if getattr(form, "name", None) == "imagefolder":  # class folders of images, no dataset.tsv
             return root, sync_image_folder(data, root, workers=SyncSettings.workers)[1]
         sync(data, root, workers=SyncSettings.workers, skip_missing=True)
         tsv = root / MANIFEST_NAME
@@ -97,6 +122,9 @@ def list_images(data: str, cache_dir: str) -> tuple[Path, list[str]]:
                 return p.parent, [p.name]
             if kind == "list":
                 return p.parent, read_list(p)
+            if kind == "binary":
+                with open(p, "rb") as f:
+                    raise InputError(binary_problem(p, f.read(4)))
             root, tsv = p.parent, p
         elif (p / MANIFEST_NAME).is_file():
             root, tsv = p, p / MANIFEST_NAME

@@ -11,14 +11,14 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from ..forms import LayoutError, UnfinishedPackError, is_shard_name, url_problem
+from ..forms import LayoutError, UnfinishedPackError, is_shard_name, names_a_file, url_problem
 from ..s3 import local_target
 from ..shards.shardset import ShardSourceError
 from . import arrow, imagefolder, manifest, pack, parquet, shards
 from .form import Form, S3Look, local_root
 
 __all__ = ["FORMS", "Form", "S3Look", "by_name", "data_problem", "detect", "form_problem", "form_of", "forms_text", "local_root",
-           "read"]
+           "object_hint", "read"]
 
 FORMS: tuple[Form, ...] = (manifest.FORM, pack.FORM, shards.FORM, arrow.FORM, parquet.FORM, imagefolder.FORM)
 
@@ -62,6 +62,19 @@ def detect(data: str, cache_dir: str | None = None) -> Form | None:
             look.close()
     p = Path(data)
     return local_form(p) if p.is_dir() else None
+
+
+def object_hint(uri: str) -> str:
+    """For an s3:// --data that holds no form: `forms.names_a_file`'s hint (pass the prefix holding the object it
+    names), where nothing is under it as a prefix; "" otherwise: a prefix named like a file that holds objects
+    (Spark's or pyarrow's partitioned out.parquet/) is a folder, and its parent no better --data."""
+    if not names_a_file(uri):
+        return ""
+    look = S3Look(uri)
+    try:
+        return "" if look.names or look.folders else names_a_file(uri)
+    finally:
+        look.close()
 
 
 def form_of(data) -> Form:

@@ -46,6 +46,8 @@ from .samples import Shards
 from .stop import check
 from .workdir import OutputError, remove_dead_temps, write_atomic
 
+SHARDS_NOTE = ("baseline left out: the classic loader reads image files, and --data holds shards (a pack, WebDataset "
+               "shards or a Hugging Face table); to time it, pass the image files as --data and their pack as --packed")
 NO_MODEL_NOTE = ("synthetic left out: without a model it would only time a tensor that is already there; it is the "
                  "model's ceiling when there is one")
 
@@ -447,8 +449,8 @@ def benchmark(module, datamodule, *, loaders: str = "dali,baseline,synthetic", s
     dm.setup_manifest(1)
     train = dm.manifest.train
     if isinstance(train, Shards) and "baseline" in names:
-        raise UsageError("loaders: the classic baseline reads image files, and the DataModule reads a pack; leave "
-                         "baseline out")
+        raise UsageError("loaders: the classic baseline reads image files, and the DataModule reads shards (a pack, "
+                         "WebDataset shards or a Hugging Face table); leave baseline out")
     affinity, threads = os.sched_getaffinity(0), torch.get_num_threads()
     cores = pin_cpus(cpus)
     try:

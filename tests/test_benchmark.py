@@ -112,6 +112,12 @@ def test_packed_loader_beside_the_raw_files(big_root, tmp_path, cache_dir):
     assert rep["ratios"]["packed_vs_dali"]["median"] > 1.5
     with pytest.raises(train.UsageError, match="'packed' needs --packed"):
         _bench(big_root, tmp_path / "c", "--model", "none", "--loaders", "packed")
+    # the pack itself as --data, with the default loaders: the classic baseline (image files) left out with a
+    # note, as synthetic is without a model (before: every shard form was refused unless --loaders was given)
+    rep = _bench(tmp_path / "p", tmp_path / "d", "--model", "none", "--cpus", "1")
+    assert set(rep["loaders"]) == {"dali"} and any(n.startswith("baseline left out") for n in rep["notes"])
+    with pytest.raises(train.UsageError, match="classic baseline reads image files, and --data holds shards"):
+        _bench(tmp_path / "p", tmp_path / "e", "--model", "none", "--loaders", "baseline")
 
 
 def test_a_loader_faster_than_the_synthetic_ceiling_is_called_a_disturbed_measurement():

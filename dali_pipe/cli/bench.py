@@ -24,6 +24,7 @@ from ..benchplan import check_duration, estimate, memory_gib, plan
 from ..benchreport import flags, ratio_lines
 from ..benchrun import (
     NO_MODEL_NOTE,
+    SHARDS_NOTE,
     Synthetic,
     environment,
     finish,
@@ -74,8 +75,11 @@ class Bench:
         self.dm.setup_manifest()  # refuses a batch larger than the training split
         self.train = self.dm.manifest.train
         if isinstance(self.train, Shards) and "baseline" in self.names:
-            raise UsageError("invalid arguments:\n  --loaders: the classic baseline reads image files, and --data is "
-                             "a pack; pass the raw dataset as --data and the pack as --packed")
+            self.names.remove("baseline")
+            self.notes.append(SHARDS_NOTE)
+            if not self.names:
+                raise UsageError("invalid arguments:\n  --loaders: the classic baseline reads image files, and --data "
+                                 "holds shards; pass the image files as --data and their pack as --packed")
         self.packed = None
         if "packed" in self.names:
             self.packed = DaliDataModule(dataclasses.replace(s.data, data=s.bench.packed), self.pipeline, self.spec,

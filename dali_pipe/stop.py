@@ -9,9 +9,8 @@ error does: temporary files removed, locks released, then "stopped by SIGTERM" (
 
 Where the commands look: once per file, shard, batch or page in their loops, and every POLL seconds in their
 waits (result(), sleep(), join(), completed()), so a stop is acted on within about POLL seconds of a wait, or after the one
-step that cannot look at a flag: a DALI pipeline's build, one object-store request (bounded by its own timeouts).
-The exception: while a command's process loads its heavy modules (raising()), where nothing is written, a stop
-raises where it lands. A second Ctrl-C stops the process at once (the first gives SIGINT its default action back).
+step that cannot look at a flag: an import, a DALI pipeline's build, one object-store request (bounded by its
+own timeouts). A second Ctrl-C stops the process at once (the first gives SIGINT its default action back).
 
 Training has its own handlers (model/checkpoint.py, SpotSafeCheckpoint: save after the current step, every rank
 at the same step); they take over a stop asked for before they were installed (asked()).
@@ -21,7 +20,6 @@ look, which no library can know.
 """
 from __future__ import annotations
 
-import contextlib
 import signal
 import threading
 import time
@@ -47,33 +45,6 @@ def ask(signum: int, frame=None) -> None:
         signal.signal(signal.SIGINT, signal.SIG_DFL)
     if _asked[0] is None:
         _asked[0] = signum
-
-
-def _ask_and_raise(signum: int, frame=None) -> None:
-    ask(signum, frame)
-    check()
-
-
-@contextlib.contextmanager
-def raising():
-    """While a command's own process only loads modules (torch, Lightning, transformers: seconds in which nothing
-    looks at the flag, and nothing is written): a stop raises at once where it lands instead of after the imports.
-    Only where ask() is the handler (the CLI's) and in the main thread; ask() is the handler again after (or
-    SIGINT's default action, after a first Ctrl-C). A module whose import was cut is left out of sys.modules by
-    Python's import system, and the process ends."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    swapped = [s for s in (signal.SIGTERM, signal.SIGINT) if signal.getsignal(s) is ask]
-    for s in swapped:
-        signal.signal(s, _ask_and_raise)
-    try:
-        check()
-        yield
-    finally:
-        for s in swapped:
-            if signal.getsignal(s) is _ask_and_raise:
-                signal.signal(s, ask)
 
 
 def asked() -> int | None:

@@ -182,36 +182,3 @@ def test_a_stop_while_manifest_lists_the_folders_writes_nothing(handlers, tmp_pa
     with pytest.raises(stop.Terminated):
         write_manifest(tmp_path, force=False)
     assert not (tmp_path / "dataset.tsv").exists()
-
-
-def test_while_modules_load_a_stop_raises_where_it_lands_and_ask_is_the_handler_again(handlers):
-    """raising(): around a command's imports (seconds that look at no flag and write nothing) a stop raises inside
-    the block, at once, not at the next look after it; ask() is the handler again after the block, and a first
-    Ctrl-C leaves SIGINT's default action (a second one stops the process). Where ask() is not the handler (a
-    user's own), nothing is changed."""
-    reached = []
-    with pytest.raises(stop.Terminated):
-        with stop.raising():
-            os.kill(os.getpid(), signal.SIGTERM)
-            for _ in range(100):  # bytecode the handler interrupts: the loop never ends on its own
-                time.sleep(0.01)
-            reached.append("the block's end")
-    assert reached == [] and signal.getsignal(signal.SIGTERM) is stop.ask
-    stop.clear()
-    with pytest.raises(KeyboardInterrupt):
-        with stop.raising():
-            os.kill(os.getpid(), signal.SIGINT)
-            time.sleep(1)
-    assert signal.getsignal(signal.SIGINT) == signal.SIG_DFL and signal.getsignal(signal.SIGTERM) is stop.ask
-    stop.clear()
-    with stop.raising():
-        pass
-    assert signal.getsignal(signal.SIGTERM) is stop.ask
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    with stop.raising():
-        assert signal.getsignal(signal.SIGTERM) == signal.SIG_IGN
-    stop.ask(signal.SIGTERM)  # a stop asked for before the block: raised on entry
-    with pytest.raises(stop.Terminated):
-        with stop.raising():
-            reached.append("inside")
-    assert reached == []

@@ -27,7 +27,7 @@ from ..demo import demo_dataset
 from ..errors import RunFailed, UserError, dali_missing
 from ..limits import own_process
 from ..redact import RedactingStream, redact
-from ..stop import Terminated, ask, check, clear, raising
+from ..stop import Terminated, ask, check, clear
 from ..workdir import fix_for, is_disk_full, output_failure
 from .parser import build_parser, parse, settings_from
 
@@ -145,23 +145,18 @@ def command_imports():
     off it took 2.96 s, but the garbage the import makes (12 000 objects, 8 MB, mostly copies of sys.modules
     that inspect's signature parsing keeps in cycles) was frozen with the rest for the process's life. In
     library use (main() called from the user's code, as_a_command() never called), or with the collector off
-    already, it changes nothing. In a command's own process a stop raises where it lands while they load
-    (stop.raising): 1.2-3.3 s sooner than at the first look after them."""
-    if not _COMMAND:
+    already, it changes nothing."""
+    if not _COMMAND or not gc.isenabled():
         yield
-    elif not gc.isenabled():
-        with raising():  # a stop while they load (seconds that look at no flag, and write nothing) raises at once
-            yield
     else:
         thresholds = gc.get_threshold()
         try:
             gc.set_threshold(thresholds[0], thresholds[1], NO_FULL_PASS)
-            with raising():
-                yield
+            yield
         finally:
             gc.freeze()
             gc.set_threshold(*thresholds)
-    check()  # (library use: a stop asked for while they loaded)
+    check()  # a stop asked for while they loaded (seconds, in which nothing looks at the flag)
 
 
 def _freeze_at_exit() -> None:

@@ -12,7 +12,8 @@ waits (result(), sleep(), join(), completed()), so a stop is acted on within abo
 step that cannot look at a flag: an import, a DALI pipeline's build, one object-store request (bounded by its
 own timeouts). Imports are not cut short either: tried (2026-12-06), a stop raised while the modules loaded ended
 most commands 0.03-0.37 s after the signal instead of 2.7-7.3 s, but one of 21 landed inside scipy's import of a
-pybind11 extension, whose retry failed ("type 'ObjSense' is already registered") and left the process hanging. A second Ctrl-C stops the process at once (the first gives SIGINT its default action back).
+pybind11 extension, whose retry failed ("type 'ObjSense' is already registered") and left the process hanging.
+A second Ctrl-C stops the process at once (the first gives SIGINT its default action back).
 
 Training has its own handlers (model/checkpoint.py, SpotSafeCheckpoint: save after the current step, every rank
 at the same step); they take over a stop asked for before they were installed (asked()).

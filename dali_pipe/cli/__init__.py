@@ -87,8 +87,7 @@ def described(data: DataSettings, what: str = "--data") -> "Manifest | None":  #
     `what`. None where there is nothing local to read as files: s3:// (or https://) data (its manifest is
     checked as it is synced, before the first GET), shards and tables (checked as they are opened), the demo."""
     with command_imports():
-        # lazy: the registry loads numpy (0.3 s); --help answers at once
-        from ..inputs import detect, forms_text, object_hint
+        from ..inputs import detect, forms_text, object_hint  # lazy: the registry loads numpy; --help at once
 
     if data.data is None or data.data.startswith(("https://", "http://")):  # https:// data: read as it is fetched
         return None

@@ -162,6 +162,13 @@ class NoTrainingError(UserError):
     """--data holds images, none of which training reads (a Hugging Face dataset of test files only)."""
 
 
+def _files_of(manifest, split: str) -> str:
+    """The data files holding the `split` rows of a table or shard manifest, for a message: "FILE" or "FILE and N
+    more" (a shard's name is its file's, then " (row group G)" for a table)."""
+    files = list(dict.fromkeys(s.name.split(" (", 1)[0] for s in manifest.shards if split in s.split))
+    return files[0] + (f" and {len(files) - 1} more" if len(files) > 1 else "")
+
+
 def held_out_only(data: str, manifest) -> str:
     """Where every image of --data is held out as test (a Hugging Face dataset whose files, or DatasetDict splits,
     are all named test): the files and what to do; '' otherwise. Training said "--batch-size 8 is larger than
@@ -169,12 +176,10 @@ def held_out_only(data: str, manifest) -> str:
     test = getattr(manifest, "test", None)
     if len(manifest.train) or len(manifest.val) or not test:
         return ""
-    files = list(dict.fromkeys(s.name.split(" (", 1)[0] for s in manifest.shards if "test" in s.split))
-    more = f" and {len(files) - 1} more" if len(files) > 1 else ""
-    return (f"--data {data!r} holds only test files ({len(test)} images in {files[0]}{more}), which training and "
-            "pack leave out and evaluate reads with --split test; to train on them, name them train-*.parquet (or "
-            "save them as a DatasetDict's train split), with a validation-* file or none (then --val-fraction of the "
-            "rows validate)")
+    return (f"--data {data!r} holds only test files ({len(test)} images in {_files_of(manifest, 'test')}), which "
+            "training and pack leave out and evaluate reads with --split test; to train on them, name them "
+            "train-*.parquet (or save them as a DatasetDict's train split), with a validation-* file or none (then "
+            "--val-fraction of the rows validate)")
 
 
 def validation_only(data: str, manifest) -> str:
@@ -183,10 +188,8 @@ def validation_only(data: str, manifest) -> str:
     Training said "--batch-size 8 is larger than the 0 training images; add training images"."""
     if len(manifest.train) or not len(manifest.val) or getattr(manifest, "split_rule", None) != "names":
         return ""
-    files = list(dict.fromkeys(s.name.split(" (", 1)[0] for s in manifest.shards if "val" in s.split))
-    more = f" and {len(files) - 1} more" if len(files) > 1 else ""
-    return (f"--data {data!r} holds only validation files ({len(manifest.val)} images in {files[0]}{more}), which "
-            "training validates on and trains on none; to train on them, rename them to names without a split word "
+    return (f"--data {data!r} holds only validation files ({len(manifest.val)} images in "
+            f"{_files_of(manifest, 'val')}), which training validates on and trains on none; to train on them, rename them to names without a split word "
             "(then --val-fraction of the rows validate) or train-*, or add the training files beside them")
 
 

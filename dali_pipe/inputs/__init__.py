@@ -68,11 +68,12 @@ def object_hint(uri: str) -> str:
     """For an s3:// --data that holds no form: `forms.names_a_file`'s hint (pass the prefix holding the object it
     names), where nothing is under it as a prefix; "" otherwise: a prefix named like a file that holds objects
     (Spark's or pyarrow's partitioned out.parquet/) is a folder, and its parent no better --data."""
-    if not names_a_file(uri):
+    hint = names_a_file(uri)
+    if not hint:
         return ""
     look = S3Look(uri)
     try:
-        return "" if look.names or look.folders else names_a_file(uri)
+        return "" if look.names or look.folders else hint
     finally:
         look.close()
 
